@@ -1,0 +1,32 @@
+"""unbroken: resume an interrupted PyTorch training run exactly as if it had never stopped,
+and prove it."""
+
+from __future__ import annotations
+
+from .checkpointer import Checkpointer
+from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, NoCheckpoint,
+                     StateMismatch, StoreLocked, UnbrokenError, UnbrokenWarning,
+                     UnsupportedValue, UpdateBoundaryError)
+from .identity import Identity
+from .retention import Keep
+from .state import Stateful
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Checkpointer",
+    "CorruptCheckpoint",
+    "Identity",
+    "IdentityMismatch",
+    "Keep",
+    "MissingState",
+    "NoCheckpoint",
+    "StateMismatch",
+    "Stateful",
+    "StoreLocked",
+    "UnbrokenError",
+    "UnbrokenWarning",
+    "UnsupportedValue",
+    "UpdateBoundaryError",
+    "__version__",
+]

@@ -1,0 +1,330 @@
+"""The Checkpointer: when to save, what a generation holds, and restore by intent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import uuid
+import warnings
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from . import state as S
+from ._fs import filesystem_type, rename_is_atomic
+from .errors import (CorruptCheckpoint, NoCheckpoint, UnbrokenError, UnbrokenWarning,
+                     UpdateBoundaryError)
+from .identity import Identity, check_environment, check_identity, environment
+from .manifest import Artifact, Manifest
+from .retention import Keep, select_kept
+from .rng import capture_rng, restore_rng, validate_rng
+from .store import GenerationInfo, GenerationStore
+
+log = logging.getLogger("unbroken")
+_EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+class _RNGPart:
+    """Every RNG stream of this process, as one part."""
+
+    def __init__(self, generators: Mapping[str, Any]) -> None:
+        self.generators = dict(generators)
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng(self.generators)
+
+    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+        validate_rng(saved, self.generators, where)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        restore_rng(saved, self.generators)
+
+
+class _Counters:
+    """Completed updates and epoch. The epoch lives here only when no data part owns it."""
+
+    def __init__(self, data: Any) -> None:
+        self.step = 0
+        self._epoch = 0
+        self._data = data
+
+    @property
+    def epoch(self) -> int:
+        return int(getattr(self._data, "epoch", self._epoch))
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self._data is not None and hasattr(self._data, "epoch"):
+            raise UnbrokenError("the data part owns the epoch; do not set it on the Checkpointer")
+        self._epoch = int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+        if type(saved.get("step")) is not int or type(saved.get("epoch")) is not int:
+            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch'")
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.step = saved["step"]
+        if self._data is None or not hasattr(self._data, "epoch"):
+            self._epoch = saved["epoch"]
+
+
+class Checkpointer:
+    """Saves complete continuation state at update boundaries and restores it by intent.
+
+    ``root`` is the run folder (one writer at a time). ``model`` and ``optimizer`` are required
+    for a continuation; ``scheduler``, ``scaler`` (``torch.amp.GradScaler``), ``data`` (a
+    resumable loader or sampler) and ``extras`` (name -> object with ``state_dict()`` /
+    ``load_state_dict()``) are captured when given. ``generators`` registers ``torch.Generator``
+    and ``numpy.random.Generator`` objects by name; Python, NumPy-global, torch-CPU and every
+    initialized CUDA device's RNG are always captured. ``identity`` binds config, tokenizer and
+    data; ``every`` saves each N completed updates from ``step_done``; ``keep`` is retention."""
+
+    def __init__(self, root: str | os.PathLike[str], *, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 scaler: Any = None, data: Any = None, extras: Mapping[str, Any] | None = None,
+                 generators: Mapping[str, Any] | None = None, identity: Identity | None = None,
+                 every: int | None = None, keep: Keep | None = None) -> None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if every is not None and (type(every) is not int or every < 1):
+            raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
+        self.model, self.optimizer, self.data = model, optimizer, data
+        self.identity = identity or Identity()
+        self.every = every
+        self.keep = keep or Keep()
+        self._counters = _Counters(data)
+        self._parts: dict[str, Any] = {S.MODEL: model}
+        for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
+                          (S.SCALER, scaler), (S.DATA, data)):
+            if obj is not None:
+                self._parts[name] = obj
+        for name, obj in (extras or {}).items():
+            if not _EXTRA_NAME.match(name):
+                raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
+            if not isinstance(obj, S.Stateful):
+                raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
+            self._parts[S.EXTRA_PREFIX + name] = obj
+        for name, obj in self._parts.items():
+            if name != S.MODEL and not isinstance(obj, S.Stateful):
+                raise TypeError(f"{name} needs state_dict() and load_state_dict()")
+        self._parts[S.RNG] = _RNGPart(generators or {})
+        self._parts[S.COUNTERS] = self._counters
+
+        self.store = GenerationStore(root)
+        self.store.lock()
+        self.fstype = filesystem_type(self.store.root)
+        if not rename_is_atomic(self.fstype):
+            warnings.warn(f"{self.store.root} is on {self.fstype}: directory rename may not be "
+                          "atomic there, so a crash during commit may leave a torn generation "
+                          "(it is still detected and refused on load)", UnbrokenWarning,
+                          stacklevel=2)
+        self.run_id = uuid.uuid4().hex
+        self.incarnation = 0
+        self._parent: dict[str, Any] | None = None
+        self._origin: dict[str, Any] | None = None
+        self._last_saved: int | None = None
+        self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
+
+    # -- counters ------------------------------------------------------------------------------
+
+    @property
+    def step(self) -> int:
+        """Completed updates so far (as last reported by ``step_done`` or restored)."""
+        return self._counters.step
+
+    @property
+    def epoch(self) -> int:
+        return self._counters.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._counters.epoch = value
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def step_done(self, step: int, *, loss: float | torch.Tensor | None = None,
+                  **metrics: float) -> bool:
+        """Mark the update boundary after update ``step`` (1-based count of completed updates);
+        save when ``every`` is due. Returns whether a generation was written."""
+        if type(step) is not int or step != self._counters.step + 1:
+            raise UpdateBoundaryError(
+                f"step_done({step!r}) after step {self._counters.step}: call it once per "
+                f"completed update with the new count ({self._counters.step + 1})")
+        self._counters.step = step
+        if self.every and step % self.every == 0:
+            if loss is not None:
+                metrics.setdefault("loss", float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
+            self.save(step, metrics=metrics)
+            return True
+        return False
+
+    def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
+             ) -> GenerationInfo | None:
+        """Write generation ``step`` (default: the current count) synchronously, read it back,
+        verify it, then apply retention. Saving the same step twice is a no-op."""
+        step = self._counters.step if step is None else step
+        if type(step) is not int or step < 0:
+            raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")
+        if step == self._last_saved:
+            return None
+        if self.data is not None and getattr(self.data, "at_boundary", True) is False:
+            raise UpdateBoundaryError("save requested in the middle of an update window; "
+                                      "save after optimizer.step() completes the window")
+        self._counters.step = step
+        started = time.monotonic()
+        tree = S.capture(self._parts, self.model)
+        meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
+                "unbroken.incarnation": str(self.incarnation)}
+        artifacts = S.encode_generation(tree, meta)
+        fingerprint = self.identity.fingerprint()
+        env = {**environment(), "filesystem": self.fstype}
+
+        def make_manifest(written: list[Artifact]) -> Manifest:
+            return Manifest(
+                generation=step, step=step, run_id=self.run_id, incarnation=self.incarnation,
+                artifacts=written, parts=sorted(tree), parent=self._parent, origin=self._origin,
+                identity=fingerprint, environment=env, retention=self.keep.to_json(),
+                metrics={k: float(v) for k, v in (metrics or {}).items()},
+                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+        info = self.store.commit(step, artifacts, make_manifest)
+        self.store.verify(self.store.scan_one(step))  # read back what the disk holds
+        self._last_saved = step
+        self._parent = {"run_id": self.run_id, "generation": step,
+                        "incarnation": self.incarnation}
+        self._apply_retention()
+        log.info("saved %s (%d bytes) in %.3f s", info.path,
+                 info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
+        return info
+
+    def _apply_retention(self) -> None:
+        gens = self.store.scan()
+        good = [g for g in gens if g.ok and g.manifest is not None]
+        if not good:
+            return
+        kept = select_kept([(g.generation, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
+                            for g in good], self.keep)
+        oldest_kept = min(kept)
+        for g in gens:
+            # Torn leftovers older than everything kept are remains of an interrupted deletion.
+            if g.generation not in kept and (g.ok or g.generation < oldest_kept):
+                self.store.delete(g)
+
+    # -- restoring -----------------------------------------------------------------------------
+
+    def restore(self, intent: str = "continue", *, generation: int | None = None,
+                source: str | os.PathLike[str] | None = None,
+                allow: Iterable[str] = ()) -> int:
+        """Restore by intent and return the completed-update count to continue from.
+
+        ``"continue"`` (default): everything, from the newest generation that verifies (or
+        ``generation``); 0 only when the run folder holds no generation at all. A torn or
+        corrupt newer generation is reported and moved aside, and the previous verified one is
+        used. Any missing part, identity change or shape mismatch raises before any live object
+        changes. ``"warm_start"``: model weights only, from another run folder ``source``; this
+        run starts at 0 with a lineage naming its parent. Config or tokenizer changes must be
+        named in ``allow``."""
+        if intent not in S.INTENTS:
+            raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
+        if intent == "warm_start":
+            return self._warm_start(source, generation, allow)
+        if source is not None:
+            raise ValueError("source= is for warm_start; a continuation reads its own run folder")
+        scanned = self.store.scan()
+        if not scanned:
+            return 0
+        info, ready, tree = self._newest_loadable(self.store, scanned, generation, "continue",
+                                                  allow)
+        manifest = info.manifest
+        assert manifest is not None
+        for g in scanned:  # the abandoned branch: never overwritten, never loaded again
+            if g.generation > info.generation:
+                self.store.move_aside(g, "abandoned" if g.ok else g.status)
+        S.apply(ready, self._parts)
+        self.run_id = manifest.run_id
+        self.incarnation = 1 + max(g.manifest.incarnation for g in scanned if g.manifest)
+        self._origin = manifest.origin
+        self._parent = {"run_id": manifest.run_id, "generation": manifest.generation,
+                        "incarnation": manifest.incarnation}
+        self._last_saved = manifest.step
+        log.info("restored %s (step %d)", info.path, manifest.step)
+        return manifest.step
+
+    def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
+                         generation: int | None, intent: str, allow: Iterable[str],
+                         ) -> tuple[GenerationInfo, dict[str, Any], dict[str, Any]]:
+        self.rejected = []
+        candidates = [g for g in reversed(scanned)
+                      if generation is None or g.generation == generation]
+        if not candidates:
+            raise NoCheckpoint(f"{store.root}: no generation {generation}; found "
+                               f"{[g.generation for g in scanned]}")
+        for info in candidates:
+            try:
+                files = store.read_verified(
+                    info, None if intent == "continue" else [S.STATE_FILE, "model.safetensors"])
+                tree, _ = S.decode_generation(
+                    files, info.path, None if intent == "continue" else {S.MODEL})
+            except CorruptCheckpoint as e:
+                self.rejected.append((info.path, str(e)))
+                log.warning("rejected %s: %s", info.path, e)
+                continue
+            assert info.manifest is not None
+            where = os.path.join(info.path, "MANIFEST.json")
+            check_identity(info.manifest.identity, self.identity.fingerprint(), intent=intent,
+                           allow=allow, where=where)
+            check_environment(info.manifest.environment, environment(), where=where)
+            parts = self._parts if intent == "continue" else {S.MODEL: self.model}
+            ready = S.validate_parts(tree, parts, self.model, info.path)
+            for name, obj in parts.items():
+                check = getattr(obj, "validate_state_dict", None)
+                if check is not None:
+                    check(tree[name], f"{info.path} [{name}]")
+            if self.rejected:
+                log.warning("using %s after rejecting %d newer generation(s)", info.path,
+                            len(self.rejected))
+            return info, ready, tree
+        raise CorruptCheckpoint(
+            f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
+            "\n".join(f"  {path}: {why}" for path, why in self.rejected) +
+            "\nInspect with `unbroken inspect`; move the folder away to start a new run")
+
+    def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
+                    allow: Iterable[str]) -> int:
+        if source is None or os.path.realpath(source) == os.path.realpath(self.store.root):
+            raise UnbrokenError(
+                "warm_start begins a new run: give it its own folder and name the parent, e.g. "
+                "Checkpointer('runs/new', ...).restore(intent='warm_start', source='runs/old')")
+        if self.store.scan():
+            raise UnbrokenError(f"{self.store.root} already holds generations; a warm start "
+                                "writes a new run into an empty folder (or use continue)")
+        src = GenerationStore(source)
+        scanned = src.scan()
+        if not scanned:
+            raise NoCheckpoint(f"{src.root}: no generation to warm-start from")
+        info, ready, _ = self._newest_loadable(src, scanned, generation, "warm_start", allow)
+        assert info.manifest is not None
+        S.apply(ready, {S.MODEL: self.model})
+        self._origin = {"operation": "warm_start", "source": src.root,
+                        "run_id": info.manifest.run_id, "generation": info.generation,
+                        "incarnation": info.manifest.incarnation, "allowed": sorted(allow)}
+        log.info("warm start from %s; new run %s", info.path, self.run_id)
+        return 0
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the run folder's writer lock."""
+        self.store.unlock()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

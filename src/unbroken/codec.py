@@ -1,0 +1,318 @@
+"""Pure codec: a state tree <-> (JSON skeleton, named tensors) <-> safetensors bytes.
+
+Nothing here touches files and nothing is ever pickled. The skeleton keeps Python types
+exactly (int dict keys, tuples, bytes, None, NaN/inf, NumPy scalars and arrays); every tensor
+leaf becomes a reference ``{"$t": "tensor", "key": ...}`` into the part's safetensors file.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import CorruptCheckpoint, UnsupportedValue
+
+TAG = "$t"
+MAX_DEPTH = 200
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+
+# safetensors dtype names; dtypes outside this table are stored as raw bytes (U8) with
+# the real dtype and shape kept in the skeleton reference.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_ST_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
+_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_from_name(name: str, where: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptCheckpoint(f"{where}: unknown torch dtype {name!r}")
+    return dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# state tree <-> skeleton + tensors
+
+
+class _Encoder:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._alias: dict[tuple[Any, ...], dict[str, Any]] = {}
+
+    def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
+        if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+            raise UnsupportedValue(
+                f"{path}: tensor with layout {t.layout}, device {t.device} cannot be stored; "
+                "convert it to a dense tensor (e.g. .to_dense()) in state_dict()")
+        # The same view referenced twice (tied weights) is stored once and decoded as one object.
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape),
+                 t.stride(), t.dtype, t.device)
+        if t.untyped_storage().data_ptr() != 0 and ident in self._alias:
+            return self._alias[ident]
+        key = path
+        n = 1
+        while key in self.tensors:
+            key = f"{path}#{n}"
+            n += 1
+        data = t.detach()
+        if data.device.type != "cpu":
+            data = data.cpu()
+        ref: dict[str, Any] = {TAG: "tensor", "key": key}
+        if data.dtype not in _ST_DTYPES:
+            ref["dtype"] = _dtype_name(data.dtype)
+            ref["shape"] = list(data.shape)
+            data = data.contiguous().reshape(-1).view(torch.uint8)
+        self.tensors[key] = data
+        self._alias[ident] = ref
+        return ref
+
+    def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValue(f"{path}: nested deeper than {MAX_DEPTH} levels")
+        t = type(obj)
+        if obj is None or t is bool or t is str or t is int:
+            return obj
+        if t is float:
+            return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, path)
+        if t is list:
+            return [self.encode(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+        if t is torch.Size:
+            return {TAG: "size", "v": list(obj)}
+        if t is tuple:
+            return {TAG: "tuple", "v": [self.encode(v, f"{path}.{i}", depth + 1)
+                                        for i, v in enumerate(obj)]}
+        if isinstance(obj, Mapping):
+            if all(type(k) is str for k in obj) and TAG not in obj:
+                return {k: self.encode(v, f"{path}.{k}" if path else k, depth + 1)
+                        for k, v in obj.items()}
+            return {TAG: "dict", "v": [[self.encode(k, f"{path}.<key>", depth + 1),
+                                        self.encode(v, f"{path}.{k}", depth + 1)]
+                                       for k, v in obj.items()]}
+        if t is bytes:
+            return {TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                raise UnsupportedValue(f"{path}: NumPy array of dtype object cannot be stored")
+            return {TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
+                    "v": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii")}
+        if isinstance(obj, np.generic):
+            return {TAG: "npscalar", "dtype": obj.dtype.str,
+                    "v": base64.b64encode(obj.tobytes()).decode("ascii")}
+        if t is torch.dtype:
+            return {TAG: "dtype", "v": _dtype_name(obj)}
+        if t is torch.device:
+            return {TAG: "device", "v": str(obj)}
+        raise UnsupportedValue(
+            f"{path}: value of type {t.__module__}.{t.__qualname__} cannot be stored without "
+            "pickle; return tensors, numbers, strings, bytes, lists, tuples or dicts from "
+            "state_dict()")
+
+
+def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
+    """Split ``tree`` into a JSON-able skeleton and the tensors it references by key."""
+    enc = _Encoder()
+    skeleton = enc.encode(tree, prefix)
+    return skeleton, enc.tensors
+
+
+def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str = "state") -> Any:
+    """Rebuild the tree from its skeleton; ``where`` names the file in error messages."""
+    cache: dict[str, torch.Tensor] = {}
+
+    def dec(obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpoint(f"{where}: nested deeper than {MAX_DEPTH} levels")
+        if isinstance(obj, list):
+            return [dec(v, depth + 1) for v in obj]
+        if not isinstance(obj, dict):
+            return obj
+        tag = obj.get(TAG)
+        if tag is None:
+            return {k: dec(v, depth + 1) for k, v in obj.items()}
+        try:
+            return _decode_tagged(tag, obj, dec, depth, tensors, cache)
+        except (KeyError, TypeError, ValueError, struct.error) as e:
+            raise CorruptCheckpoint(f"{where}: malformed {tag!r} entry ({e!r})") from None
+
+    return dec(skeleton, 0)
+
+
+def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
+                   tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor]) -> Any:
+    if tag == "tensor":
+        key = obj["key"]
+        if key in cache:
+            return cache[key]
+        if key not in tensors:
+            raise CorruptCheckpoint(f"tensor {key!r} is referenced but not stored")
+        t = tensors[key]
+        if "dtype" in obj:
+            t = t.view(_dtype_from_name(obj["dtype"], key)).reshape(obj["shape"])
+        cache[key] = t
+        return t
+    if tag == "float":
+        value = float(obj["v"])
+        if math.isfinite(value):
+            raise ValueError("finite float stored as special value")
+        return value
+    if tag == "tuple":
+        return tuple(dec(v, depth + 1) for v in obj["v"])
+    if tag == "size":
+        return torch.Size(int(v) for v in obj["v"])
+    if tag == "dict":
+        return {dec(k, depth + 1): dec(v, depth + 1) for k, v in obj["v"]}
+    if tag == "bytes":
+        return base64.b64decode(obj["v"], validate=True)
+    if tag == "ndarray":
+        dtype = np.dtype(obj["dtype"])
+        if dtype.hasobject:
+            raise ValueError("object arrays are never loaded")
+        return np.frombuffer(base64.b64decode(obj["v"], validate=True),
+                             dtype=dtype).reshape(obj["shape"]).copy()
+    if tag == "npscalar":
+        dtype = np.dtype(obj["dtype"])
+        if dtype.hasobject:
+            raise ValueError("object scalars are never loaded")
+        return np.frombuffer(base64.b64decode(obj["v"], validate=True), dtype=dtype)[0]
+    if tag == "dtype":
+        return _dtype_from_name(obj["v"], "skeleton")
+    if tag == "device":
+        return torch.device(obj["v"])
+    raise ValueError(f"unknown tag {tag!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# canonical JSON
+
+
+def dumps_json(obj: Any) -> bytes:
+    """Canonical JSON bytes (sorted keys, no NaN: the skeleton tags them)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False).encode("utf-8")
+
+
+def loads_json(data: bytes, where: str, limit: int) -> Any:
+    """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``."""
+    if len(data) > limit:
+        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, over the {limit}-byte limit")
+
+    def no_constants(name: str) -> Any:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    try:
+        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e})") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors bytes
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+    """Serialize to the safetensors format as a list of buffers (header first), without
+    concatenating them, so the store can hash and write them straight from tensor memory."""
+    # Largest element size first keeps every tensor aligned to its element size.
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    chunks: list[memoryview] = []
+    offset = 0
+    for key in order:
+        t = tensors[key].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            chunks.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
+
+
+def read_safetensors_header(data: bytes | memoryview, where: str,
+                            limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], dict[str, str]]:
+    """Validate a safetensors header against the buffer and return (entries, metadata).
+
+    Checks everything the format promises (size limit, dtypes, shapes, offsets that tile the
+    data exactly) so that the parser behind it only ever sees a well-formed file."""
+    if len(data) < 8:
+        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > limit or n > len(data) - 8:
+        raise CorruptCheckpoint(
+            f"{where}: header claims {n} bytes; the file has {len(data) - 8} after the length "
+            f"field and the limit is {limit}")
+    header = loads_json(bytes(data[8:8 + n]), where, limit)
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{where}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
+    spans = []
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (dtype in _ITEMSIZE and isinstance(shape, list)
+                  and all(type(d) is int and d >= 0 for d in shape)
+                  and type(begin) is int and type(end) is int)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
+        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise CorruptCheckpoint(
+                f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
+                f"{shape} need {math.prod(shape) * _ITEMSIZE[dtype]}")
+        spans.append((begin, end, key))
+    expected = 0
+    for begin, end, key in sorted(spans):
+        if begin != expected:
+            raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, expected "
+                                    f"{expected} (overlapping or missing data)")
+        expected = end
+    if expected != len(data) - 8 - n:
+        raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file holds "
+                                f"{len(data) - 8 - n}")
+    return header, metadata
+
+
+def decode_safetensors(data: bytes, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a safetensors buffer (validated first) into CPU tensors and its metadata."""
+    from safetensors.torch import load
+
+    header, metadata = read_safetensors_header(data, where)
+    if not header:
+        return {}, metadata
+    try:
+        return load(data), metadata
+    except Exception as e:  # the parser's own error type; we already validated the header
+        raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None

@@ -1,0 +1,122 @@
+"""MANIFEST.json: the commit record of a generation, written last and trusted only whole.
+
+A manifest names every artifact with its size and xxh3-128 content hash, the generation and
+step, the run's id and incarnation, its lineage, identity and environment. Parsing is strict:
+unknown schema, a name that could leave the generation folder, duplicate names, or a header
+larger than the limit all raise ``CorruptCheckpoint`` naming the file and the field."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .codec import dumps_json, loads_json
+from .errors import CorruptCheckpoint
+
+SCHEMA = "unbroken.manifest/1"
+MANIFEST = "MANIFEST.json"
+MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+# Plain file names only: no separators, no "..", no leading dot, nothing a shell or a
+# filesystem could reinterpret. Confinement to the generation folder follows from this.
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_HASH = re.compile(r"^[0-9a-f]{32}$")
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """One file of a generation: its name inside the folder, byte size and xxh3-128 hex."""
+
+    name: str
+    size: int
+    xxh3_128: str
+
+
+@dataclass
+class Manifest:
+    """The parsed commit record of one generation."""
+
+    generation: int
+    step: int
+    run_id: str
+    incarnation: int
+    artifacts: list[Artifact]
+    parts: list[str]
+    parent: dict[str, Any] | None = None
+    origin: dict[str, Any] | None = None
+    identity: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)
+    retention: dict[str, Any] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    created: str = ""
+    schema: str = SCHEMA
+
+    def to_bytes(self) -> bytes:
+        return dumps_json(asdict(self))
+
+    def artifact(self, name: str) -> Artifact | None:
+        return next((a for a in self.artifacts if a.name == name), None)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(a.size for a in self.artifacts)
+
+
+def valid_artifact_name(name: object) -> bool:
+    return isinstance(name, str) and bool(_NAME.match(name)) and name != MANIFEST
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes read from ``where``."""
+    raw = loads_json(data, where, MAX_MANIFEST_BYTES)
+    if not isinstance(raw, dict):
+        raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    schema = raw.get("schema")
+    if schema != SCHEMA:
+        raise CorruptCheckpoint(f"{where}: schema {schema!r}, this version of unbroken reads "
+                                f"{SCHEMA!r}; upgrade unbroken or use the matching version")
+
+    def need(key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
+        value = raw.get(key)
+        if value is None and optional:
+            return None
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            raise CorruptCheckpoint(f"{where}: field {key!r} should be {_kind(kind)}, "
+                                    f"found {value!r:.80}")
+        return value
+
+    generation, step, incarnation = need("generation", int), need("step", int), need(
+        "incarnation", int)
+    if min(generation, step, incarnation) < 0:
+        raise CorruptCheckpoint(f"{where}: negative generation, step or incarnation")
+    artifacts = []
+    seen: set[str] = set()
+    for entry in need("artifacts", list):
+        if not isinstance(entry, dict):
+            raise CorruptCheckpoint(f"{where}: artifact entry {entry!r:.80} is not an object")
+        name, size, digest = entry.get("name"), entry.get("size"), entry.get("xxh3_128")
+        if not valid_artifact_name(name):
+            raise CorruptCheckpoint(
+                f"{where}: artifact name {name!r:.80} is not a plain file name inside the "
+                "generation folder (no '/', '..' or leading '.'); refusing the generation")
+        if type(size) is not int or size < 0 or not (isinstance(digest, str)
+                                                     and _HASH.match(digest)):
+            raise CorruptCheckpoint(f"{where}: artifact {name!r} has a malformed size or hash")
+        if name in seen:
+            raise CorruptCheckpoint(f"{where}: artifact {name!r} listed twice")
+        seen.add(name)
+        artifacts.append(Artifact(name, size, digest))
+    parts = need("parts", list)
+    if not all(isinstance(p, str) for p in parts):
+        raise CorruptCheckpoint(f"{where}: field 'parts' should list strings")
+    return Manifest(
+        generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
+        artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
+        origin=need("origin", dict, optional=True), identity=need("identity", dict),
+        environment=need("environment", dict), retention=need("retention", dict),
+        metrics=need("metrics", dict), created=need("created", str), schema=schema)
+
+
+def _kind(kind: type | tuple[type, ...]) -> str:
+    names = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
+    return names.get(kind, str(kind)) if isinstance(kind, type) else "valid"

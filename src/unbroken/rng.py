@@ -1,0 +1,249 @@
+"""Capture, check, restore and fingerprint every random stream a training step can draw from.
+
+Streams: Python ``random``, NumPy's legacy global ``np.random``, torch's CPU generator, the
+per-device CUDA generators (only when CUDA is already initialized) and any named
+``torch.Generator`` / ``numpy.random.Generator`` the caller registers. Captured values are
+plain trees (tuples, ints, floats, str, NumPy arrays, uint8 tensors): the codec stores them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import struct
+import warnings
+from array import array
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .errors import MissingState, StateMismatch, UnbrokenWarning
+
+AnyGenerator = torch.Generator | np.random.Generator
+Generators = Mapping[str, AnyGenerator]
+
+_REMEDY = ("resume from a checkpoint written by the same setup, or start a new run "
+           "(bitwise continuation is impossible without this stream)")
+
+
+def _kind(gen: object, name: str) -> str:
+    if isinstance(gen, torch.Generator):
+        return "torch"
+    if isinstance(gen, np.random.Generator):
+        return "numpy"
+    raise TypeError(f"generator {name!r} is a {type(gen).__qualname__}; register only "
+                    "torch.Generator or numpy.random.Generator objects")
+
+
+def capture_rng(generators: Generators | None = None) -> dict[str, Any]:
+    """Return every stream's state as a codec-safe tree; reads state, never changes it."""
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(legacy=True),
+        "torch_cpu": torch.get_rng_state(),
+        "generators": {},
+    }
+    # is_initialized() alone: asking is_available() first could poison fork() for workers,
+    # and CUDA that was never initialized has drawn nothing worth saving.
+    if torch.cuda.is_initialized():
+        state["cuda"] = list(torch.cuda.get_rng_state_all())
+    state["cuda_device_count"] = len(state.get("cuda", ()))
+    for name, gen in (generators or {}).items():
+        if _kind(gen, name) == "torch":
+            entry = {"kind": "torch", "device": str(gen.device), "state": gen.get_state()}
+        else:
+            bit_gen = gen.bit_generator
+            entry = {"kind": "numpy", "bit_generator": type(bit_gen).__name__,
+                     "state": bit_gen.state}
+        state["generators"][name] = entry
+    return state
+
+
+def _uint8_vector(value: Any, length: int, key: str, where: str) -> None:
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8
+            and value.dim() == 1 and value.numel() == length):
+        found = (f"{value.dtype} tensor of shape {tuple(value.shape)}"
+                 if isinstance(value, torch.Tensor) else type(value).__name__)
+        raise StateMismatch(f"{where}: {key} must be a 1-D uint8 tensor of {length} bytes, "
+                            f"found {found}; the checkpoint comes from an incompatible setup")
+
+
+def _probe(key: str, where: str, setter: Any, value: Any) -> None:
+    """Apply ``value`` to a throwaway generator: the real setter's checks, no live change."""
+    try:
+        setter(value)
+    except (TypeError, ValueError, RuntimeError, LookupError, OverflowError) as e:
+        raise StateMismatch(f"{where}: {key} is not a valid state ({e})") from None
+
+
+def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where: str) -> None:
+    """Check that ``saved`` holds a well-formed state for every stream this process has.
+
+    Raises ``MissingState`` for an absent stream and ``StateMismatch`` for a malformed one or
+    a saved generator that is not registered now. Live RNG state is never touched."""
+    if not isinstance(saved, Mapping):
+        raise MissingState(f"{where}: no RNG state (found {type(saved).__name__}); {_REMEDY}")
+    for key in ("python", "numpy", "torch_cpu", "generators"):
+        if key not in saved:
+            raise MissingState(f"{where}: stream rng.{key} is missing; {_REMEDY}")
+
+    py = saved["python"]
+    if not (isinstance(py, tuple) and len(py) == 3 and type(py[0]) is int
+            and isinstance(py[1], tuple) and len(py[1]) == 625
+            and all(type(x) is int for x in py[1]) and (py[2] is None or type(py[2]) is float)):
+        raise StateMismatch(f"{where}: rng.python must be (int, tuple of 625 ints, float|None) "
+                            "as random.getstate() returns it")
+    _probe("rng.python", where, random.Random().setstate, py)
+    legacy = saved["numpy"]
+    if not (isinstance(legacy, tuple) and len(legacy) == 5 and legacy[0] == "MT19937"
+            and isinstance(legacy[1], np.ndarray) and legacy[1].dtype == np.uint32
+            and legacy[1].shape == (624,)):
+        raise StateMismatch(f"{where}: rng.numpy must be the legacy ('MT19937', uint32[624], "
+                            "pos, has_gauss, cached_gaussian) tuple")
+    _probe("rng.numpy", where, np.random.RandomState().set_state, legacy)
+    _uint8_vector(saved["torch_cpu"], torch.get_rng_state().numel(), "rng.torch_cpu", where)
+    cuda = saved.get("cuda")
+    if torch.cuda.is_initialized():
+        if cuda is None:
+            raise MissingState(f"{where}: stream rng.cuda is missing (the checkpoint was saved "
+                               "before CUDA was initialized) but CUDA is in use now; " + _REMEDY)
+        live = torch.cuda.get_rng_state_all()
+        if not isinstance(cuda, list) or len(cuda) != len(live):
+            count = len(cuda) if isinstance(cuda, list) else type(cuda).__name__
+            raise StateMismatch(f"{where}: rng.cuda holds {count} device states, this process "
+                                f"has {len(live)} CUDA devices; run with the same device count")
+        for i, (value, now) in enumerate(zip(cuda, live)):
+            _uint8_vector(value, now.numel(), f"rng.cuda.{i}", where)
+    elif cuda is not None and not (isinstance(cuda, list) and all(
+            isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in cuda)):
+        raise StateMismatch(f"{where}: rng.cuda must be a list of uint8 tensors")
+    gens = dict(generators or {})
+    saved_gens = saved["generators"]
+    if not isinstance(saved_gens, Mapping):
+        raise StateMismatch(f"{where}: rng.generators must be a mapping of name to state")
+    unknown = sorted(set(saved_gens) - set(gens), key=str)
+    if unknown:
+        raise StateMismatch(
+            f"{where}: the checkpoint has RNG state for generators {unknown} that are not "
+            f"registered now (registered: {sorted(gens)}); register them under the same names")
+    for name, gen in gens.items():
+        key = f"rng.generators.{name}"
+        if name not in saved_gens:
+            raise MissingState(f"{where}: stream {key} is missing (generator {name!r} was not "
+                               f"registered when the checkpoint was saved); {_REMEDY}")
+        entry, kind = saved_gens[name], _kind(gen, name)
+        if not isinstance(entry, Mapping) or entry.get("kind") != kind or "state" not in entry:
+            found = entry.get("kind") if isinstance(entry, Mapping) else type(entry).__name__
+            raise StateMismatch(f"{where}: {key} must be a {kind} generator state, found {found}")
+        if kind == "torch":
+            if entry.get("device") != str(gen.device):
+                raise StateMismatch(f"{where}: {key} was saved for device {entry.get('device')}"
+                                    f", the registered generator is on {gen.device}")
+            _uint8_vector(entry["state"], gen.get_state().numel(), key, where)
+        else:
+            bit_cls = type(gen.bit_generator)
+            if entry.get("bit_generator") != bit_cls.__name__:
+                raise StateMismatch(f"{where}: {key} was saved from a "
+                                    f"{entry.get('bit_generator')} bit generator, the registered "
+                                    f"one is {bit_cls.__name__}; use the same bit generator")
+            probe = bit_cls()
+            _probe(key, where, lambda s: setattr(probe, "state", s), entry["state"])
+
+
+def _apply(saved: Mapping[str, Any], generators: Generators) -> None:
+    """Set every stream from an already validated ``saved``."""
+    random.setstate(saved["python"])
+    np.random.set_state(saved["numpy"])
+    torch.set_rng_state(saved["torch_cpu"])
+    cuda = saved.get("cuda")
+    if cuda:
+        if torch.cuda.is_available():
+            count = torch.cuda.device_count()
+            if len(cuda) != count:
+                warnings.warn(f"{len(cuda)} CUDA RNG states were saved but {count} devices are "
+                              "visible; only the common ones were restored", UnbrokenWarning,
+                              stacklevel=3)
+            # Lazy when CUDA is not initialized yet: queued until first use, no init here.
+            torch.cuda.set_rng_state_all(cuda[:count])
+        else:
+            warnings.warn(f"{len(cuda)} CUDA RNG states were not restored: CUDA is not "
+                          "available in this process", UnbrokenWarning, stacklevel=3)
+    for name, gen in generators.items():
+        if isinstance(gen, torch.Generator):
+            gen.set_state(saved["generators"][name]["state"])
+        else:
+            gen.bit_generator.state = saved["generators"][name]["state"]
+
+
+def restore_rng(saved: Mapping[str, Any], generators: Generators | None,
+                where: str = "rng state") -> None:
+    """Validate ``saved`` completely, then set every stream; nothing changes if it fails."""
+    validate_rng(saved, generators, where)
+    _apply(saved, generators or {})
+
+
+def _feed(h: Any, obj: Any) -> None:
+    """Hash a canonical, type-tagged byte form of ``obj`` (no repr: stable across versions)."""
+    if obj is None or type(obj) is bool:
+        h.update(b"N" if obj is None else b"T" if obj else b"F")
+    elif type(obj) is int:
+        h.update(b"I%d;" % obj)
+    elif type(obj) is float:
+        h.update(b"D" + struct.pack("<d", obj))
+    elif type(obj) is str:
+        h.update(b"S%d;" % len(obj.encode()) + obj.encode())
+    elif isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"X{t.dtype}{tuple(obj.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy())
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        arr = np.ascontiguousarray(obj)
+        h.update(f"A{arr.dtype.str}{arr.shape};".encode())
+        h.update(arr.tobytes())
+    elif type(obj) in (tuple, list):
+        try:  # fast path for the 625-word Mersenne state: one packed buffer, no Python loop
+            packed = array("Q", obj)
+        except (TypeError, OverflowError):
+            h.update(b"L%d;" % len(obj))
+            for item in obj:
+                _feed(h, item)
+        else:
+            h.update(b"Q%d;" % len(obj) + packed.tobytes())
+    elif isinstance(obj, Mapping):
+        h.update(b"M%d;" % len(obj))
+        for key in sorted(obj, key=lambda k: (type(k).__name__, str(k))):
+            _feed(h, key)
+            _feed(h, obj[key])
+    else:
+        raise TypeError(f"cannot digest RNG state value of type {type(obj).__qualname__}")
+
+
+def _digest(obj: Any) -> str:
+    h = xxhash.xxh3_64()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+def rng_digests(state: Mapping[str, Any]) -> dict[str, str]:
+    """xxh3-64 hex digest per stream (python, numpy, torch_cpu, cuda:i, gen:NAME), so a
+    per-step trace can say which stream diverged; equal states give equal digests."""
+    out = {key: _digest(state[key]) for key in ("python", "numpy", "torch_cpu") if key in state}
+    for i, value in enumerate(state.get("cuda") or ()):
+        out[f"cuda:{i}"] = _digest(value)
+    for name, entry in (state.get("generators") or {}).items():
+        out[f"gen:{name}"] = _digest(entry)
+    return out
+
+
+@contextlib.contextmanager
+def fork_rng_streams() -> Iterator[None]:
+    """Run a block with its own draws from the global streams (python, numpy, torch CPU and
+    initialized CUDA), then put those streams back as they were on entry."""
+    saved = capture_rng()
+    try:
+        yield
+    finally:
+        _apply(saved, {})

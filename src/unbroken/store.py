@@ -1,0 +1,249 @@
+"""Generations on a local filesystem: staging, commit by rename, listing, verification,
+moving aside and deletion, and the single-writer lock.
+
+Layout (see DESIGN.md)::
+
+    RUN/gen-000000500/            a committed generation; it exists only if its manifest verifies
+    RUN/.staging-000000600-<id>/  a save in progress; never read; removed by the next writer
+    RUN/.trash-<id>/              a deletion in progress; never read; removed by the next writer
+    RUN/aside/                    abandoned or corrupt generations, moved here, never overwritten
+    RUN/LOCK                      single writer (POSIX fcntl lock: not inherited by forked workers)
+
+Uncommitted generations are ignored: listing reads only ``gen-*`` folders, and a folder counts
+as a generation only when its ``MANIFEST.json`` parses, names the same generation, and every
+listed file exists with its listed size (``verify`` then re-hashes every byte).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import socket
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import xxhash
+
+from ._fs import LocalFS, fault_point
+from .errors import CorruptCheckpoint, StoreLocked
+from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
+
+_GEN = re.compile(r"^gen-(\d{9,})$")
+STAGING_PREFIX = ".staging-"
+TRASH_PREFIX = ".trash-"
+ASIDE = "aside"
+LOCK = "LOCK"
+_LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
+
+
+def generation_name(generation: int) -> str:
+    return f"gen-{generation:09d}"
+
+
+@dataclass
+class GenerationInfo:
+    """What listing found in one ``gen-*`` folder. ``status``: complete / torn / corrupt."""
+
+    generation: int
+    path: str
+    status: str
+    reason: str = ""
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "complete"
+
+
+class GenerationStore:
+    """The run folder. Reading needs no lock; every method that changes it needs ``lock()``."""
+
+    def __init__(self, root: str | os.PathLike[str], fs: LocalFS | None = None) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.fs = fs or LocalFS()
+        self._lock_fd: int | None = None
+
+    # -- the single-writer lock ---------------------------------------------------------------
+
+    def lock(self) -> None:
+        """Become the only writer, or raise ``StoreLocked`` naming the holder."""
+        os.makedirs(self.root, exist_ok=True)
+        path = os.path.join(self.root, LOCK)
+        key = os.path.realpath(path)
+        if key in _LOCKED_HERE:
+            raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
+                              "close() it before opening the run folder again")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLocked(f"{path}: another live process writes this run ({holder}); stop "
+                              "it, or point this run at another folder") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+        self._lock_fd = fd
+        _LOCKED_HERE.add(key)
+        self._clean_debris()
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing releases the fcntl lock
+            self._lock_fd = None
+            _LOCKED_HERE.discard(os.path.realpath(os.path.join(self.root, LOCK)))
+
+    def _need_lock(self) -> None:
+        if self._lock_fd is None:
+            raise RuntimeError("the run folder must be locked before it is changed")
+
+    def _clean_debris(self) -> None:
+        """Staging and trash folders belong to a dead writer: nothing in them was committed."""
+        for name in os.listdir(self.root):
+            if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
+                self.fs.rmtree(os.path.join(self.root, name))
+
+    # -- listing and verification -------------------------------------------------------------
+
+    def scan(self) -> list[GenerationInfo]:
+        """Every ``gen-*`` folder, oldest first, checked cheaply (manifest, names, sizes)."""
+        if not os.path.isdir(self.root):
+            return []
+        found = []
+        for name in os.listdir(self.root):
+            m = _GEN.match(name)
+            if m:
+                found.append(self._check(int(m.group(1)), os.path.join(self.root, name)))
+        return sorted(found, key=lambda g: g.generation)
+
+    def scan_one(self, generation: int) -> GenerationInfo:
+        """The cheap check of one generation by number."""
+        return self._check(generation, os.path.join(self.root, generation_name(generation)))
+
+    def _check(self, generation: int, path: str) -> GenerationInfo:
+        where = os.path.join(path, MANIFEST)
+        if not os.path.lexists(where):
+            return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
+                                  "or deletion interrupted)")
+        try:
+            manifest = parse_manifest(self.fs.read_file(where, MAX_MANIFEST_BYTES), where)
+            if manifest.generation != generation:
+                raise CorruptCheckpoint(f"{where}: names generation {manifest.generation}, the "
+                                        f"folder is generation {generation}")
+            listed = {a.name for a in manifest.artifacts}
+            for entry in sorted(os.listdir(path)):
+                if entry != MANIFEST and entry not in listed:
+                    raise CorruptCheckpoint(f"{os.path.join(path, entry)}: not listed in the "
+                                            "manifest (a generation never changes after commit)")
+            for a in manifest.artifacts:
+                file = os.path.join(path, a.name)
+                if not os.path.lexists(file):
+                    raise CorruptCheckpoint(f"{file}: missing; the manifest lists {a.size} bytes")
+                st = os.lstat(file)
+                if st.st_size != a.size:
+                    raise CorruptCheckpoint(f"{file}: {st.st_size} bytes, the manifest lists "
+                                            f"{a.size}")
+        except CorruptCheckpoint as e:
+            return GenerationInfo(generation, path, "corrupt", str(e))
+        except OSError as e:
+            return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
+        return GenerationInfo(generation, path, "complete", "", manifest)
+
+    def read_verified(self, info: GenerationInfo,
+                      names: Iterable[str] | None = None) -> dict[str, bytes]:
+        """Read artifacts (all by default) and check each one's size and content hash."""
+        if not info.ok or info.manifest is None:
+            raise CorruptCheckpoint(info.reason)
+        wanted = set(names) if names is not None else None
+        out = {}
+        for a in info.manifest.artifacts:
+            if wanted is not None and a.name not in wanted:
+                continue
+            out[a.name] = self._read_artifact(info.path, a)
+        return out
+
+    def _read_artifact(self, folder: str, a: Artifact) -> bytes:
+        path = os.path.join(folder, a.name)
+        try:
+            data = self.fs.read_file(path, a.size)
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+        if len(data) != a.size:
+            raise CorruptCheckpoint(f"{path}: {len(data)} bytes, the manifest lists {a.size}")
+        digest = xxhash.xxh3_128(data).hexdigest()
+        if digest != a.xxh3_128:
+            raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
+                                    f"{a.xxh3_128} (the file changed after commit)")
+        return data
+
+    def verify(self, info: GenerationInfo) -> None:
+        """Re-hash every artifact of a generation; raise ``CorruptCheckpoint`` on the first bad one."""
+        self.read_verified(info)
+
+    # -- changing the folder (writer only) -----------------------------------------------------
+
+    def commit(self, generation: int, artifacts: Mapping[str, Iterable[memoryview | bytes]],
+               make_manifest: Callable[[list[Artifact]], Manifest]) -> GenerationInfo:
+        """Write a generation: staging folder, every artifact fsynced, manifest last, rename.
+
+        A crash at any point leaves either the complete generation or debris that listing
+        ignores; older generations are never touched."""
+        self._need_lock()
+        final = os.path.join(self.root, generation_name(generation))
+        if os.path.lexists(final):
+            raise FileExistsError(f"{final} already exists; move it aside before saving over it")
+        staging = os.path.join(self.root,
+                               f"{STAGING_PREFIX}{generation:09d}-{uuid.uuid4().hex[:12]}")
+        self.fs.mkdir(staging)
+        try:
+            written = []
+            for name, chunks in artifacts.items():
+                size, digest = self.fs.write_file(os.path.join(staging, name), chunks)
+                written.append(Artifact(name, size, digest))
+                fault_point("artifact-written", generation)
+            manifest = make_manifest(written)
+            self.fs.write_file(os.path.join(staging, MANIFEST), [manifest.to_bytes()])
+            fault_point("manifest-written", generation)
+            self.fs.fsync_dir(staging)
+            fault_point("before-rename", generation)
+            self.fs.rename(staging, final)
+        except BaseException:
+            self._discard(staging)
+            raise
+        self.fs.fsync_dir(self.root)
+        fault_point("after-rename", generation)
+        return GenerationInfo(generation, final, "complete", "", manifest)
+
+    def _discard(self, staging: str) -> None:
+        try:
+            self.fs.rmtree(staging)
+        except OSError:
+            pass  # the next writer removes staging debris on lock()
+
+    def move_aside(self, info: GenerationInfo, why: str) -> str:
+        """Move a generation to ``aside/`` under a unique name; it is kept for inspection."""
+        self._need_lock()
+        aside = os.path.join(self.root, ASIDE)
+        os.makedirs(aside, exist_ok=True)
+        dest = os.path.join(aside, f"{os.path.basename(info.path)}-{why}-{uuid.uuid4().hex[:8]}")
+        self.fs.rename(info.path, dest)
+        self.fs.fsync_dir(self.root)
+        return dest
+
+    def delete(self, info: GenerationInfo) -> None:
+        """Delete a generation: manifest first (so a half-deleted folder can never verify),
+        then rename out of the listing, then remove the files."""
+        self._need_lock()
+        manifest = os.path.join(info.path, MANIFEST)
+        if os.path.lexists(manifest):
+            self.fs.unlink(manifest)
+            self.fs.fsync_dir(info.path)
+        fault_point("retention-unlinked", info.generation)
+        trash = os.path.join(self.root, f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
+        self.fs.rename(info.path, trash)
+        self.fs.fsync_dir(self.root)
+        self.fs.rmtree(trash)
