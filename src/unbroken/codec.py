@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import xxhash
 
 from .errors import CorruptCheckpoint, UnsupportedValue
 
@@ -231,14 +232,15 @@ def loads_json(data: bytes, where: str, limit: int) -> Any:
 
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor],
-                       metadata: Mapping[str, str] | None = None) -> list[memoryview]:
+                       metadata: Mapping[str, str] | None = None,
+                       data_hash_key: str | None = None) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
-    concatenating them, so the store can hash and write them straight from tensor memory."""
+    concatenating them, so the store can hash and write them straight from tensor memory.
+    With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
+    (a single file that carries its own checksum)."""
     # Largest element size first keeps every tensor aligned to its element size.
     order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
     chunks: list[memoryview] = []
     offset = 0
     for key in order:
@@ -252,6 +254,14 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         offset += nbytes
         if nbytes:
             chunks.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    meta = dict(metadata or {})
+    if data_hash_key:
+        h = xxhash.xxh3_128()
+        for chunk in chunks:
+            h.update(chunk)
+        meta[data_hash_key] = h.hexdigest()
+    if meta:
+        header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]

@@ -1,9 +1,5 @@
-"""What a run *is*: fingerprints of config, tokenizer and data, the environment it ran in,
-and the rules that decide whether a checkpoint may be continued or warm-started from.
-
-Fingerprints are plain JSON-able dicts so they can live in every manifest; nothing here
-touches the checkpoint store.
-"""
+"""What a run *is*: JSON-able fingerprints of config, tokenizer, data and environment, and
+the rules that decide whether a checkpoint may be continued or warm-started from."""
 
 from __future__ import annotations
 
@@ -28,11 +24,8 @@ from .errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
 
 FIELDS = ("config", "tokenizer", "data")
 _CHUNK = 8 * 1024 * 1024
-# Small enough to sit in every manifest, large enough for any hand-written config; keeping it
-# lets a mismatch name the exact key that changed instead of two opaque hashes.
+# Kept values let a mismatch name the changed key; this keeps manifests small.
 _KEEP_VALUE_BYTES = 16 * 1024
-# The rank differs between the processes of one run, so it is recorded but never compared.
-_PER_PROCESS_ENV = frozenset({"rank"})
 _ABSENT = object()
 
 
@@ -40,24 +33,11 @@ def _xxh(data: bytes) -> str:
     return xxhash.xxh3_128(data).hexdigest()
 
 
-def _size(n: int) -> str:
-    if n < 1024:
-        return f"{n} bytes"
-    value = n / 1024
-    for unit in ("KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def _jsonable(obj: Any, path: str) -> Any:
     """A plain JSON tree equal to ``obj``, or ``UnbrokenError`` naming the first bad key."""
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        if not math.isfinite(obj):
-            raise UnbrokenError(f"{path}: {obj} cannot be fingerprinted (JSON has no NaN/inf)")
+    if isinstance(obj, float) and not math.isfinite(obj):
+        raise UnbrokenError(f"{path}: {obj} cannot be fingerprinted (JSON has no NaN/inf)")
+    if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, Mapping):
         for key in obj:
@@ -71,34 +51,25 @@ def _jsonable(obj: Any, path: str) -> Any:
                         "convert it to str, int, float, bool, None, list or dict")
 
 
-def _mapping_entry(kind: str, mapping: Mapping[str, Any], path: str) -> dict[str, Any]:
-    blob = dumps_json(_jsonable(mapping, path))
-    # Parsed back so the kept value is plain JSON (enums, tuples normalised), exactly what
-    # was hashed and what a manifest will hold.
-    value = json.loads(blob)
-    entry: dict[str, Any] = {"kind": kind, "hash": _xxh(blob),
-                             "summary": f"{kind} with {len(value)} keys"}
+def _json_entry(kind: str, obj: Mapping[str, Any], path: str, summary: str) -> dict[str, Any]:
+    blob = dumps_json(_jsonable(obj, path))
+    entry: dict[str, Any] = {"kind": kind, "hash": _xxh(blob), "summary": summary}
     if len(blob) < _KEEP_VALUE_BYTES:
-        entry["value"] = value
+        entry["value"] = json.loads(blob)  # plain JSON (tuples, enums normalised), as hashed
     return entry
 
 
 def _vocab_entry(tokenizer: Any, field: str) -> dict[str, Any]:
     # get_vocab() omits merges and normalizers; pass the tokenizer folder to cover those too.
-    vocab = tokenizer.get_vocab()
-    payload: dict[str, Any] = {"class": type(tokenizer).__name__, "vocab": vocab}
+    vocab, name = tokenizer.get_vocab(), type(tokenizer).__name__
     special = getattr(tokenizer, "all_special_tokens", None)
-    if special is not None:
-        payload["special_tokens"] = list(special)
-    blob = dumps_json(_jsonable(payload, field))
-    return {"kind": "vocab", "hash": _xxh(blob),
-            "summary": f"{type(tokenizer).__name__} with {len(vocab)} tokens"}
+    payload = {"class": name, "vocab": vocab, "special_tokens": special and list(special)}
+    return _json_entry("vocab", payload, field, f"{name} with {len(vocab)} tokens")
 
 
 def _hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
     """(size, xxh3-128 hex) of a file's contents, read in 8 MiB chunks."""
-    h = xxhash.xxh3_128()
-    size = 0
+    h, size = xxhash.xxh3_128(), 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
@@ -108,10 +79,7 @@ def _hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
 
 def _hash_dir(root: Path) -> tuple[str, int, int]:
     """(hash, file count, total bytes) of a folder tree: every entry, in sorted order.
-
-    Symlinks are recorded by their target string and never followed, so a link cannot pull
-    in files from outside the folder (or loop); HuggingFace cache links name content hashes.
-    """
+    Symlinks count by their target string, never followed: nothing outside, no loops."""
     h = xxhash.xxh3_128()
     files = total = 0
     stack = [""]
@@ -135,8 +103,7 @@ def _hash_dir(root: Path) -> tuple[str, int, int]:
                 record = ["file", name, size, digest]
             else:  # fifo, socket, device: reading could block, so only its name counts
                 record = ["other", name]
-            # One JSON line per entry frames names unambiguously (ASCII-escaped, so even
-            # undecodable file names hash stably).
+            # A JSON line per entry frames names unambiguously, undecodable ones too (ASCII).
             h.update(json.dumps(record).encode("ascii") + b"\n")
         stack.extend(reversed(subdirs))
     return h.hexdigest(), files, total
@@ -147,25 +114,23 @@ def _path_entry(field: str, path: Path) -> dict[str, Any]:
         if path.is_dir():
             digest, files, total = _hash_dir(path)
             return {"kind": "dir", "hash": digest, "files": files, "bytes": total,
-                    "summary": f"dir {path.name}/ with {files} files, {_size(total)}"}
+                    "summary": f"dir {path.name}/ with {files} files, {total:,} bytes"}
         if path.is_file():
             size, digest = _hash_file(path)
             return {"kind": "file", "hash": digest, "size": size,
-                    "summary": f"file {path.name}, {_size(size)}"}
+                    "summary": f"file {path.name}, {size:,} bytes"}
     except OSError as e:
         raise UnbrokenError(f"{field} path {path} cannot be read: {e}") from e
-    raise UnbrokenError(f"{field} path {path} does not exist (any more) or is not a file or folder")
+    raise UnbrokenError(f"{field} path {path} is gone, or is neither a file nor a folder")
 
 
 class Identity:
     """What must stay the same for a run to be continued: config, tokenizer and data.
 
-    ``tokenizer`` and ``data`` may be a ``Path`` (must exist), a ``str`` naming an existing
-    file or folder (hashed by content), any other ``str`` (an explicit revision label such
-    as a dataset version or commit), or a mapping; ``tokenizer`` may also be an object with
-    ``get_vocab()``. Config and mappings are captured now, so later edits to them do not
-    change this identity; files are hashed lazily, once, on the first ``fingerprint()``.
-    """
+    ``tokenizer``/``data``: a ``Path`` (must exist) or a ``str`` naming an existing file or
+    folder (hashed by content), any other ``str`` (a revision label), a mapping, or (tokenizer
+    only) an object with ``get_vocab()``. Config and mappings are captured now; files are
+    hashed lazily, once, on the first ``fingerprint()``."""
 
     def __init__(self, config: Mapping[str, Any] | None = None,
                  tokenizer: str | os.PathLike[str] | Mapping[str, Any] | object | None = None,
@@ -175,7 +140,8 @@ class Identity:
         if config is not None:
             if not isinstance(config, Mapping):
                 raise TypeError(f"config must be a mapping, not {type(config).__name__}")
-            self._entries["config"] = _mapping_entry("config", config, "config")
+            self._entries["config"] = _json_entry("config", config, "config",
+                                                 f"config with {len(config)} keys")
         for field, source in (("tokenizer", tokenizer), ("data", data)):
             if source is not None:
                 self._add(field, source)
@@ -184,8 +150,6 @@ class Identity:
         self._lock = threading.Lock()
 
     def _add(self, field: str, source: object) -> None:
-        if isinstance(source, str) and not source:
-            raise ValueError(f"{field} is an empty string; give a path or a revision label")
         if isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.exists(source)):
             path = Path(source).absolute()  # resolved now: the cwd may change before hashing
             if not path.exists():
@@ -195,13 +159,13 @@ class Identity:
             self._entries[field] = {"kind": "revision", "hash": _xxh(source.encode("utf-8")),
                                     "value": source, "summary": f"revision {source!r}"}
         elif isinstance(source, Mapping):
-            self._entries[field] = _mapping_entry("mapping", source, field)
+            self._entries[field] = _json_entry("mapping", source, field,
+                                                f"mapping with {len(source)} keys")
         elif field == "tokenizer" and callable(getattr(source, "get_vocab", None)):
             self._entries[field] = _vocab_entry(source, field)
         else:
-            raise TypeError(f"{field} must be a path, a revision string or a mapping"
-                            f"{' or a tokenizer with get_vocab()' if field == 'tokenizer' else ''}"
-                            f", not {type(source).__name__}")
+            raise TypeError(f"{field} must be a path, a revision string, a mapping or (tokenizer "
+                            f"only) an object with get_vocab(), not {type(source).__name__}")
 
     def fingerprint(self) -> dict[str, Any]:
         """One ``{"kind", "hash", "summary", ...}`` entry per given field (JSON-able, a copy)."""
@@ -213,18 +177,13 @@ class Identity:
                 self._cache = {f: found[f] for f in FIELDS if f in found}
             return copy.deepcopy(self._cache)
 
-    def __repr__(self) -> str:
-        given = [f for f in FIELDS if f in self._entries or f in self._paths]
-        return f"Identity({', '.join(given)})"
-
 
 def environment() -> dict[str, Any]:
     """Software, hardware and numerics settings that decide whether results are bitwise equal.
-
-    Loader knobs such as ``num_workers`` are deliberately absent: the data order does not
-    depend on them, so they are not part of identity.
-    """
+    Loader knobs such as ``num_workers`` are absent: the data order does not depend on them."""
     cuda = torch.cuda.is_available()
+    # Names only when CUDA is usable: asking initialises the driver.
+    count = torch.cuda.device_count() if cuda else 0
     distributed = dist.is_available() and dist.is_initialized()
     return {
         "python": platform.python_version(),
@@ -234,10 +193,8 @@ def environment() -> dict[str, Any]:
         "machine": platform.machine(),
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
-        "cuda_device_count": torch.cuda.device_count() if cuda else 0,
-        # Names only when CUDA is usable: asking initialises the driver.
-        "cuda_devices": ([torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-                         if cuda else []),
+        "cuda_device_count": count,
+        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(count)],
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
@@ -252,9 +209,7 @@ def environment() -> dict[str, Any]:
 
 
 def _fmt(value: Any) -> str:
-    if value is _ABSENT:
-        return "absent"
-    text = json.dumps(value, ensure_ascii=False, default=repr)
+    text = "absent" if value is _ABSENT else json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -264,7 +219,7 @@ def _diffs(a: Any, b: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
         for key in sorted(a.keys() | b.keys()):
             yield from _diffs(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{path}.{key}")
     elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             yield from _diffs(x, y, f"{path}[{i}]")
     elif type(a) is not type(b) or a != b:  # 1 vs 1.0 vs True hash differently, so differ here
         yield path, a, b
@@ -276,45 +231,42 @@ def _side(entry: Any) -> str:
     return f"{entry.get('summary') or entry.get('kind', '?')} (xxh3 {str(entry.get('hash'))[:12]})"
 
 
+def _agree(saved: Any, current: Any, *keys: str) -> bool:
+    """Both are entries and hold the same, present, value under each of ``keys``."""
+    return (isinstance(saved, Mapping) and isinstance(current, Mapping)
+            and all(saved.get(k) is not None and saved.get(k) == current.get(k) for k in keys))
+
+
 def _describe(field: str, saved: Any, current: Any) -> str:
-    old = saved.get("value") if isinstance(saved, Mapping) else None
-    new = current.get("value") if isinstance(current, Mapping) else None
-    if isinstance(old, dict) and isinstance(new, dict) and saved.get("kind") == current.get("kind"):
+    old, new = (e.get("value") if isinstance(e, Mapping) else None for e in (saved, current))
+    if isinstance(old, dict) and isinstance(new, dict) and _agree(saved, current, "kind"):
         diffs = list(_diffs(old, new, field))
         if diffs:
             path, a, b = diffs[0]
-            more = f" (and {len(diffs) - 1} more keys differ)" if len(diffs) > 1 else ""
+            n = len(diffs) - 1
+            more = f" (and {n} more differing key{'s' if n > 1 else ''})" if n else ""
             return f"{path}: saved {_fmt(a)}, now {_fmt(b)}{more}"
     return f"{field}: saved {_side(saved)}, now {_side(current)}"
 
 
-def _same(saved: Any, current: Any) -> bool:
-    # Kind counts too: a revision label and a file holding the same bytes hash alike.
-    return (isinstance(saved, Mapping) and isinstance(current, Mapping)
-            and saved.get("hash") is not None
-            and (saved.get("kind"), saved.get("hash")) == (current.get("kind"), current.get("hash")))
-
-
 def check_identity(saved: Mapping[str, Any], current: Mapping[str, Any], *, intent: str,
                    allow: Iterable[str] = (), where: str = "") -> None:
-    """Raise ``IdentityMismatch`` listing every field the checkpoint may not be resumed with.
+    """Raise one ``IdentityMismatch`` naming every field that forbids this resume.
 
-    ``continue`` requires config, tokenizer and data to match exactly. ``warm_start`` starts
-    a new run, so data may differ; config and tokenizer may differ only when named in
-    ``allow``. ``where`` (the manifest path) is named in the message.
-    """
+    ``continue`` needs config, tokenizer and data to match exactly; ``warm_start`` (a new run)
+    lets data differ, and config/tokenizer when named in ``allow``. ``where``: the manifest."""
     if intent not in ("continue", "warm_start"):
         raise ValueError(f"intent must be 'continue' or 'warm_start', not {intent!r}")
     allowed = {allow} if isinstance(allow, str) else set(allow)
-    unknown = sorted(allowed - set(FIELDS))
-    if unknown:
+    if unknown := sorted(allowed - set(FIELDS)):
         raise ValueError(f"allow names unknown identity fields {unknown}; known: {list(FIELDS)}")
     if allowed and intent == "continue":
         raise ValueError("allow= applies to warm_start only: a continuation must match exactly")
     refused = []
     for field in FIELDS:
         old, new = saved.get(field), current.get(field)
-        if (old is None and new is None) or _same(old, new):
+        # Kind counts too: a revision label and a file holding the same bytes hash alike.
+        if (old is None and new is None) or _agree(old, new, "kind", "hash"):
             continue
         if intent == "warm_start" and (field == "data" or field in allowed):
             continue
@@ -322,30 +274,24 @@ def check_identity(saved: Mapping[str, Any], current: Mapping[str, Any], *, inte
     if not refused:
         return
     lines = [_describe(f, saved.get(f), current.get(f)) for f in refused]
-    names = " and ".join(refused)
+    names = ", ".join(refused)
     need = [f for f in refused if f != "data"]
-    if intent == "continue":
-        remedy = (f"restore with the original {names}, or start a new run with warm_start(...)"
-                  + (f" and allow={need!r}" if need else "") + " if the change is intended")
-    else:
-        remedy = f"use the original {names}, or pass allow={need!r} if the change is intended"
-    raise IdentityMismatch(
-        f"{where or 'checkpoint'}: identity differs from the current run in {names} "
-        f"(intent {intent!r}):\n  "
-        + "\n  ".join(lines) + f"\n{remedy}")
+    remedy = (f"restore with the original {names}, or start a new run with warm_start(...)"
+              + (f" and allow={need!r}" if need else "") if intent == "continue"
+              else f"use the original {names}, or pass allow={need!r}")
+    raise IdentityMismatch(f"{where or 'checkpoint'}: identity differs from the current run in "
+                           f"{names} (intent {intent!r}):\n  " + "\n  ".join(lines)
+                           + f"\n{remedy} if the change is intended")
 
 
 def check_environment(saved: Mapping[str, Any], current: Mapping[str, Any],
                       where: str = "") -> list[str]:
-    """Lines naming each environment field that differs; warns once (``UnbrokenWarning``).
-
-    Never raises: a different environment can still continue, only bitwise equality with
-    the uninterrupted run is no longer promised. Fields recorded on one side only (an older
-    or newer version of unbroken) are not compared.
-    """
+    """Lines naming each differing environment field; warns once (``UnbrokenWarning``), never
+    raises: the run may go on, only bitwise equality is no longer promised. Fields recorded on
+    one side only (another unbroken version) and the per-process rank are not compared."""
     lines = [f"{key}: saved {_fmt(saved[key])}, now {_fmt(current[key])}"
              for key in sorted(saved.keys() & current.keys())
-             if key not in _PER_PROCESS_ENV and saved[key] != current[key]]
+             if key != "rank" and saved[key] != current[key]]
     if lines:
         warnings.warn(f"{where or 'checkpoint'} was written in a different environment ("
                       + "; ".join(lines) + "); the resumed run may not be bitwise equal to an "

@@ -73,7 +73,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     }
 
 
-def _optimizer_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
+def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
                         optimizer: torch.optim.Optimizer, where: str) -> dict[str, Any]:
     """Map a name-keyed optimizer state onto the live optimizer, refusing any mismatch."""
     try:
@@ -178,7 +178,7 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
         if name == MODEL:
             validate_model(saved[name], obj, f"{where} [{name}]")
         elif name == OPTIMIZER:
-            ready[name] = _optimizer_to_torch(saved[name], model, obj, f"{where} [{name}]")
+            ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]")
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):
             raise CorruptCheckpoint(f"{where}: part {name!r} is not a mapping")
         elif name in (SCHEDULER, SCALER):

@@ -204,7 +204,7 @@ class GenerationStore:
             for name, chunks in artifacts.items():
                 size, digest = self.fs.write_file(os.path.join(staging, name), chunks)
                 written.append(Artifact(name, size, digest))
-                fault_point("artifact-written", generation)
+                fault_point(f"artifact-{len(written)}-written", generation)
             manifest = make_manifest(written)
             self.fs.write_file(os.path.join(staging, MANIFEST), [manifest.to_bytes()])
             fault_point("manifest-written", generation)

@@ -6,6 +6,7 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,7 +18,7 @@ from unbroken.identity import Identity, check_environment, check_identity, envir
 CFG = {"lr": 0.001, "model": {"d_model": 64, "layers": [2, 2]}, "name": "exp"}
 
 
-def fp(**kw: object) -> dict:
+def fp(**kw: object) -> dict[str, Any]:
     return Identity(**kw).fingerprint()  # type: ignore[arg-type]
 
 
@@ -57,7 +58,7 @@ def test_int_and_float_config_values_differ() -> None:
 @pytest.mark.parametrize("bad, key", [({"a": {"b": object()}}, "config.a.b"),
                                       ({"x": [1, float("nan")]}, r"config.x\[1\]"),
                                       ({"m": {1: 2}}, "config.m")])
-def test_unrepresentable_config_value_names_the_key(bad: dict, key: str) -> None:
+def test_unrepresentable_config_value_names_the_key(bad: dict[str, Any], key: str) -> None:
     with pytest.raises(UnbrokenError, match=key):
         Identity(config=bad)
 
@@ -119,8 +120,8 @@ def test_data_revision_strings() -> None:
     v1 = fp(data="dataset@v1")
     assert v1["data"]["kind"] == "revision" and v1["data"]["value"] == "dataset@v1"
     check_identity(v1, fp(data="dataset@v1"), intent="continue")
-    with pytest.raises(IdentityMismatch, match="data: saved revision 'dataset@v1'.*now revision "
-                                               "'dataset@v2'"):
+    with pytest.raises(IdentityMismatch, match=r"data: saved revision 'dataset@v1'.*now revision "
+                                               r"'dataset@v2'"):
         check_identity(v1, fp(data="dataset@v2"), intent="continue")
 
 
@@ -131,7 +132,7 @@ def test_revision_and_file_with_same_bytes_differ(tmp_path: Path) -> None:
 
 
 def test_missing_path_raises(tmp_path: Path) -> None:
-    with pytest.raises(UnbrokenError, match="tokenizer path .*nope does not exist"):
+    with pytest.raises(UnbrokenError, match=r"tokenizer path .*nope does not exist"):
         Identity(tokenizer=tmp_path / "nope")
 
 
@@ -146,22 +147,21 @@ def test_relative_path_resolved_at_construction(tmp_path: Path,
 
 def test_mapping_and_vocab_tokenizers() -> None:
     class Tok:
-        all_special_tokens = ["<eos>"]
-
         def __init__(self, vocab: dict[str, int]) -> None:
             self.vocab = vocab
+            self.all_special_tokens = ["<eos>"]
 
         def get_vocab(self) -> dict[str, int]:
             return dict(self.vocab)
 
     a = fp(tokenizer=Tok({"a": 0, "b": 1}))["tokenizer"]
-    assert a["kind"] == "vocab" and "Tok with 2 tokens" == a["summary"]
+    assert a["kind"] == "vocab" and a["summary"] == "Tok with 2 tokens"
     assert fp(tokenizer=Tok({"b": 1, "a": 0}))["tokenizer"] == a
     assert fp(tokenizer=Tok({"a": 0, "b": 2}))["tokenizer"]["hash"] != a["hash"]
     m = fp(tokenizer={"name": "gpt2", "revision": "abc"})["tokenizer"]
     assert m["kind"] == "mapping" and m["value"]["revision"] == "abc"
     with pytest.raises(TypeError):
-        Identity(data=Tok({}))  # vocab objects are tokenizers, not data
+        Identity(data=Tok({}))  # type: ignore[arg-type]  # vocab objects are tokenizers, not data
 
 
 def test_warm_start_rules() -> None:

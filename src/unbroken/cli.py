@@ -1,0 +1,369 @@
+"""The ``unbroken`` command line (see DESIGN.md, "CLI contract").
+
+Every command takes ``--json`` (one JSON document on stdout). Exit status: 0 good, 1 the check
+found a problem (torn or corrupt generation, hash mismatch), 2 usage or environment error.
+Bad input never prints a traceback: errors become ``unbroken: error: <message>`` on stderr.
+
+Commands only read the run folder: they take no lock, never unpickle and never execute
+anything from it. To add a command, write one function and register it with ``@command``::
+
+    @command("name", "one-line help", arg("RUN", help="..."), arg("--flag", action="store_true"))
+    def _name(args: argparse.Namespace) -> int:
+        ...
+        return emit(args, payload, text, ok)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ._table import human_size, table
+from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch
+from .errors import UnbrokenError
+from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+# Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
+_PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
+_DEBRIS = {STAGING_PREFIX: "in-progress or interrupted save, ignored",
+           TRASH_PREFIX: "interrupted deletion, ignored"}
+
+
+class UsageError(Exception):
+    """Bad input found after argument parsing (no such folder, unknown generation): exit 2."""
+
+
+# -- command registry ---------------------------------------------------------------------------
+
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+
+
+def arg(*flags: str, **kwargs: Any) -> Argument:
+    """An ``add_argument`` call, written down for ``@command``."""
+    return flags, kwargs
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    run: Callable[[argparse.Namespace], int]
+    arguments: tuple[Argument, ...]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, *arguments: Argument
+            ) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+    """Register a subcommand; ``--json`` is added to every command."""
+    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        if name in COMMANDS:
+            raise ValueError(f"command {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, run, arguments)
+        return run
+    return register
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="unbroken", description="Resume PyTorch training runs exactly, and prove it.",
+        epilog="exit status: 0 good, 1 a problem was found, 2 usage or environment error")
+    parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
+    sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
+    for cmd in COMMANDS.values():
+        p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.run.__doc__ or cmd.help)
+        for flags, kwargs in cmd.arguments:
+            p.add_argument(*flags, **kwargs)
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        p.set_defaults(command=cmd)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse: usage errors exit 2, --help/--version exit 0
+        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
+    if getattr(args, "command", None) is None:
+        parser.print_usage(sys.stderr)
+        _error("a command is required (see unbroken --help)")
+        return EXIT_USAGE
+    try:
+        return args.command.run(args)
+    except UsageError as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except BrokenPipeError:  # the reader went away (`unbroken inspect RUN | head`)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return EXIT_USAGE
+    except _PROBLEMS as e:
+        _error(str(e))
+        return EXIT_PROBLEM
+    except (UnbrokenError, OSError) as e:
+        _error(str(e))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def _error(message: str) -> None:
+    print(f"unbroken: error: {_printable(message)}", file=sys.stderr)
+
+
+def _printable(text: str) -> str:
+    """Escape control characters: names and summaries come from files we do not trust."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool) -> int:
+    """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``."""
+    if args.json:
+        print(json.dumps(payload, indent=2))
+    else:
+        print(_printable(text))
+    return EXIT_OK if ok else EXIT_PROBLEM
+
+
+# -- reading a run folder (no lock, no hashing unless asked) ------------------------------------
+
+
+def _open_run(path: str) -> GenerationStore:
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such run folder")
+    if not os.path.isdir(path):
+        raise UsageError(f"{path}: not a folder; a run folder holds gen-* generation folders")
+    return GenerationStore(path)
+
+
+def _peek_manifest(store: GenerationStore, info: GenerationInfo) -> Manifest | None:
+    """The manifest of a generation if it parses at all (a corrupt one may still name its
+    step); ``None`` when missing or unreadable. Reads the manifest only."""
+    if info.manifest is not None:
+        return info.manifest
+    try:
+        where = os.path.join(info.path, MANIFEST)  # never a symlink, FIFO or device
+        return parse_manifest(store.fs.read_file(where, MAX_MANIFEST_BYTES), where)
+    except (UnbrokenError, OSError):
+        return None
+
+
+def _disk_bytes(folder: str) -> int | None:
+    try:
+        with os.scandir(folder) as entries:
+            return sum(e.stat(follow_symlinks=False).st_size for e in entries
+                       if e.is_file(follow_symlinks=False))
+    except OSError:
+        return None
+
+
+def _record(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
+    """A generation as JSON: what scan found, plus what its manifest says (if it parses)."""
+    m = _peek_manifest(store, info)
+    return {
+        "generation": info.generation, "path": info.path, "status": info.status,
+        "reason": info.reason or None,
+        "step": m.step if m else None,
+        "bytes": m.total_bytes if info.manifest else _disk_bytes(info.path),
+        "run_id": m.run_id if m else None, "incarnation": m.incarnation if m else None,
+        "created": m.created if m else None, "parts": m.parts if m else [],
+        "artifacts": [asdict(a) for a in m.artifacts] if m else [],
+    }
+
+
+def _relative(root: str, text: str | None) -> str:
+    """Shorten absolute paths inside the run folder for the human-readable report."""
+    return (text or "").replace(root + os.sep, "")
+
+
+def _rows(root: str, records: list[dict[str, Any]]) -> str:
+    headers = ["generation", "step", "size", "status", "incarnation", "created", "parts",
+               "reason"]
+    rows = [[r["generation"], r["step"], human_size(r["bytes"]), r["status"], r["incarnation"],
+             (r["created"] or "-")[:19].replace("T", " "), ",".join(r["parts"]) or "-",
+             _relative(root, r["reason"])] for r in records]
+    if not any(r["reason"] for r in records):
+        headers, rows = headers[:-1], [r[:-1] for r in rows]
+    return table(headers, rows, right=(0, 1, 2, 4), indent="  ")
+
+
+# -- inspect ------------------------------------------------------------------------------------
+
+
+def _newest(info: GenerationInfo) -> dict[str, Any]:
+    m = info.manifest
+    assert m is not None
+    return {"generation": info.generation, "step": m.step, "path": info.path,
+            "run_id": m.run_id, "incarnation": m.incarnation, "identity": m.identity,
+            "parent": m.parent, "origin": m.origin, "environment": m.environment,
+            "metrics": m.metrics, "retention": m.retention}
+
+
+def _newest_text(n: dict[str, Any]) -> list[str]:
+    lines = [f"newest complete: gen-{n['generation']:09d} (step {n['step']})",
+             f"  run          {n['run_id']} (incarnation {n['incarnation']})"]
+    for field in ("config", "tokenizer", "data"):
+        e = n["identity"].get(field)
+        desc = "not recorded" if not isinstance(e, dict) else (
+            f"{e.get('summary') or e.get('kind', '?')} [{str(e.get('hash', ''))[:12]}]")
+        lines.append(f"  {field:<12} {desc}")
+    p = n["parent"]
+    if isinstance(p, dict):
+        same = "this run" if p.get("run_id") == n["run_id"] else f"run {p.get('run_id')}"
+        parent = f"gen {p.get('generation')} of {same}, incarnation {p.get('incarnation')}"
+    else:
+        parent = "none (first generation of the run)"
+    lines.append(f"  parent       {parent}")
+    o = n["origin"]
+    origin = "fresh run" if not isinstance(o, dict) else (
+        f"{o.get('operation', '?')} from {o.get('source', '?')} gen {o.get('generation')} "
+        f"(run {o.get('run_id')})")
+    lines.append(f"  origin       {origin}")
+    env = n["environment"]
+    cuda = ", ".join(map(str, env.get("cuda_devices") or [])) or "none"
+    lines.append(f"  environment  torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
+                 f"{env.get('num_threads', '?')} threads, deterministic algorithms "
+                 f"{'on' if env.get('deterministic_algorithms') else 'off'}, cuda {cuda}, "
+                 f"world size {env.get('world_size', '?')}, filesystem {env.get('filesystem', '?')}")
+    if n["metrics"]:
+        lines.append("  metrics      " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float))
+                                                  else f"{k}={v}" for k, v in n["metrics"].items()))
+    return lines
+
+
+def _debris(root: str) -> list[dict[str, str]]:
+    return [{"name": name, "note": note} for name in sorted(os.listdir(root))
+            for prefix, note in _DEBRIS.items() if name.startswith(prefix)]
+
+
+def _aside(root: str) -> list[str]:
+    folder = os.path.join(root, ASIDE)
+    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+
+
+@command("inspect", "list generations, their status and the newest one's identity",
+         arg("run", metavar="RUN", help="the run folder"))
+def _inspect(args: argparse.Namespace) -> int:
+    """List every generation of RUN (step, size, status: complete / torn / corrupt, and why),
+    the identity, lineage and environment of the newest complete one, uncommitted debris and
+    moved-aside generations. Cheap: checks manifests and sizes, never re-hashes file contents
+    (use `unbroken verify` for that). Exit 1 when any generation is torn or corrupt."""
+    store = _open_run(args.run)
+    scanned = store.scan()
+    records = [_record(store, g) for g in scanned]
+    complete = [g for g in scanned if g.ok]
+    newest = _newest(complete[-1]) if complete else None
+    debris, aside = _debris(store.root), _aside(store.root)
+    ok = len(complete) == len(scanned)
+    payload = {"run": store.root, "generations": records, "newest_complete": newest,
+               "debris": debris, "aside": aside, "ok": ok}
+    lines = [f"run {store.root}"]
+    if not scanned:
+        lines.append("no generations")
+        if os.path.basename(store.root).startswith("gen-"):
+            lines.append("(this looks like a generation folder; pass the run folder above it)")
+    else:
+        bad = len(scanned) - len(complete)
+        lines += [f"{len(scanned)} generation{'s' * (len(scanned) != 1)}: "
+                  f"{len(complete)} complete"
+                  + (f", {bad} torn or corrupt" if bad else ""), "",
+                  _rows(store.root, records), ""]
+        lines += _newest_text(newest) if newest else ["no complete generation"]
+    for d in debris:
+        lines.append(f"debris: {d['name']} ({d['note']})")
+    if aside:
+        lines.append(f"aside/ (moved aside, abandoned or corrupt; never loaded): "
+                     f"{', '.join(aside)}")
+    return emit(args, payload, "\n".join(lines), ok)
+
+
+# -- verify -------------------------------------------------------------------------------------
+
+
+def _consistency(info: GenerationInfo, tree: dict[str, Any], meta: dict[str, str]) -> None:
+    """What decode_generation cannot know: state.json must agree with the manifest."""
+    m = info.manifest
+    assert m is not None
+    where = os.path.join(info.path, "state.json")
+    expected = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
+                "unbroken.incarnation": str(m.incarnation)}
+    found = {k: meta.get(k) for k in expected}
+    if found != expected:
+        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
+                                "state belongs to another generation")
+    if sorted(tree) != sorted(m.parts):
+        raise CorruptCheckpoint(f"{where}: holds parts {sorted(tree)}, the manifest lists "
+                                f"{sorted(m.parts)}")
+    counters = tree.get("counters")
+    if isinstance(counters, dict) and "step" in counters and counters["step"] != m.step:
+        raise CorruptCheckpoint(f"{where}: counters say step {counters['step']!r}, the manifest "
+                                f"says step {m.step}")
+
+
+def _verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
+    from .state import decode_generation  # torch-heavy; only verify needs it
+
+    rec = _record(store, info)
+    if not info.ok:
+        return rec
+    try:
+        files = store.read_verified(info)  # every byte re-hashed against the manifest
+        tree, meta = decode_generation(files, info.path)  # headers, references, stamps
+        _consistency(info, tree, meta)
+    except UnbrokenError as e:
+        rec.update(status="corrupt", reason=str(e))
+    except Exception as e:  # a decoder bug must not hide the other generations' results
+        rec.update(status="corrupt", reason=f"{info.path}: cannot be decoded "
+                                            f"({type(e).__name__}: {e})")
+    else:
+        rec.update(status="ok", reason=None)
+    return rec
+
+
+@command("verify", "re-hash and fully decode generations",
+         arg("run", metavar="RUN", help="the run folder"),
+         arg("--generation", type=int, metavar="N", help="verify only generation N"))
+def _verify(args: argparse.Namespace) -> int:
+    """Re-hash every artifact of every generation of RUN (or only --generation N) against its
+    manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
+    without loading it into any model. Reports each generation: ok, or which file failed and
+    what was expected and found. Exit 1 when any checked generation fails."""
+    store = _open_run(args.run)
+    scanned = store.scan()
+    if args.generation is not None:
+        scanned = [g for g in scanned if g.generation == args.generation]
+        if not scanned:
+            found = [g.generation for g in store.scan()]
+            raise UsageError(f"{store.root}: no generation {args.generation} (found "
+                             f"{found or 'none'})")
+    records = [_verify_one(store, g) for g in scanned]
+    ok = all(r["status"] == "ok" for r in records)
+    payload = {"run": store.root, "generations": records, "ok": ok}
+    if not records:
+        text = f"run {store.root}\nno generations to verify"
+    else:
+        good = sum(r["status"] == "ok" for r in records)
+        text = "\n".join([f"run {store.root}", _rows(store.root, records), "",
+                          f"{len(records)} checked: {good} ok, {len(records) - good} failed"])
+    return emit(args, payload, text, ok)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

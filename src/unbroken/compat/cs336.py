@@ -1,0 +1,74 @@
+"""Stanford CS336 assignment 1 checkpointing contract, in unbroken's safe format.
+
+``save_checkpoint(model, optimizer, iteration, out)`` / ``load_checkpoint(src, model,
+optimizer) -> iteration``, where ``out``/``src`` is a path or a binary file object. The file is
+one safetensors file: model tensors under ``model/``, optimizer tensors under ``optimizer/``,
+and the non-tensor skeleton plus a content hash of the tensor bytes in its metadata. Optimizer
+state is keyed by parameter name. Nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any
+
+import torch
+import xxhash
+
+from ..codec import (decode_safetensors, decode_tree, dumps_json, encode_safetensors,
+                     encode_tree, loads_json)
+from ..errors import CorruptCheckpoint
+from ..state import optimizer_state, optimizer_state_to_torch, validate_model
+
+_FORMAT = "unbroken.cs336/1"
+
+
+def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iteration: int,
+                    out: str | os.PathLike[str] | IO[bytes]) -> None:
+    """Write model, optimizer and iteration to ``out`` (path or binary file object)."""
+    skeleton, tensors = encode_tree({"model": model.state_dict(),
+                                     "optimizer": optimizer_state(model, optimizer),
+                                     "iteration": int(iteration)})
+    chunks = encode_safetensors(tensors, {"unbroken.format": _FORMAT,
+                                          "unbroken.skeleton": dumps_json(skeleton).decode()},
+                                data_hash_key="unbroken.xxh3_128")
+    if isinstance(out, (str, os.PathLike)):
+        tmp = f"{os.fspath(out)}.tmp-{os.getpid()}"
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)  # a reader never sees a half-written checkpoint
+    else:
+        for chunk in chunks:
+            out.write(chunk)
+
+
+def load_checkpoint(src: str | os.PathLike[str] | IO[bytes], model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer) -> int:
+    """Restore model and optimizer from ``src``; return the saved iteration. Everything is
+    validated (hash, keys, shapes, parameter names) before either object changes."""
+    where = os.fspath(src) if isinstance(src, (str, os.PathLike)) else getattr(src, "name",
+                                                                               "<file object>")
+    if isinstance(src, (str, os.PathLike)):
+        with open(src, "rb") as f:
+            data = f.read()
+    else:
+        data = src.read()
+    tensors, meta = decode_safetensors(data, str(where))
+    if meta.get("unbroken.format") != _FORMAT:
+        raise CorruptCheckpoint(f"{where}: format {meta.get('unbroken.format')!r}, expected "
+                                f"{_FORMAT!r} (written by unbroken.compat.cs336.save_checkpoint)")
+    n = int.from_bytes(data[:8], "little")
+    digest = xxhash.xxh3_128(memoryview(data)[8 + n:]).hexdigest()
+    if digest != meta.get("unbroken.xxh3_128"):
+        raise CorruptCheckpoint(f"{where}: tensor data hash {digest}, the header records "
+                                f"{meta.get('unbroken.xxh3_128')} (the file is corrupt)")
+    skeleton = loads_json(meta["unbroken.skeleton"].encode(), str(where), 1 << 30)
+    tree: dict[str, Any] = decode_tree(skeleton, tensors, str(where))
+    validate_model(tree["model"], model, str(where))
+    ready = optimizer_state_to_torch(tree["optimizer"], model, optimizer, str(where))
+    model.load_state_dict(tree["model"])
+    optimizer.load_state_dict(ready)
+    return int(tree["iteration"])

@@ -1,0 +1,353 @@
+"""`ResumableLoader`: a DataLoader whose saved position counts what completed updates consumed.
+
+Rules (documented contract):
+
+* One ``iter(loader)`` is the rest of the cursor's epoch, like a DataLoader pass; when a pass
+  is exhausted the epoch has ended and the next ``iter()`` starts the next epoch. ``len`` is
+  the batches of a whole epoch. Drive epochs with ``while loader.epoch < epochs:`` — the
+  loader is the one owner of the epoch counter, so keep no other.
+* **Consumed, not prefetched.** The loader counts the batches it hands to the training loop,
+  whatever the workers and ``prefetch_factor`` read ahead; `state_dict` returns the position
+  after the last **completed update window**.
+* **Accumulation.** With ``accumulation=N``, micro-batches form update windows of N counted
+  from the start of the pass. A window never spans epochs: the epoch's last window is
+  shorter when the epoch's batch count is not a multiple of N (the last update uses fewer
+  micro-batches; no sample is dropped beyond the sampler's own ``drop_last``). After each
+  batch, `at_boundary` says whether it closed its window (step the optimizer then) and
+  `window_size` gives the window's micro-batch count (scale the loss by it). A save between
+  boundaries raises `UpdateBoundaryError`. An update the GradScaler skipped still consumed
+  its samples: the window is complete once its micro-batches were handed out.
+* Starting a new ``iter()`` (or `load_state_dict`) drops the micro-batches of an unfinished
+  window: they are handed out again, exactly as a resumed process would see them.
+* The DataLoader gets a private ``torch.Generator`` (seeded from seed, epoch and cursor), so
+  ``iter()`` never draws from the global torch RNG; with a ``collate_fn``, each batch's
+  collate runs under RNGs seeded from (seed, epoch, position of its first sample).
+* **Iterable datasets** must implement the resumable-iterable contract: ``state_dict()``
+  returns a dict (codec-friendly plain values) and ``load_state_dict(state)`` accepts it
+  back; before each pass the loader sets ``state["epoch"]`` and ``state["consumed"]`` (items
+  of that epoch consumed by completed updates) and calls ``load_state_dict``; ``__iter__``
+  must then yield that epoch's items from item ``consumed`` on, in an order that depends on
+  its state only (no global RNG, no worker count). One worker at most (the item order of
+  several workers depends on their count), no persistent workers (the dataset copy in a
+  persistent worker cannot be repositioned). A dataset without the contract is refused
+  with `MissingState`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.utils.data
+
+from ..errors import MissingState, StateMismatch, UnbrokenError, UpdateBoundaryError
+from ._keyed import TAG_WORKERS, mix
+from .sampler import STATE_VERSION, ResumableSampler
+from .seeding import _RecordKeys, _SeededCollate
+
+_END = object()  # an iterable pass's peek found the end of the stream
+
+
+class _Pass:
+    """One ``iter()`` of the loader: where it started and how many batches it handed out."""
+
+    def __init__(self, epoch: int, start: int, total: int | None, accumulation: int) -> None:
+        self.epoch = epoch
+        self.start = start  # global samples (or items) consumed when the pass began
+        self.total = total  # batches this pass will yield; None until an iterable's end is seen
+        self.n = accumulation
+        self.yielded = 0
+        self.iterator: Iterator[Any] | None = None
+        self.pending: Any = None  # iterable passes look one batch ahead to know the last one
+        self.started = False
+
+    def completed(self) -> int:
+        """Batches of this pass that belong to completed update windows."""
+        k = self.yielded
+        if self.total is not None and k == self.total:
+            return k  # the epoch's last window closes early: windows never span epochs
+        return k - k % self.n
+
+    def window(self) -> tuple[int, int]:
+        """(micro-batches of the current window handed out, size of that window)."""
+        k = self.yielded
+        if k == 0:
+            return 0, self.n if self.total is None else min(self.n, self.total)
+        first = (k - 1) // self.n * self.n
+        size = self.n if self.total is None else min(self.n, self.total - first)
+        return k - first, size
+
+
+class _LoaderIterator:
+    """Iterator over one pass; refuses to continue once superseded."""
+
+    def __init__(self, loader: ResumableLoader, p: _Pass) -> None:
+        self._loader = loader
+        self._pass = p
+
+    def __iter__(self) -> _LoaderIterator:
+        return self
+
+    def __next__(self) -> Any:
+        return self._loader._next(self._pass)
+
+
+class ResumableLoader:
+    """A `torch.utils.data.DataLoader` wrapper that saves and restores its exact position.
+
+    Args:
+        dataset: map-style dataset (wrap it in `seeded` for reproducible augmentation), or an
+            IterableDataset implementing the resumable-iterable contract (module doc).
+        sampler: the `ResumableSampler` giving the order (map-style datasets; required).
+        batch_size: batch size for iterable datasets only (map-style: the sampler's).
+        num_workers, collate_fn, pin_memory, prefetch_factor, persistent_workers, timeout,
+        worker_init_fn, multiprocessing_context: as for DataLoader.
+        accumulation: micro-batches per optimizer update (N >= 1).
+        seed: seed of the private DataLoader generator and of collate_fn randomness
+            (default: the sampler's seed, or 0).
+
+    Attributes read by the Checkpointer: ``epoch``, ``state_dict()``, ``load_state_dict()``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        sampler: ResumableSampler | None = None,
+        *,
+        batch_size: int | None = None,
+        num_workers: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        pin_memory: bool = False,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        timeout: float = 0.0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        accumulation: int = 1,
+        seed: int | None = None,
+    ) -> None:
+        if not isinstance(accumulation, int) or accumulation < 1:
+            raise ValueError(f"ResumableLoader: accumulation must be an int >= 1, got {accumulation!r}")
+        self._dataset = dataset
+        self.sampler = sampler
+        self.accumulation = accumulation
+        self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        self._seed = int(seed) if seed is not None else (sampler.seed if sampler is not None else 0)
+        self._generator = torch.Generator()
+        self._pass: _Pass | None = None
+        self._it_epoch = 0  # the cursor of an iterable dataset (a sampler keeps its own)
+        self._it_consumed = 0
+        common: dict[str, Any] = dict(
+            num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers, timeout=timeout,
+            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            generator=self._generator, in_order=True)
+        if self._iterable:
+            if not (callable(getattr(dataset, "state_dict", None))
+                    and callable(getattr(dataset, "load_state_dict", None))):
+                raise MissingState(
+                    f"{type(dataset).__name__} is an IterableDataset without state_dict()/"
+                    f"load_state_dict(), so its position cannot be saved and a `continue` "
+                    f"would repeat or skip data. Implement the resumable-iterable contract "
+                    f"(see unbroken.data.loader: start each epoch at state['consumed']) or "
+                    f"use a map-style dataset with ResumableSampler")
+            if sampler is not None:
+                raise ValueError("ResumableLoader: an IterableDataset orders its own items; "
+                                 "pass batch_size=, not a sampler")
+            if not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError("ResumableLoader: an IterableDataset needs batch_size= (int >= 1)")
+            if num_workers > 1 or persistent_workers:
+                raise ValueError(
+                    "ResumableLoader: a resumable IterableDataset supports num_workers <= 1 and "
+                    "no persistent workers (item order must not depend on the worker count, "
+                    "and a persistent worker's copy could not be repositioned)")
+            self._batch_size = batch_size
+            self._dl = torch.utils.data.DataLoader(
+                dataset, batch_size=batch_size, collate_fn=collate_fn, **common)
+        else:
+            if not isinstance(sampler, ResumableSampler):
+                raise TypeError("ResumableLoader: a map-style dataset needs sampler=ResumableSampler(...)")
+            if batch_size is not None and batch_size != sampler.batch_size // sampler.world_size:
+                raise ValueError(f"ResumableLoader: batch_size={batch_size} contradicts the "
+                                 f"sampler's per-rank batch {sampler.batch_size // sampler.world_size}")
+            if hasattr(dataset, "__len__") and len(dataset) != sampler.num_samples:
+                raise ValueError(f"ResumableLoader: len(dataset)={len(dataset)} but the sampler "
+                                 f"orders num_samples={sampler.num_samples}")
+            self._batch_size = sampler.batch_size
+            # Only a user collate_fn can draw random numbers; the default collate needs no
+            # seeding, and skipping it saves an RNG save/restore per batch.
+            wrapped = collate_fn is not None
+            self._dl = torch.utils.data.DataLoader(
+                _RecordKeys(dataset) if wrapped else dataset, batch_sampler=sampler,
+                collate_fn=_SeededCollate(collate_fn, self._seed) if wrapped else None,
+                **common)
+
+    # -- cursor ----------------------------------------------------------------------------
+
+    @property
+    def dataset(self) -> Any:
+        """The dataset as passed in."""
+        return self._dataset
+
+    def _cursor(self) -> tuple[int, int]:
+        if self.sampler is not None:
+            return self.sampler.epoch, self.sampler.consumed
+        return self._it_epoch, self._it_consumed
+
+    @property
+    def epoch(self) -> int:
+        """Completed epochs = the epoch the next update's data comes from."""
+        return self._cursor()[0]
+
+    @property
+    def consumed(self) -> int:
+        """Samples (items) of `epoch` consumed by completed updates, summed over ranks."""
+        return self._cursor()[1]
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when every batch handed out belongs to a completed update window."""
+        p = self._pass
+        return p is None or p.yielded == p.completed()
+
+    @property
+    def window_size(self) -> int:
+        """Micro-batches in the update window of the last batch handed out (N, or fewer for
+        an epoch's final window)."""
+        return self._pass.window()[1] if self._pass is not None else self.accumulation
+
+    @property
+    def last_batch_ids(self) -> list[int]:
+        """Dataset indices of the last batch handed out (this rank's share); for an iterable
+        dataset, the items' positions in the epoch's stream. Empty before the first batch."""
+        p = self._pass
+        if p is None or p.yielded == 0:
+            return []
+        if self.sampler is None:
+            first = p.start + (p.yielded - 1) * self._batch_size
+            return list(range(first, first + self._batch_size))
+        number = p.start // self.sampler.batch_size + p.yielded - 1
+        return [int(k) for k in self.sampler.batch(p.epoch, number)]
+
+    def _position_after(self, p: _Pass, batches: int) -> tuple[int, int]:
+        if self.sampler is not None:
+            return self.sampler.position_after(p.epoch, p.start, batches)
+        if p.total is not None and batches == p.total:
+            return p.epoch + 1, 0
+        return p.epoch, p.start + batches * self._batch_size
+
+    def _set_cursor(self, epoch: int, consumed: int) -> None:
+        if self.sampler is not None:
+            self.sampler.set_position(epoch, consumed)
+        else:
+            self._it_epoch, self._it_consumed = epoch, consumed
+
+    # -- iteration -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch (a whole epoch, wherever the cursor is)."""
+        return len(self.sampler) if self.sampler is not None else len(self._dl)
+
+    def __iter__(self) -> Iterator[Any]:
+        """The rest of the cursor's epoch, from the first sample no completed update consumed."""
+        self._detach()
+        epoch, consumed = self._cursor()
+        if self.sampler is not None:
+            total: int | None = self.sampler.batches_per_epoch - consumed // self.sampler.batch_size
+        else:
+            state = dict(self._dataset.state_dict())
+            state["epoch"], state["consumed"] = epoch, consumed
+            self._dataset.load_state_dict(state)
+            total = None
+        p = _Pass(epoch, consumed, total, self.accumulation)
+        # A private generator: iter(DataLoader) draws the workers' base seed from it instead of
+        # from the global torch RNG, which would shift the training loop's dropout stream.
+        self._generator.manual_seed(mix(TAG_WORKERS, self._seed, epoch, consumed))
+        p.iterator = iter(self._dl)
+        self._pass = p
+        return _LoaderIterator(self, p)
+
+    def _detach(self) -> None:
+        # Drop the previous pass: its completed windows are already in the cursor, an
+        # unfinished window is replayed. Releasing the DataLoader iterator shuts its
+        # (non-persistent) workers down now rather than at garbage collection.
+        if self._pass is not None:
+            self._pass.iterator = None
+            self._pass = None
+
+    def _next(self, p: _Pass) -> Any:
+        if self._pass is not p:
+            raise UnbrokenError("this iterator of the ResumableLoader was superseded by a newer "
+                                "iter(loader) or load_state_dict(); iterate the loader again")
+        if p.iterator is None:
+            raise StopIteration
+        if self.sampler is not None:
+            try:
+                batch = next(p.iterator)
+            except StopIteration:
+                p.iterator = None
+                raise
+        else:
+            # Look one batch ahead, so the last batch of the stream is known when it is
+            # handed out: its window closes and the cursor rolls over to the next epoch.
+            if not p.started:
+                p.started = True
+                p.pending = next(p.iterator, _END)
+            batch = p.pending
+            if batch is _END:
+                p.iterator = None
+                if p.yielded == 0:  # an empty epoch still ends
+                    self._set_cursor(p.epoch + 1, 0)
+                raise StopIteration
+            p.pending = next(p.iterator, _END)
+            if p.pending is _END:
+                p.total = p.yielded + 1
+        p.yielded += 1
+        if p.yielded == p.completed():
+            self._set_cursor(*self._position_after(p, p.yielded))
+        return batch
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last completed update (plain ints/bools/dicts).
+
+        Raises `UpdateBoundaryError` between the micro-batches of an update window.
+        """
+        p = self._pass
+        if p is not None and p.yielded != p.completed():
+            taken, size = p.window()
+            raise UpdateBoundaryError(
+                f"save requested after {taken} of {size} micro-batches of the update window; "
+                f"save at an update boundary (after the optimizer step that ends the window)")
+        epoch, consumed = self._cursor()
+        if self.sampler is not None:
+            return self.sampler._state(epoch, consumed)
+        dataset_state = dict(self._dataset.state_dict())
+        dataset_state["epoch"], dataset_state["consumed"] = epoch, consumed
+        return {"version": STATE_VERSION, "kind": "iterable", "epoch": epoch,
+                "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the position (validated first; raises `StateMismatch` on a misfit). The
+        next ``iter()`` continues at the first sample no completed update consumed."""
+        if self.sampler is not None:
+            position = self.sampler.check_state(state)
+        else:
+            if not isinstance(state, Mapping) or state.get("kind") != "iterable":
+                raise StateMismatch("data state was not written by a ResumableLoader over an "
+                                    "IterableDataset (kind != 'iterable')")
+            if state.get("batch_size") != self._batch_size:
+                raise StateMismatch(f"data state: saved batch_size={state.get('batch_size')!r}, "
+                                    f"live batch_size={self._batch_size}: the cursor counts "
+                                    f"items of the saved batches; keep the batch size")
+            epoch, consumed = state.get("epoch"), state.get("consumed")
+            if not (isinstance(epoch, int) and isinstance(consumed, int) and epoch >= 0
+                    and consumed >= 0 and isinstance(state.get("dataset"), Mapping)):
+                raise StateMismatch(f"data state: damaged cursor epoch={epoch!r}, "
+                                    f"consumed={consumed!r}")
+            self._dataset.load_state_dict(dict(state["dataset"]))
+            position = (epoch, consumed)
+        self._detach()
+        self._set_cursor(*position)

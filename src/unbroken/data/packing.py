@@ -1,0 +1,172 @@
+"""`Packer`: variable-length token documents packed into fixed-length rows, resumable bit for bit.
+
+The packed stream is the concatenation of the documents in a per-epoch keyed order (the
+same bijection as `ResumableSampler`), each followed by ``eos_id`` when given, cut into rows
+of ``seq_len`` tokens. Rows run across document and epoch boundaries: no token is dropped or
+padded. Because the stream is a pure function of (seed, epoch), the packer's state is a
+cursor — epoch, documents fully consumed, and the offset into the current document whose
+tail carries over into the next row — and the partial row at a save is *reconstructed* from
+it on resume instead of being stored ("deterministic reconstruction"). O(1) state, O(1)
+resume, no buffer in the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
+from ._keyed import TAG_PACK, KeyedPermutation, mix
+from .sampler import STATE_VERSION
+
+
+class Packer:
+    """Iterate batches of packed rows (``LongTensor[batch_size, seq_len]``), forever.
+
+    Args:
+        documents: map-style source; ``documents[i]`` is a 1-D sequence of token ids (list,
+            NumPy array or tensor). ``len(documents)`` documents per epoch.
+        seq_len: tokens per row (use L+1 when inputs and shifted labels come from one row).
+        batch_size: rows per batch.
+        seed, shuffle: document order per epoch (keyed bijection of (seed, epoch)).
+        eos_id: token appended after every document, or None.
+        accumulation: batches per optimizer update; `state_dict` is refused mid-window.
+
+    The iterator is endless (the stream continues into the next epoch); stop at your step
+    budget. `epoch` is the epoch of the next token. Use it in the main process: it computes
+    rows on demand, so what it handed out is what the training loop consumed.
+    """
+
+    def __init__(
+        self,
+        documents: Sequence[Any],
+        seq_len: int,
+        *,
+        batch_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        eos_id: int | None = None,
+        accumulation: int = 1,
+    ) -> None:
+        if len(documents) < 1 or seq_len < 1 or batch_size < 1 or accumulation < 1:
+            raise ValueError("Packer: need at least one document, and seq_len, batch_size, "
+                             "accumulation >= 1")
+        self.documents = documents
+        self.num_documents = len(documents)
+        self.seq_len = int(seq_len)
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.shuffle = bool(shuffle)
+        self.eos_id = None if eos_id is None else int(eos_id)
+        self.accumulation = int(accumulation)
+        self._saved = (0, 0, 0)  # cursor (epoch, documents, offset) at the last boundary
+        self._live = self._saved  # cursor after the last batch handed out
+        self._in_window = 0  # batches of the current update window handed out
+        self._generation = 0
+        self._perm: tuple[int, KeyedPermutation] | None = None
+        self.last_batch_ids: list[int] = []
+        """Document indices that contributed to the last batch, in stream order."""
+
+    def _document(self, epoch: int, number: int) -> tuple[int, np.ndarray]:
+        if self.shuffle:
+            if self._perm is None or self._perm[0] != epoch:
+                self._perm = (epoch, KeyedPermutation(self.num_documents, mix(TAG_PACK, self.seed, epoch)))
+            index = int(self._perm[1](np.array([number]))[0])
+        else:
+            index = number
+        doc = self.documents[index]
+        tokens = doc.numpy() if isinstance(doc, torch.Tensor) else np.asarray(doc)
+        tokens = tokens.reshape(-1).astype(np.int64, copy=False)
+        if self.eos_id is not None:
+            tokens = np.append(tokens, np.int64(self.eos_id))
+        return index, tokens
+
+    def _batch(self, cursor: tuple[int, int, int]) -> tuple[torch.Tensor, tuple[int, int, int], list[int]]:
+        epoch, number, offset = cursor
+        need = self.batch_size * self.seq_len
+        out = np.empty(need, dtype=np.int64)
+        filled, ids, empty_run = 0, [], 0
+        while filled < need:
+            index, tokens = self._document(epoch, number)
+            take = min(len(tokens) - offset, need - filled)
+            if take > 0:
+                out[filled:filled + take] = tokens[offset:offset + take]
+                filled += take
+                offset += take
+                empty_run = 0
+                if not ids or ids[-1] != index:
+                    ids.append(index)
+            else:
+                empty_run += 1
+                if empty_run > self.num_documents:
+                    raise UnbrokenError("Packer: every document is empty and eos_id is None: "
+                                        "there are no tokens to pack")
+            if offset >= len(tokens):  # document done: the next one, in the next epoch at the end
+                number, offset = number + 1, 0
+                if number == self.num_documents:
+                    epoch, number = epoch + 1, 0
+        return torch.from_numpy(out.reshape(self.batch_size, self.seq_len)), (epoch, number, offset), ids
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        """Batches from the last update boundary on (an unfinished window is replayed)."""
+        self._generation += 1
+        self._live, self._in_window = self._saved, 0
+        return self._run(self._generation)
+
+    def _run(self, generation: int) -> Iterator[torch.Tensor]:
+        while True:
+            if generation != self._generation:
+                raise UnbrokenError("this Packer iterator was superseded by a newer iter() or "
+                                    "load_state_dict(); iterate the packer again")
+            rows, self._live, self.last_batch_ids = self._batch(self._live)
+            self._in_window += 1
+            if self._in_window == self.accumulation:
+                self._saved, self._in_window = self._live, 0
+            yield rows
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next token after the last completed update."""
+        return self._saved[0]
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when every batch handed out belongs to a completed update window."""
+        return self._in_window == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Cursor at the last update boundary plus the constants it is valid with."""
+        if self._in_window:
+            raise UpdateBoundaryError(
+                f"save requested after {self._in_window} of {self.accumulation} micro-batches "
+                f"of the update window; save at an update boundary")
+        epoch, documents, offset = self._saved
+        return {"version": STATE_VERSION, "kind": "packer", "epoch": epoch,
+                "documents": documents, "offset": offset, **self._constants()}
+
+    def _constants(self) -> dict[str, Any]:
+        return {"num_documents": self.num_documents, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle,
+                "eos_id": self.eos_id}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor; a different document set, seq_len, batch size, seed, order or
+        eos raises `StateMismatch`."""
+        if not isinstance(state, Mapping) or state.get("kind") != "packer":
+            raise StateMismatch("data state was not written by a Packer (kind != 'packer')")
+        for key, live in self._constants().items():
+            if state.get(key) != live:
+                raise StateMismatch(f"packer state: saved {key}={state.get(key)!r}, live "
+                                    f"{key}={live!r}; the packed stream would differ from the "
+                                    f"interrupted run's")
+        epoch, documents, offset = state.get("epoch"), state.get("documents"), state.get("offset")
+        if not (isinstance(epoch, int) and isinstance(documents, int) and isinstance(offset, int)
+                and epoch >= 0 and 0 <= documents < self.num_documents and offset >= 0):
+            raise StateMismatch(f"packer state: damaged cursor epoch={epoch!r}, "
+                                f"documents={documents!r}, offset={offset!r}")
+        self._generation += 1
+        self._saved = self._live = (epoch, documents, offset)
+        self._in_window = 0

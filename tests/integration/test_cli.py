@@ -1,0 +1,316 @@
+"""`unbroken inspect` and `unbroken verify` against a real run folder, pristine and corrupted."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.cli import main
+
+NEWEST = "gen-000000005"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """5 saved steps of a tiny model; default retention keeps generations 3, 4 and 5."""
+    root = tmp_path_factory.mktemp("pristine") / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt, every=1,
+                                 identity=unbroken.Identity(config={"lr": 1e-2}, data="v1"))
+    for step in range(1, 6):
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step_done(step, loss=0.25)
+    ckpt.close()  # the CLI only reads, but a writer must not hold the folder meanwhile
+    return root
+
+
+@pytest.fixture
+def run(pristine: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "run"
+    shutil.copytree(pristine, dest)
+    return dest
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
+    code, out, err = cli(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def subprocess_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "unbroken.cli", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def load_manifest(gen: Path) -> dict[str, Any]:
+    return json.loads((gen / "MANIFEST.json").read_text())
+
+
+def save_manifest(gen: Path, doc: dict[str, Any]) -> None:
+    (gen / "MANIFEST.json").write_text(json.dumps(doc))
+
+
+def artifact(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(a for a in doc["artifacts"] if a["name"] == name)
+
+
+# -- healthy run ------------------------------------------------------------------------------
+
+
+def test_inspect_lists_three_complete_generations(run: Path, capsys: pytest.CaptureFixture[str]
+                                                  ) -> None:
+    code, out, err = cli(capsys, "inspect", str(run))
+    assert code == 0, err
+    assert "torn" not in out and "corrupt" not in out
+    rows = [line.split() for line in out.splitlines() if line.endswith("rng")]
+    assert [r[:2] for r in rows] == [["3", "3"], ["4", "4"], ["5", "5"]]
+    assert "3 generations: 3 complete" in out
+    assert "newest complete: gen-000000005 (step 5)" in out
+    assert "config with 1 keys" in out and "revision 'v1'" in out
+    assert "parent       gen 4 of this run" in out and "fresh run" in out
+    assert f"torch {torch.__version__}" in out and "threads" in out and "deterministic" in out
+    assert "KiB" in out and err == ""
+
+    code, doc = cli_json(capsys, "inspect", str(run))
+    assert code == 0 and doc["ok"] is True and doc["run"] == str(run)
+    gens = doc["generations"]
+    assert [g["generation"] for g in gens] == [3, 4, 5] and [g["step"] for g in gens] == [3, 4, 5]
+    assert all(g["status"] == "complete" and g["reason"] is None for g in gens)
+    assert all(g["bytes"] == sum(a["size"] for a in g["artifacts"]) > 0 for g in gens)
+    assert {a["name"] for a in gens[-1]["artifacts"]} >= {"model.safetensors", "state.json"}
+    assert gens[-1]["parts"] == ["counters", "model", "optimizer", "rng"]
+    newest = doc["newest_complete"]
+    assert newest["generation"] == 5 and newest["parent"]["generation"] == 4
+    assert newest["identity"]["data"]["value"] == "v1"
+    assert newest["environment"]["torch"] == str(torch.__version__)
+    assert doc["debris"] == [] and doc["aside"] == []
+
+
+def test_verify_ok(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, "verify", str(run))
+    assert code == 0, out + err
+    assert "3 checked: 3 ok, 0 failed" in out
+    code, doc = cli_json(capsys, "verify", str(run))
+    assert code == 0 and doc["ok"] is True and doc["run"] == str(run)
+    for g in doc["generations"]:
+        assert g["status"] == "ok" and g["reason"] is None and g["bytes"] > 0
+        assert all(set(a) == {"name", "size", "xxh3_128"} for a in g["artifacts"])
+        assert "model" in g["parts"]
+    code, doc = cli_json(capsys, "verify", str(run), "--generation", "4")
+    assert code == 0 and [g["generation"] for g in doc["generations"]] == [4]
+
+
+def test_subprocess_entry_point(run: Path) -> None:
+    p = subprocess_cli("inspect", str(run), "--json")
+    assert p.returncode == 0, p.stderr
+    assert len(json.loads(p.stdout)["generations"]) == 3
+    p = subprocess_cli("verify", str(run))
+    assert p.returncode == 0, p.stderr
+    assert "3 ok" in p.stdout
+
+
+def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = cli(capsys, "inspect", str(tmp_path))
+    assert code == 0 and "no generations" in out
+    code, doc = cli_json(capsys, "inspect", str(tmp_path))
+    assert code == 0 and doc["generations"] == [] and doc["newest_complete"] is None
+    code, doc = cli_json(capsys, "verify", str(tmp_path))
+    assert code == 0 and doc == {"run": str(tmp_path), "generations": [], "ok": True}
+
+
+def test_debris_and_aside_are_listed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / ".staging-000000006-0123456789ab").mkdir()
+    (run / "aside" / "gen-000000007-abandoned-deadbeef").mkdir(parents=True)
+    code, out, _ = cli(capsys, "inspect", str(run))
+    assert code == 0
+    assert ".staging-000000006-0123456789ab (in-progress or interrupted save, ignored)" in out
+    assert "gen-000000007-abandoned-deadbeef" in out
+    code, doc = cli_json(capsys, "inspect", str(run))
+    assert doc["debris"][0]["name"].startswith(".staging-")
+    assert doc["aside"] == ["gen-000000007-abandoned-deadbeef"]
+    assert cli(capsys, "verify", str(run))[0] == 0  # debris is never read
+
+
+# -- usage and environment errors -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("argv", [["inspect", "{missing}"], ["verify", "{missing}"],
+                                  ["verify", "{file}"], ["verify", "{run}", "--generation", "9"]])
+def test_bad_run_exits_2_without_traceback(run: Path, tmp_path: Path, argv: list[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    paths = {"missing": tmp_path / "nope", "file": tmp_path / "file", "run": run}
+    p = subprocess_cli(*[a.format(**paths) for a in argv], "--json")
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.startswith("unbroken: error: ") and "Traceback" not in p.stderr
+    assert p.stdout == ""
+
+
+def test_unknown_generation_names_the_ones_found(run: Path, capsys: pytest.CaptureFixture[str]
+                                                 ) -> None:
+    code, _, err = cli(capsys, "verify", str(run), "--generation", "9")
+    assert code == 2 and "no generation 9" in err and "[3, 4, 5]" in err
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["inspect"], ["verify", "RUN", "--bogus"],
+                                  ["verify", "RUN", "--generation", "x"]])
+def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = cli(capsys, *argv)
+    assert code == 2 and "usage:" in err and "Traceback" not in err
+    p = subprocess_cli(*argv)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+
+
+# -- corruption of the newest generation ------------------------------------------------------
+
+
+def truncate(gen: Path) -> None:
+    f = gen / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:-5])
+
+
+def flip_tensor_byte(gen: Path) -> None:
+    f = gen / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    data[8 + n + 1] ^= 0x01  # inside the tensor data, past the header
+    f.write_bytes(bytes(data))
+
+
+def delete_manifest(gen: Path) -> None:
+    (gen / "MANIFEST.json").unlink()
+
+
+def edit_size(gen: Path) -> None:
+    doc = load_manifest(gen)
+    artifact(doc, "optimizer.safetensors")["size"] += 1
+    save_manifest(gen, doc)
+
+
+def edit_hash(gen: Path) -> None:
+    doc = load_manifest(gen)
+    a = artifact(doc, "model.safetensors")
+    a["xxh3_128"] = ("0" if a["xxh3_128"][0] != "0" else "1") + a["xxh3_128"][1:]
+    save_manifest(gen, doc)
+
+
+def escape_folder(gen: Path) -> None:
+    doc = load_manifest(gen)
+    artifact(doc, "model.safetensors")["name"] = "../x"
+    save_manifest(gen, doc)
+
+
+def swap_from_older(gen: Path) -> None:
+    """model.safetensors of generation 4, with the manifest 'fixed' to match: only the
+    per-file stamps (checked by the full decode) can tell."""
+    import xxhash
+
+    older = (gen.parent / "gen-000000004" / "model.safetensors").read_bytes()
+    (gen / "model.safetensors").write_bytes(older)
+    doc = load_manifest(gen)
+    artifact(doc, "model.safetensors").update(size=len(older),
+                                              xxh3_128=xxhash.xxh3_128(older).hexdigest())
+    save_manifest(gen, doc)
+
+
+def edit_step(gen: Path) -> None:
+    doc = load_manifest(gen)
+    doc["step"] = 50
+    save_manifest(gen, doc)
+
+
+CORRUPTIONS: list[tuple[Callable[[Path], None], str, list[str], int]] = [
+    # (mutation, status, words the reason must contain, inspect's exit code)
+    (truncate, "corrupt", ["model.safetensors", "the manifest lists"], 1),
+    (flip_tensor_byte, "corrupt", ["model.safetensors", "content hash", "the manifest lists"], 0),
+    (delete_manifest, "torn", ["MANIFEST.json", "missing"], 1),
+    (edit_size, "corrupt", ["optimizer.safetensors", "bytes, the manifest lists"], 1),
+    (edit_hash, "corrupt", ["model.safetensors", "content hash", "the manifest lists"], 0),
+    (escape_folder, "corrupt", ["MANIFEST.json", "'../x'", "not a plain file name"], 1),
+    (swap_from_older, "corrupt", ["model.safetensors", "stamped", "another generation"], 0),
+    (edit_step, "corrupt", ["state.json", "step 5", "step 50"], 0),
+]
+
+
+@pytest.mark.parametrize("mutate, status, words, inspect_code", CORRUPTIONS,
+                         ids=[c[0].__name__ for c in CORRUPTIONS])
+def test_corrupt_newest_generation(run: Path, capsys: pytest.CaptureFixture[str],
+                                   mutate: Callable[[Path], None], status: str,
+                                   words: list[str], inspect_code: int) -> None:
+    mutate(run / NEWEST)
+
+    code, doc = cli_json(capsys, "verify", str(run))
+    assert code == 1 and doc["ok"] is False
+    by_gen = {g["generation"]: g for g in doc["generations"]}
+    assert set(by_gen) == {3, 4, 5}  # the others are still checked and reported
+    assert by_gen[3]["status"] == by_gen[4]["status"] == "ok"
+    bad = by_gen[5]
+    assert bad["status"] == status, bad
+    for word in words:
+        assert word in bad["reason"], (word, bad["reason"])
+    assert str(run / NEWEST) in bad["reason"]  # names the file by its path
+
+    code, out, err = cli(capsys, "verify", str(run))
+    assert code == 1 and "3 checked: 2 ok, 1 failed" in out and "Traceback" not in out + err
+    assert f"{NEWEST}/" in out and words[0] in out  # relative path in the human report
+
+    assert cli(capsys, "verify", str(run), "--generation", "4")[0] == 0
+    assert cli(capsys, "verify", str(run), "--generation", "5")[0] == 1
+
+    # inspect is cheap (manifest and sizes only): content edits pass it, structure does not
+    code, doc = cli_json(capsys, "inspect", str(run))
+    assert code == inspect_code and doc["ok"] is (inspect_code == 0)
+    newest = doc["newest_complete"]["generation"]
+    assert newest == (5 if inspect_code == 0 else 4)
+    if inspect_code:
+        assert doc["generations"][-1]["status"] == status and doc["generations"][-1]["reason"]
+
+
+def test_corrupt_generation_via_subprocess(run: Path) -> None:
+    flip_tensor_byte(run / NEWEST)
+    p = subprocess_cli("verify", str(run), "--json")
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    statuses = [g["status"] for g in json.loads(p.stdout)["generations"]]
+    assert statuses == ["ok", "ok", "corrupt"]
+    delete_manifest(run / "gen-000000004")
+    p = subprocess_cli("inspect", str(run))
+    assert p.returncode == 1
+    assert "torn" in p.stdout and "gen-000000004/MANIFEST.json: missing" in p.stdout
+    assert "newest complete: gen-000000005" in p.stdout  # inspect does not re-hash
+
+
+def test_control_characters_from_files_are_escaped(run: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    doc = load_manifest(run / NEWEST)
+    doc["identity"]["data"]["summary"] = "evil\x1b[2Jsummary"
+    save_manifest(run / NEWEST, doc)
+    code, out, _ = cli(capsys, "inspect", str(run))
+    assert code == 0 and "\x1b" not in out and "evil\\x1b[2Jsummary" in out
+
+
+def test_every_generation_corrupt_still_reports_each(run: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    for name in sorted(os.listdir(run)):
+        if name.startswith("gen-"):
+            flip_tensor_byte(run / name)
+    code, doc = cli_json(capsys, "verify", str(run))
+    assert code == 1 and [g["status"] for g in doc["generations"]] == ["corrupt"] * 3
