@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import state as S
-from ._fs import filesystem_type, rename_is_atomic
+from ._fs import fault_point, filesystem_type, rename_is_atomic
 from .errors import (CorruptCheckpoint, NoCheckpoint, UnbrokenError, UnbrokenWarning,
                      UpdateBoundaryError)
 from .identity import Identity, check_environment, check_identity, environment
@@ -157,12 +157,14 @@ class Checkpointer:
                 f"step_done({step!r}) after step {self._counters.step}: call it once per "
                 f"completed update with the new count ({self._counters.step + 1})")
         self._counters.step = step
+        saved = False
         if self.every and step % self.every == 0:
             if loss is not None:
-                metrics.setdefault("loss", float(loss.detach() if isinstance(loss, torch.Tensor) else loss))
-            self.save(step, metrics=metrics)
-            return True
-        return False
+                metrics.setdefault("loss", float(loss.detach() if isinstance(loss, torch.Tensor)
+                                                 else loss))
+            saved = self.save(step, metrics=metrics) is not None
+        fault_point("step-done", step)  # the harness's deterministic "kill after update K"
+        return saved
 
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:

@@ -24,8 +24,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._table import human_size, table
-from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch
-from .errors import UnbrokenError
+from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch,
+                     UnbrokenError)
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 
@@ -94,13 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: usage errors exit 2, --help/--version exit 0
-        return e.code if isinstance(e.code, int) else (EXIT_OK if e.code is None else EXIT_USAGE)
-    if getattr(args, "command", None) is None:
+        code: object = e.code
+        return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
+    cmd: Command | None = getattr(args, "command", None)
+    if cmd is None:
         parser.print_usage(sys.stderr)
         _error("a command is required (see unbroken --help)")
         return EXIT_USAGE
     try:
-        return args.command.run(args)
+        return cmd.run(args)
     except UsageError as e:
         _error(str(e))
         return EXIT_USAGE
@@ -181,7 +183,7 @@ def _record(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
         "generation": info.generation, "path": info.path, "status": info.status,
         "reason": info.reason or None,
         "step": m.step if m else None,
-        "bytes": m.total_bytes if info.manifest else _disk_bytes(info.path),
+        "bytes": info.manifest.total_bytes if info.manifest else _disk_bytes(info.path),
         "run_id": m.run_id if m else None, "incarnation": m.incarnation if m else None,
         "created": m.created if m else None, "parts": m.parts if m else [],
         "artifacts": [asdict(a) for a in m.artifacts] if m else [],
@@ -329,7 +331,7 @@ def _verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
         _consistency(info, tree, meta)
     except UnbrokenError as e:
         rec.update(status="corrupt", reason=str(e))
-    except Exception as e:  # a decoder bug must not hide the other generations' results
+    except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results
         rec.update(status="corrupt", reason=f"{info.path}: cannot be decoded "
                                             f"({type(e).__name__}: {e})")
     else:

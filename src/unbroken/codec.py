@@ -69,7 +69,7 @@ class _Encoder:
             return self._alias[ident]
         key = path
         n = 1
-        while key in self.tensors:
+        while key in self.tensors or key == "__metadata__":  # reserved by the file format
             key = f"{path}#{n}"
             n += 1
         data = t.detach()
@@ -88,8 +88,11 @@ class _Encoder:
         if depth > MAX_DEPTH:
             raise UnsupportedValue(f"{path}: nested deeper than {MAX_DEPTH} levels")
         t = type(obj)
-        if obj is None or t is bool or t is str or t is int:
+        if obj is None or t is bool or t is str:
             return obj
+        if t is int:
+            # JSON text of ints past 4300 digits is refused by Python; hex has no such limit.
+            return obj if abs(obj) < 1 << 1024 else {TAG: "int", "v": hex(obj)}
         if t is float:
             return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
         if isinstance(obj, torch.Tensor):
@@ -151,7 +154,7 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
             return {k: dec(v, depth + 1) for k, v in obj.items()}
         try:
             return _decode_tagged(tag, obj, dec, depth, tensors, cache)
-        except (KeyError, TypeError, ValueError, struct.error) as e:
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, struct.error) as e:
             raise CorruptCheckpoint(f"{where}: malformed {tag!r} entry ({e!r})") from None
 
     return dec(skeleton, 0)
@@ -170,6 +173,8 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
             t = t.view(_dtype_from_name(obj["dtype"], key)).reshape(obj["shape"])
         cache[key] = t
         return t
+    if tag == "int":
+        return int(obj["v"], 16)
     if tag == "float":
         value = float(obj["v"])
         if math.isfinite(value):
@@ -205,9 +210,10 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
 # canonical JSON
 
 
-def dumps_json(obj: Any) -> bytes:
-    """Canonical JSON bytes (sorted keys, no NaN: the skeleton tags them)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False,
+def dumps_json(obj: Any, sort_keys: bool = True) -> bytes:
+    """Compact JSON bytes, canonical by default (sorted keys; no NaN: the skeleton tags them).
+    State documents pass ``sort_keys=False`` so that dicts keep their insertion order."""
+    return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
                       ensure_ascii=False).encode("utf-8")
 
 
@@ -283,7 +289,8 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
     header = loads_json(bytes(data[8:8 + n]), where, limit)
     if not isinstance(header, dict):
         raise CorruptCheckpoint(f"{where}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")

@@ -63,7 +63,7 @@ class Manifest:
 
 
 def valid_artifact_name(name: object) -> bool:
-    return isinstance(name, str) and bool(_NAME.match(name)) and name != MANIFEST
+    return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name != MANIFEST
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
@@ -100,7 +100,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
                 f"{where}: artifact name {name!r:.80} is not a plain file name inside the "
                 "generation folder (no '/', '..' or leading '.'); refusing the generation")
         if type(size) is not int or size < 0 or not (isinstance(digest, str)
-                                                     and _HASH.match(digest)):
+                                                     and _HASH.fullmatch(digest)):
             raise CorruptCheckpoint(f"{where}: artifact {name!r} has a malformed size or hash")
         if name in seen:
             raise CorruptCheckpoint(f"{where}: artifact {name!r} listed twice")

@@ -41,7 +41,7 @@ def select_kept(generations: list[tuple[int, int, dict[str, float]]], policy: Ke
     verified generation. The newest is always kept, whatever the policy says."""
     if not generations:
         return set()
-    ordered = sorted(generations)
+    ordered = sorted(generations, key=lambda g: (g[0], g[1]))
     kept = {g for g, _, _ in ordered[-policy.last:]}
     if policy.every:
         kept |= {g for g, step, _ in ordered if step % policy.every == 0}

@@ -223,7 +223,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
             artifacts[files[part]] = encode_safetensors(
                 tensors, {**meta, "unbroken.part": part})
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
-    artifacts[STATE_FILE] = [memoryview(dumps_json(doc))]
+    artifacts[STATE_FILE] = [memoryview(dumps_json(doc, sort_keys=False))]
     return artifacts
 
 

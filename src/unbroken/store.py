@@ -20,6 +20,7 @@ import fcntl
 import os
 import re
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
@@ -29,7 +30,8 @@ import xxhash
 
 from ._fs import LocalFS, fault_point
 from .errors import CorruptCheckpoint, StoreLocked
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
+from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest,
+                       valid_artifact_name)
 
 _GEN = re.compile(r"^gen-(\d{9,})$")
 STAGING_PREFIX = ".staging-"
@@ -144,6 +146,9 @@ class GenerationStore:
                 if not os.path.lexists(file):
                     raise CorruptCheckpoint(f"{file}: missing; the manifest lists {a.size} bytes")
                 st = os.lstat(file)
+                if not stat.S_ISREG(st.st_mode):
+                    raise CorruptCheckpoint(f"{file}: not a regular file (mode "
+                                            f"{oct(st.st_mode)})")
                 if st.st_size != a.size:
                     raise CorruptCheckpoint(f"{file}: {st.st_size} bytes, the manifest lists "
                                             f"{a.size}")
@@ -196,6 +201,9 @@ class GenerationStore:
         final = os.path.join(self.root, generation_name(generation))
         if os.path.lexists(final):
             raise FileExistsError(f"{final} already exists; move it aside before saving over it")
+        bad = [n for n in artifacts if not valid_artifact_name(n)]
+        if bad:
+            raise ValueError(f"artifact names {bad} are not plain file names")
         staging = os.path.join(self.root,
                                f"{STAGING_PREFIX}{generation:09d}-{uuid.uuid4().hex[:12]}")
         self.fs.mkdir(staging)

@@ -4,20 +4,68 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).parent / "scripts"
+HERE = Path(__file__).parent
+SCRIPTS = HERE / "scripts"
 
 
-def run_script(name: str, *args: str, env: dict[str, str] | None = None,
-               timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run a script from tests/integration/scripts in a fresh interpreter, in its own process
-    group (a SIGKILL of the group then takes any workers with it)."""
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})},
-                          start_new_session=True)
+class _Zygote:
+    """Client of _zygote.py (started on first use, shared by the whole session)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "_zygote.py")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.lock = threading.Lock()
+
+    def run(self, script: str, argv: list[str], env: dict[str, str],
+            timeout: float) -> subprocess.CompletedProcess[str]:
+        with tempfile.TemporaryDirectory() as tmp, self.lock:
+            out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
+            assert self.proc.stdin and self.proc.stdout
+            self.proc.stdin.write(json.dumps({"script": script, "argv": argv, "env": env,
+                                              "out": out, "err": err,
+                                              "timeout": timeout}) + "\n")
+            self.proc.stdin.flush()
+            reply = json.loads(self.proc.stdout.readline())
+            return subprocess.CompletedProcess([script, *argv], reply["returncode"],
+                                               Path(out).read_text(), Path(err).read_text())
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+_zygote: _Zygote | None = None
+
+
+def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
+               fresh_interpreter: bool = False) -> subprocess.CompletedProcess[str]:
+    """Run tests/integration/scripts/NAME (or, without ".py", the module NAME as with
+    ``python -m``) in a new process of its own session.
+
+    By default the process is forked from a server that has imported torch (see _zygote.py);
+    ``fresh_interpreter=True`` starts a whole new Python instead."""
+    global _zygote
+    full_env = {**os.environ, **(env or {})}
+    script = str(SCRIPTS / name) if name.endswith(".py") else name
+    if fresh_interpreter or os.environ.get("UNBROKEN_TEST_NO_ZYGOTE"):
+        cmd = [script] if name.endswith(".py") else ["-m", script]
+        return subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True,
+                              timeout=timeout, env=full_env, start_new_session=True)
+    if _zygote is None:
+        _zygote = _Zygote()
+    return _zygote.run(script, list(args), full_env, timeout)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _zygote is not None:
+        _zygote.close()
 
 
 def read_log(path: Path) -> list[dict]:

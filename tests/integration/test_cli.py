@@ -53,17 +53,18 @@ def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 def cli_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, Any]:
-    code, out, err = cli(capsys, *argv, "--json")
+    code, out, _ = cli(capsys, *argv, "--json")
     return code, json.loads(out)
 
 
 def subprocess_cli(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "unbroken.cli", *argv], capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "unbroken.cli", *argv], check=False,
+                          capture_output=True, text=True, timeout=120)
 
 
 def load_manifest(gen: Path) -> dict[str, Any]:
-    return json.loads((gen / "MANIFEST.json").read_text())
+    doc: dict[str, Any] = json.loads((gen / "MANIFEST.json").read_text())
+    return doc
 
 
 def save_manifest(gen: Path, doc: dict[str, Any]) -> None:
@@ -155,14 +156,20 @@ def test_debris_and_aside_are_listed(run: Path, capsys: pytest.CaptureFixture[st
 
 
 @pytest.mark.parametrize("argv", [["inspect", "{missing}"], ["verify", "{missing}"],
-                                  ["verify", "{file}"], ["verify", "{run}", "--generation", "9"]])
-def test_bad_run_exits_2_without_traceback(run: Path, tmp_path: Path, argv: list[str]) -> None:
+                                  ["inspect", "{file}"], ["verify", "{run}", "--generation", "9"]])
+def test_bad_run_exits_2_without_traceback(run: Path, tmp_path: Path, argv: list[str],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "file").write_text("x")
     paths = {"missing": tmp_path / "nope", "file": tmp_path / "file", "run": run}
-    p = subprocess_cli(*[a.format(**paths) for a in argv], "--json")
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.startswith("unbroken: error: ") and "Traceback" not in p.stderr
-    assert p.stdout == ""
+    code, out, err = cli(capsys, *[a.format(**paths) for a in argv], "--json")
+    assert code == 2 and out == "", out + err
+    assert err.startswith("unbroken: error: ") and err.count("\n") == 1
+
+
+def test_bad_run_via_subprocess(tmp_path: Path) -> None:
+    p = subprocess_cli("verify", str(tmp_path / "nope"), "--json")
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr == f"unbroken: error: {tmp_path / 'nope'}: no such run folder\n"
 
 
 def test_unknown_generation_names_the_ones_found(run: Path, capsys: pytest.CaptureFixture[str]
@@ -175,9 +182,13 @@ def test_unknown_generation_names_the_ones_found(run: Path, capsys: pytest.Captu
                                   ["verify", "RUN", "--generation", "x"]])
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, *argv)
-    assert code == 2 and "usage:" in err and "Traceback" not in err
-    p = subprocess_cli(*argv)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert code == 2 and "usage:" in err and "Traceback" not in err and out == ""
+
+
+def test_bad_arguments_via_subprocess() -> None:
+    p = subprocess_cli("verify", "RUN", "--bogus")
+    assert p.returncode == 2 and "unrecognized arguments: --bogus" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 # -- corruption of the newest generation ------------------------------------------------------

@@ -9,6 +9,8 @@ import signal
 import pytest
 from conftest import read_log, run_script
 
+TOY = "unbroken._toy"
+
 STEPS, EVERY = 10, 2
 
 
@@ -19,7 +21,7 @@ def _steps(log: list[dict]) -> dict[int, dict]:
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory) -> dict[int, dict]:
     tmp = tmp_path_factory.mktemp("ref")
-    r = run_script("toy_regression.py", "--run", str(tmp / "run"), "--log", str(tmp / "log"),
+    r = run_script(TOY, "--run", str(tmp / "run"), "--log", str(tmp / "log"),
                    "--steps", str(STEPS), "--every", str(EVERY), "--keep-last", "2")
     assert r.returncode == 0, r.stderr
     return _steps(read_log(tmp / "log"))
@@ -41,10 +43,10 @@ def test_kill_inside_save(tmp_path, ref, point, armed, expect):
     run, log = str(tmp_path / "run"), tmp_path / "log"
     args = ("--run", run, "--log", str(log), "--steps", str(STEPS), "--every", str(EVERY),
             "--keep-last", "2")
-    killed = run_script("toy_regression.py", *args,
+    killed = run_script(TOY, *args,
                         env={"UNBROKEN_KILL_AT": f"{point}@{armed}"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr
-    resumed = run_script("toy_regression.py", *args)
+    resumed = run_script(TOY, *args)
     assert resumed.returncode == 0, resumed.stderr
     events = read_log(log)
     restored = [e for e in events if e["event"] == "restored"]

@@ -8,6 +8,8 @@ import signal
 import pytest
 from conftest import read_log, run_script
 
+TOY = "unbroken._toy"
+
 
 def steps(log: list[dict]) -> dict[int, dict]:
     return {e["step"]: e for e in log if e["event"] == "step"}
@@ -17,7 +19,7 @@ def steps(log: list[dict]) -> dict[int, dict]:
 def ref(tmp_path_factory) -> dict[int, dict]:
     """The uninterrupted run, shared by the tests of this module."""
     tmp = tmp_path_factory.mktemp("ref")
-    r = run_script("toy_regression.py", "--run", str(tmp / "run"), "--log", str(tmp / "log"))
+    r = run_script(TOY, "--run", str(tmp / "run"), "--log", str(tmp / "log"))
     assert r.returncode == 0, r.stderr
     return steps(read_log(tmp / "log"))
 
@@ -25,9 +27,11 @@ def ref(tmp_path_factory) -> dict[int, dict]:
 def test_resume_in_fresh_process_equals_uninterrupted(tmp_path, script, ref):
     log = tmp_path / "run.jsonl"
     run = str(tmp_path / "run")
-    r = script("toy_regression.py", "--run", run, "--log", str(log), "--stop-after", "5")
+    # Whole new interpreters here (the other tests fork from a server that imported torch).
+    r = script(TOY, "--run", run, "--log", str(log), "--stop-after", "5",
+               fresh_interpreter=True)
     assert r.returncode == 0, r.stderr
-    r = script("toy_regression.py", "--run", run, "--log", str(log))
+    r = script(TOY, "--run", run, "--log", str(log), fresh_interpreter=True)
     assert r.returncode == 0, r.stderr
     events = read_log(log)
     restored = [e for e in events if e["event"] == "restored"]
@@ -45,9 +49,9 @@ def test_defective_resumes_diverge(tmp_path, script, ref):
     for defect in ("weights_only", "clear_momentum"):
         run = str(tmp_path / defect)
         log = tmp_path / f"{defect}.jsonl"
-        assert script("toy_regression.py", "--run", run, "--log", str(log),
+        assert script(TOY, "--run", run, "--log", str(log),
                       "--stop-after", "5").returncode == 0
-        r = script("toy_regression.py", "--run", run, "--log", str(log), "--defect", defect)
+        r = script(TOY, "--run", run, "--log", str(log), "--defect", defect)
         assert r.returncode == 0, r.stderr
         got = steps(read_log(log))
         assert got[6]["weight"] != ref[6]["weight"], defect
@@ -61,9 +65,9 @@ def test_defective_resumes_diverge(tmp_path, script, ref):
 def test_changed_data_revision_is_refused(tmp_path, script):
     run = str(tmp_path / "run")
     log = str(tmp_path / "log.jsonl")
-    assert script("toy_regression.py", "--run", run, "--log", log,
+    assert script(TOY, "--run", run, "--log", log,
                   "--stop-after", "5").returncode == 0
-    r = script("toy_regression.py", "--run", run, "--log", log, "--data-revision", "toy-v2")
+    r = script(TOY, "--run", run, "--log", log, "--data-revision", "toy-v2")
     assert r.returncode != 0 and r.returncode != -signal.SIGKILL
     assert "IdentityMismatch" in r.stderr and "data" in r.stderr
     assert "toy-v1" in r.stderr and "toy-v2" in r.stderr

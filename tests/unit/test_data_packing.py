@@ -50,13 +50,12 @@ def test_packed_stream_is_every_document_once_per_epoch_in_order() -> None:
     packer = Packer(docs, 16, batch_size=2, seed=4, eos_id=-1)
     stream = torch.cat([r.reshape(-1) for r in take(packer, 60)]).tolist()
     expected: list[int] = []
-    for epoch in (0, 1):
+    for epoch in range(5):
         order = KeyedPermutation(len(docs), mix(TAG_PACK, 4, epoch))(np.arange(len(docs)))
         assert sorted(order.tolist()) == list(range(len(docs)))
         expected += sum((docs[i].tolist() + [-1] for i in order), [])
-    n = min(len(stream), len(expected))
-    assert n > len(expected) // 2 + 16 and stream[:n] == expected[:n]
-    assert packer.epoch == 1
+    assert len(expected) > len(stream) and stream == expected[:len(stream)]
+    assert packer.epoch >= 2  # the stream ran across epoch boundaries without a gap
 
 
 def test_packer_refuses_mid_window_save_and_foreign_state() -> None:

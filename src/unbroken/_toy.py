@@ -1,7 +1,10 @@
 """Seed 000's toy experiment through unbroken's real API: one weight, momentum, a
 step-dependent learning rate, a shuffled dataset and random input perturbations drawn from
-Python, NumPy and torch. Each event appends a JSON line of exact state digests to --log, so a
-test can compare an interrupted run with the uninterrupted one bit for bit."""
+Python, NumPy and torch. Each event appends a JSON line of exact state digests to --log, so an
+interrupted run can be compared with the uninterrupted one bit for bit. ``--defect`` resumes
+deliberately wrongly (weights only; momentum cleared) to show what that changes.
+
+Run as ``python -m unbroken._toy --run DIR --log FILE``; used by ``unbroken demo`` and tests."""
 
 from __future__ import annotations
 
@@ -15,22 +18,26 @@ import numpy as np
 import torch
 import xxhash
 
-import unbroken
-from unbroken.rng import capture_rng, rng_digests
+from . import Checkpointer, Identity, Keep
+from .rng import capture_rng, rng_digests
 
 N, BATCH = 16, 4
 
 
+def _hash(tensors) -> str:
+    return xxhash.xxh3_64(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest()
+
+
 def digests(model, opt, sched, gens) -> dict:
-    h = lambda ts: xxhash.xxh3_64(b"".join(t.detach().numpy().tobytes() for t in ts)).hexdigest()
+    """Exact digests of the state that decides the next update."""
     opt_tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"weight": model.weight.item().hex(), "model": h(model.state_dict().values()),
-            "optimizer": h(opt_tensors), "lr": sched.get_last_lr()[0].hex(),
+    return {"weight": model.weight.item().hex(), "model": _hash(model.state_dict().values()),
+            "optimizer": _hash(opt_tensors), "lr": sched.get_last_lr()[0].hex(),
             "rng": rng_digests(capture_rng(gens))}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m unbroken._toy")
     ap.add_argument("--run", required=True)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--stop-after", type=int, default=None, help="exit cleanly after this step")
@@ -39,7 +46,7 @@ def main() -> None:
     ap.add_argument("--data-revision", default="toy-v1")
     ap.add_argument("--log", required=True)
     ap.add_argument("--defect", choices=["none", "weights_only", "clear_momentum"], default="none")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.manual_seed(0), random.seed(0), np.random.seed(0)
     xs = torch.linspace(-1, 1, N)
@@ -51,7 +58,7 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
     noise = torch.Generator().manual_seed(7)
     gens = {"noise": noise}
-    ident = unbroken.Identity(config={"lr": 0.1, "momentum": 0.9}, data=args.data_revision)
+    ident = Identity(config={"lr": 0.1, "momentum": 0.9}, data=args.data_revision)
 
     def log(event: str, step: int) -> None:
         with open(args.log, "a") as f:
@@ -62,16 +69,16 @@ def main() -> None:
         # A warm start: weights from the interrupted run, everything else new.
         fresh = args.run + "-warm"
         shutil.rmtree(fresh, ignore_errors=True)
-        ckpt: Any = unbroken.Checkpointer(fresh, model=model, optimizer=opt, scheduler=sched,
+        ckpt: Any = Checkpointer(fresh, model=model, optimizer=opt, scheduler=sched,
                                      generators=gens, identity=ident, every=args.every)
         ckpt.restore(intent="warm_start", source=args.run)
         ckpt.close()
         ckpt = None
         start = 5  # continue the step count as a naive weights-only resume would
     else:
-        ckpt = unbroken.Checkpointer(args.run, model=model, optimizer=opt, scheduler=sched,
+        ckpt = Checkpointer(args.run, model=model, optimizer=opt, scheduler=sched,
                                      generators=gens, identity=ident, every=args.every,
-                                     keep=unbroken.Keep(last=args.keep_last))
+                                     keep=Keep(last=args.keep_last))
         start = ckpt.restore()
         if args.defect == "clear_momentum":
             for s in opt.state.values():
