@@ -367,5 +367,16 @@ def _verify(args: argparse.Namespace) -> int:
     return emit(args, payload, text, ok)
 
 
+@command("demo", "kill a training run, resume it, prove equivalence, show defective resumes",
+         arg("--dir", metavar="DIR", help="keep the runs and traces in DIR"))
+def _demo(args: argparse.Namespace) -> int:
+    """The main job: train uninterrupted; kill a copy with SIGKILL mid-run; resume it in a fresh
+    process and compare every update bit for bit; resume copies deliberately wrongly and show
+    each one caught. Exit 0 when the resume is equivalent and every defect is caught."""
+    from .demo import run_demo
+
+    return run_demo(args.dir, as_json=args.json)
+
+
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -248,12 +248,12 @@ def test_accumulation_windows_and_save_refused_mid_window() -> None:
 def test_a_broken_off_window_is_replayed_and_stale_iterators_refuse() -> None:
     loader = make_loader(accumulation=2)
     first = run(loader, 3)  # window 2 unfinished after 3 micro-batches
-    it = iter(loader)
-    assert same([next(it)], first[2:3])  # the unfinished window starts over
-    old = iter(loader)
+    older = iter(loader)
+    assert same([next(older)], first[2:3])  # the unfinished window starts over
+    newer = iter(loader)
     with pytest.raises(UnbrokenError, match="superseded"):
-        next(it)
-    del old
+        next(older)
+    assert same([next(newer)], first[2:3])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
