@@ -4,6 +4,7 @@ and prove it."""
 from __future__ import annotations
 
 from .checkpointer import Checkpointer
+from .data import Packer, ResumableLoader, ResumableSampler, seeded
 from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, NoCheckpoint,
                      StateMismatch, StoreLocked, UnbrokenError, UnbrokenWarning,
                      UnsupportedValue, UpdateBoundaryError)
@@ -21,6 +22,9 @@ __all__ = [
     "Keep",
     "MissingState",
     "NoCheckpoint",
+    "Packer",
+    "ResumableLoader",
+    "ResumableSampler",
     "StateMismatch",
     "Stateful",
     "StoreLocked",
@@ -28,5 +32,6 @@ __all__ = [
     "UnbrokenWarning",
     "UnsupportedValue",
     "UpdateBoundaryError",
+    "seeded",
     "__version__",
 ]

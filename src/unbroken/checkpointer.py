@@ -20,10 +20,21 @@ from .errors import (CorruptCheckpoint, NoCheckpoint, UnbrokenError, UnbrokenWar
 from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
-from .rng import capture_rng, restore_rng, validate_rng
+from .rng import capture_rng, restore_rng, rng_digests, validate_rng
 from .store import GenerationInfo, GenerationStore
+from .trace import TRACE_ENV, Tracer, digest_tree, float_hex
 
 log = logging.getLogger("unbroken")
+ROOT_ENV = "UNBROKEN_ROOT"
+SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
+
+
+def _steps_from_env(name: str) -> frozenset[int]:
+    value = os.environ.get(name, "")
+    try:
+        return frozenset(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 
@@ -83,17 +94,26 @@ class Checkpointer:
     ``load_state_dict()``) are captured when given. ``generators`` registers ``torch.Generator``
     and ``numpy.random.Generator`` objects by name; Python, NumPy-global, torch-CPU and every
     initialized CUDA device's RNG are always captured. ``identity`` binds config, tokenizer and
-    data; ``every`` saves each N completed updates from ``step_done``; ``keep`` is retention."""
+    data; ``every`` saves each N completed updates from ``step_done``; ``keep`` is retention.
+    ``trace`` (or ``$UNBROKEN_TRACE``) appends one record per completed update to a JSON-lines
+    file, with parameter and state digests every ``trace_hash_every`` updates.
+
+    The harness (``unbroken check``) steers an unchanged script through the environment:
+    ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
+    saves, ``$UNBROKEN_KILL_AT`` kills the process at a named point."""
 
     def __init__(self, root: str | os.PathLike[str], *, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
                  scaler: Any = None, data: Any = None, extras: Mapping[str, Any] | None = None,
                  generators: Mapping[str, Any] | None = None, identity: Identity | None = None,
-                 every: int | None = None, keep: Keep | None = None) -> None:
+                 every: int | None = None, keep: Keep | None = None,
+                 trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 1) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
+        if type(trace_hash_every) is not int or trace_hash_every < 1:
+            raise ValueError(f"trace_hash_every={trace_hash_every!r}: an int >= 1")
         self.model, self.optimizer, self.data = model, optimizer, data
         self.identity = identity or Identity()
         self.every = every
@@ -116,7 +136,8 @@ class Checkpointer:
         self._parts[S.RNG] = _RNGPart(generators or {})
         self._parts[S.COUNTERS] = self._counters
 
-        self.store = GenerationStore(root)
+        self._save_at = _steps_from_env(SAVE_AT_ENV)
+        self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
         self.store.lock()
         self.fstype = filesystem_type(self.store.root)
         if not rename_is_atomic(self.fstype):
@@ -130,6 +151,10 @@ class Checkpointer:
         self._origin: dict[str, Any] | None = None
         self._last_saved: int | None = None
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
+        trace = os.environ.get(TRACE_ENV) or trace
+        self._tracer = Tracer(trace) if trace else None
+        self._trace_hash_every = trace_hash_every
+        self._lr_next = self._lrs()  # the rates the next update will use
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -149,16 +174,24 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
 
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None,
+                  batch: Any = None, grad_norm: float | torch.Tensor | None = None,
                   **metrics: float) -> bool:
         """Mark the update boundary after update ``step`` (1-based count of completed updates);
-        save when ``every`` is due. Returns whether a generation was written."""
+        trace it, and save when ``every`` is due. ``batch`` and ``grad_norm`` only feed the
+        trace. Returns whether a generation was written."""
         if type(step) is not int or step != self._counters.step + 1:
             raise UpdateBoundaryError(
                 f"step_done({step!r}) after step {self._counters.step}: call it once per "
                 f"completed update with the new count ({self._counters.step + 1})")
+        if self.data is not None and getattr(self.data, "at_boundary", True) is False:
+            raise UpdateBoundaryError(
+                f"step_done({step}) in the middle of an update window of the data loader; "
+                "call it after the optimizer step that ends the window")
         self._counters.step = step
+        if self._tracer is not None:
+            self._trace_update(step, loss, batch, grad_norm)
         saved = False
-        if self.every and step % self.every == 0:
+        if self.every and step % self.every == 0 or step in self._save_at:
             if loss is not None:
                 metrics.setdefault("loss", float(loss.detach() if isinstance(loss, torch.Tensor)
                                                  else loss))
@@ -201,6 +234,8 @@ class Checkpointer:
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
         self._apply_retention()
+        if self._tracer is not None:
+            self._tracer.write({"event": "save", "step": step})
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
@@ -240,6 +275,7 @@ class Checkpointer:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
         scanned = self.store.scan()
         if not scanned:
+            self._after_restore(0, None)
             return 0
         info, ready, tree = self._newest_loadable(self.store, scanned, generation, "continue",
                                                   allow)
@@ -256,7 +292,16 @@ class Checkpointer:
                         "incarnation": manifest.incarnation}
         self._last_saved = manifest.step
         log.info("restored %s (step %d)", info.path, manifest.step)
+        self._after_restore(manifest.step, info)
         return manifest.step
+
+    def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
+        self._lr_next = self._lrs()
+        if self._tracer is not None:
+            self._tracer.write({"event": "restore", "step": step,
+                                "generation": os.path.basename(info.path) if info else None,
+                                "rejected": [os.path.basename(p) for p, _ in self.rejected],
+                                **self._digests()})
 
     def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
                          generation: int | None, intent: str, allow: Iterable[str],
@@ -313,17 +358,48 @@ class Checkpointer:
         info, ready, _ = self._newest_loadable(src, scanned, generation, "warm_start", allow)
         assert info.manifest is not None
         S.apply(ready, {S.MODEL: self.model})
+        self._after_restore(0, None)
         self._origin = {"operation": "warm_start", "source": src.root,
                         "run_id": info.manifest.run_id, "generation": info.generation,
                         "incarnation": info.manifest.incarnation, "allowed": sorted(allow)}
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
 
+    # -- trace ---------------------------------------------------------------------------------
+
+    def _lrs(self) -> list[float]:
+        groups = self.optimizer.param_groups if self.optimizer is not None else []
+        return [float(g["lr"]) for g in groups]
+
+    def _digests(self) -> dict[str, Any]:
+        """Content digests of the parameters, every state part and each RNG stream."""
+        tree = S.capture({n: p for n, p in self._parts.items() if n not in (S.COUNTERS, S.RNG)},
+                         self.model)
+        rng = self._parts[S.RNG].state_dict()
+        return {"params": digest_tree(tree.pop(S.MODEL)),
+                "state": {name: digest_tree(value) for name, value in tree.items()},
+                "rng": rng_digests(rng)}
+
+    def _trace_update(self, step: int, loss: Any, batch: Any, grad_norm: Any) -> None:
+        assert self._tracer is not None
+        ids = getattr(self.data, "last_update_ids", None)
+        record: dict[str, Any] = {
+            "event": "update", "step": step, "lr": [v.hex() for v in self._lr_next],
+            "ids": list(ids) if ids is not None else None,
+            "batch": digest_tree(batch) if batch is not None else None,
+            "loss": float_hex(loss), "grad_norm": float_hex(grad_norm)}
+        if step % self._trace_hash_every == 0:
+            record.update(self._digests())
+        self._tracer.write(record)
+        self._lr_next = self._lrs()
+
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the run folder's writer lock."""
+        """Release the run folder's writer lock and close the trace."""
         self.store.unlock()
+        if self._tracer is not None:
+            self._tracer.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -142,7 +142,7 @@ class ResumableLoader:
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-            generator=self._generator, in_order=True)
+            generator=self._generator)
         if self._iterable:
             if not (callable(getattr(dataset, "state_dict", None))
                     and callable(getattr(dataset, "load_state_dict", None))):
@@ -229,6 +229,22 @@ class ResumableLoader:
             return list(range(first, first + self._batch_size))
         number = p.start // self.sampler.batch_size + p.yielded - 1
         return [int(k) for k in self.sampler.batch(p.epoch, number)]
+
+    @property
+    def last_update_ids(self) -> list[int]:
+        """Dataset indices of every micro-batch of the last completed update window of the
+        current pass (this rank's share); what the trace records per update."""
+        p = self._pass
+        if p is None or p.completed() == 0:
+            return []
+        done = p.completed()
+        first = (done - 1) // p.n * p.n
+        if self.sampler is None:
+            begin = p.start + first * self._batch_size
+            return list(range(begin, p.start + done * self._batch_size))
+        base = p.start // self.sampler.batch_size
+        return [int(k) for number in range(base + first, base + done)
+                for k in self.sampler.batch(p.epoch, number)]
 
     def _position_after(self, p: _Pass, batches: int) -> tuple[int, int]:
         if self.sampler is not None:
@@ -329,25 +345,36 @@ class ResumableLoader:
         return {"version": STATE_VERSION, "kind": "iterable", "epoch": epoch,
                 "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state}
 
+    def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
+        """Check a saved state against this loader without changing anything (the
+        Checkpointer validates every part before it loads any)."""
+        try:
+            self._check(state)
+        except StateMismatch as e:
+            raise StateMismatch(f"{where}: {e}") from None
+
+    def _check(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        if self.sampler is not None:
+            return self.sampler.check_state(state)
+        if not isinstance(state, Mapping) or state.get("kind") != "iterable":
+            raise StateMismatch("data state was not written by a ResumableLoader over an "
+                                "IterableDataset (kind != 'iterable')")
+        if state.get("batch_size") != self._batch_size:
+            raise StateMismatch(f"data state: saved batch_size={state.get('batch_size')!r}, "
+                                f"live batch_size={self._batch_size}: the cursor counts "
+                                f"items of the saved batches; keep the batch size")
+        epoch, consumed = state.get("epoch"), state.get("consumed")
+        if not (isinstance(epoch, int) and isinstance(consumed, int) and epoch >= 0
+                and consumed >= 0 and isinstance(state.get("dataset"), Mapping)):
+            raise StateMismatch(f"data state: damaged cursor epoch={epoch!r}, "
+                                f"consumed={consumed!r}")
+        return epoch, consumed
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position (validated first; raises `StateMismatch` on a misfit). The
         next ``iter()`` continues at the first sample no completed update consumed."""
-        if self.sampler is not None:
-            position = self.sampler.check_state(state)
-        else:
-            if not isinstance(state, Mapping) or state.get("kind") != "iterable":
-                raise StateMismatch("data state was not written by a ResumableLoader over an "
-                                    "IterableDataset (kind != 'iterable')")
-            if state.get("batch_size") != self._batch_size:
-                raise StateMismatch(f"data state: saved batch_size={state.get('batch_size')!r}, "
-                                    f"live batch_size={self._batch_size}: the cursor counts "
-                                    f"items of the saved batches; keep the batch size")
-            epoch, consumed = state.get("epoch"), state.get("consumed")
-            if not (isinstance(epoch, int) and isinstance(consumed, int) and epoch >= 0
-                    and consumed >= 0 and isinstance(state.get("dataset"), Mapping)):
-                raise StateMismatch(f"data state: damaged cursor epoch={epoch!r}, "
-                                    f"consumed={consumed!r}")
+        position = self._check(state)
+        if self.sampler is None:
             self._dataset.load_state_dict(dict(state["dataset"]))
-            position = (epoch, consumed)
         self._detach()
         self._set_cursor(*position)

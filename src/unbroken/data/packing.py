@@ -152,9 +152,14 @@ class Packer:
                 "batch_size": self.batch_size, "seed": self.seed, "shuffle": self.shuffle,
                 "eos_id": self.eos_id}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the cursor; a different document set, seq_len, batch size, seed, order or
-        eos raises `StateMismatch`."""
+    def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
+        """Check a saved state without changing anything."""
+        try:
+            self._check(state)
+        except StateMismatch as e:
+            raise StateMismatch(f"{where}: {e}") from None
+
+    def _check(self, state: Mapping[str, Any]) -> tuple[int, int, int]:
         if not isinstance(state, Mapping) or state.get("kind") != "packer":
             raise StateMismatch("data state was not written by a Packer (kind != 'packer')")
         for key, live in self._constants().items():
@@ -167,6 +172,12 @@ class Packer:
                 and epoch >= 0 and 0 <= documents < self.num_documents and offset >= 0):
             raise StateMismatch(f"packer state: damaged cursor epoch={epoch!r}, "
                                 f"documents={documents!r}, offset={offset!r}")
+        return epoch, documents, offset
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore the cursor; a different document set, seq_len, batch size, seed, order or
+        eos raises `StateMismatch`."""
+        cursor = self._check(state)
         self._generation += 1
-        self._saved = self._live = (epoch, documents, offset)
+        self._saved = self._live = cursor
         self._in_window = 0

@@ -294,6 +294,13 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
                 f"{self.batch_size}; the state is damaged")
         return self.position_after(epoch, consumed, 0)
 
+    def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
+        """`check_state` without a result, for the Checkpointer's validate-before-load pass."""
+        try:
+            self.check_state(state)
+        except StateMismatch as e:
+            raise StateMismatch(f"{where}: {e}") from None
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the cursor (validated with `check_state`). A different world_size is fine."""
         self.set_position(*self.check_state(state))
