@@ -6,7 +6,7 @@ from __future__ import annotations
 from .checkpointer import Checkpointer
 from .data import Packer, ResumableLoader, ResumableSampler, seeded
 from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, NoCheckpoint,
-                     StateMismatch, StoreLocked, UnbrokenError, UnbrokenWarning,
+                     SaveFailed, StateMismatch, StoreLocked, UnbrokenError, UnbrokenWarning,
                      UnsupportedValue, UpdateBoundaryError)
 from .identity import Identity
 from .retention import Keep
@@ -25,6 +25,7 @@ __all__ = [
     "Packer",
     "ResumableLoader",
     "ResumableSampler",
+    "SaveFailed",
     "StateMismatch",
     "Stateful",
     "StoreLocked",

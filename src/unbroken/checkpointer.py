@@ -15,8 +15,8 @@ import torch
 
 from . import state as S
 from ._fs import fault_point, filesystem_type, rename_is_atomic
-from .errors import (CorruptCheckpoint, NoCheckpoint, UnbrokenError, UnbrokenWarning,
-                     UpdateBoundaryError)
+from .errors import (CorruptCheckpoint, NoCheckpoint, SaveFailed, UnbrokenError,
+                     UnbrokenWarning, UpdateBoundaryError)
 from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
@@ -228,7 +228,14 @@ class Checkpointer:
                 metrics={k: float(v) for k, v in (metrics or {}).items()},
                 created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
-        info = self.store.commit(step, artifacts, make_manifest)
+        try:
+            info = self.store.commit(step, artifacts, make_manifest)
+        except OSError as e:
+            raise SaveFailed(
+                f"{self.store.root}: saving generation {step} failed: "
+                f"{e.strerror or e} ({e.filename or 'run folder'}); older generations are "
+                "untouched and training may continue; free space or fix the disk before the "
+                "next save") from e
         self.store.verify(self.store.scan_one(step))  # read back what the disk holds
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,

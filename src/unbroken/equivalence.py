@@ -32,7 +32,10 @@ class Divergence:
     step: int
     field: str
     state_part: str
-    kind: str  # "jump" (missing state) or "drift" (numerical nondeterminism)
+    # "jump": missing or wrong state at the resume; "drift": numerical nondeterminism growing
+    # from tiny differences; "irreproducible": the runs differ before the interruption, so
+    # the script itself is not deterministic (an unseeded stream, a nondeterministic kernel).
+    kind: str
     also: list[str] = field(default_factory=list)  # other differing fields/parts at that step
     expected: Any = None
     found: Any = None
@@ -177,7 +180,10 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         lead = diff[0]
         part = parts[0] if parts else _part(lead)
         also = sorted({_part(n) for n in diff} | set(parts) - {part})
-        first = Divergence(step, lead, part, "jump" if jump else "drift", also,
+        kind = "jump" if jump else "drift"
+        if resumed_from is not None and step <= resumed_from:
+            kind = "irreproducible"
+        first = Divergence(step, lead, part, kind, also,
                            _flat(ref).get(lead), _flat(got).get(lead))
     if resumed_from is None or resumed_from == 0:
         verdict = "untested" if first is None else "diverged"

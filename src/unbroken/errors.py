@@ -36,6 +36,11 @@ class UnsupportedValue(UnbrokenError):
     """A state value has a type the no-pickle codec cannot store."""
 
 
+class SaveFailed(UnbrokenError):
+    """Writing a generation failed (disk full, I/O error); older generations are untouched and
+    the next save may succeed."""
+
+
 class UpdateBoundaryError(UnbrokenError):
     """A save or step marker arrived somewhere other than a completed-update boundary."""
 
