@@ -1,20 +1,48 @@
 """The file-system seam: every write, fsync, rename and unlink of the store goes through here,
-so tests can inject I/O faults and kill the process at numbered points."""
+so tests can inject I/O faults and kill the process at named or numbered points.
+
+Two kinds of deterministic kill, both by ``SIGKILL`` of the whole process group when this
+process leads one (DataLoader workers die with it, as in a real crash):
+
+* ``$UNBROKEN_KILL_AT``: comma-separated ``point`` or ``point@step`` entries naming fault points
+  of the protocol (``artifact-N-written``, ``manifest-written``, ``before-rename``,
+  ``after-rename``, ``retention-unlinked``, ``step-done``).
+* ``$UNBROKEN_KILL_AT_OP``: comma-separated ``K`` or ``KIND:K`` entries: die just before the
+  K-th mutating I/O operation this process performs through `LocalFS` (1-based; counted per
+  process), or the K-th of one kind. Kinds: ``mkdir``, ``create``, ``write``, ``fsync``,
+  ``fsync_dir``, ``rename``, ``unlink``, ``rmdir``. A kill at a ``write`` first writes half of
+  the chunk, so the file is torn mid-write. Every I/O operation of a save, commit, retention
+  deletion or restore can be chosen in turn, so each failure is reproducible from its number.
+  With ``$UNBROKEN_KILL_NOTE`` naming a file, one line ``K KIND PATH`` is appended to it
+  before dying (where the kill landed).
+
+`FaultyFS` is the matching test seam for I/O errors: it raises ``OSError`` (ENOSPC, EIO, ...)
+at a chosen operation instead of killing."""
 
 from __future__ import annotations
 
 import errno
 import os
-import shutil
 import signal
 import stat
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import xxhash
 
 from .errors import CorruptCheckpoint
 
 KILL_ENV = "UNBROKEN_KILL_AT"
+KILL_OP_ENV = "UNBROKEN_KILL_AT_OP"
+KILL_NOTE_ENV = "UNBROKEN_KILL_NOTE"
+# Operations that change the disk, in the order a commit typically performs them.
+MUTATING = ("mkdir", "create", "write", "fsync", "fsync_dir", "rename", "unlink", "rmdir")
+READ = "read"
+
+
+def _die() -> None:
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fault_point(name: str, step: int | None = None) -> None:
@@ -28,27 +56,104 @@ def fault_point(name: str, step: int | None = None) -> None:
     for entry in spec.split(","):
         point, _, at = entry.strip().partition("@")
         if point == name and (not at or (step is not None and int(at) == step)):
-            if os.getpgid(0) == os.getpid():
-                os.killpg(os.getpid(), signal.SIGKILL)
-            os.kill(os.getpid(), signal.SIGKILL)
+            _die()
+
+
+class _Counter:
+    """Mutating I/O operations of this process, in total and per kind. A forked child starts
+    from zero: the counts belong to the process that performs the operations."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.total = 0
+        self.by_kind: dict[str, int] = {}
+
+    def tick(self, kind: str) -> tuple[int, int]:
+        if self.pid != os.getpid():
+            self.__init__()  # type: ignore[misc]
+        self.total += 1
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+        return self.total, self.by_kind[kind]
+
+
+_COUNTER = _Counter()
+
+
+def io_count() -> int:
+    """Mutating I/O operations this process has performed through `LocalFS` so far."""
+    if _COUNTER.pid != os.getpid():
+        return 0
+    return _COUNTER.total
+
+
+def _parse_op_spec(spec: str) -> list[tuple[str | None, int]]:
+    out = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        kind, _, number = entry.rpartition(":")
+        try:
+            k = int(number)
+        except ValueError:
+            raise ValueError(f"${KILL_OP_ENV}: {entry!r} is not K or KIND:K") from None
+        if kind and kind not in MUTATING:
+            raise ValueError(f"${KILL_OP_ENV}: unknown operation kind {kind!r}; one of "
+                             f"{', '.join(MUTATING)}")
+        out.append((kind or None, k))
+    return out
+
+
+def io_fault_point(kind: str, path: str, before_death: Callable[[], None] | None = None) -> None:
+    """Count one I/O operation about to happen; die here when ``$UNBROKEN_KILL_AT_OP`` names it.
+
+    ``before_death`` runs first when the kill fires (a write uses it to tear the file)."""
+    if kind == READ:
+        return
+    total, nth = _COUNTER.tick(kind)
+    spec = os.environ.get(KILL_OP_ENV)
+    if not spec:
+        return
+    for want_kind, k in _parse_op_spec(spec):
+        if (want_kind is None and k == total) or (want_kind == kind and k == nth):
+            note = os.environ.get(KILL_NOTE_ENV)
+            if note:
+                fd = os.open(note, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+                try:
+                    os.write(fd, f"{total} {kind} {path}\n".encode())
+                finally:
+                    os.close(fd)
+            if before_death is not None:
+                before_death()
+            _die()
 
 
 class LocalFS:
-    """POSIX file operations with the durability steps the commit protocol needs."""
+    """POSIX file operations with the durability steps the commit protocol needs.
+
+    Every primitive operation first calls ``_op(kind, path)``: the hook that counts it for
+    ``$UNBROKEN_KILL_AT_OP`` and that `FaultyFS` overrides to inject errors."""
+
+    def _op(self, kind: str, path: str, before_death: Callable[[], None] | None = None) -> None:
+        io_fault_point(kind, path, before_death)
 
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
         """Create ``path`` (never overwrite), write, fsync; return (size, xxh3-128 hex)."""
         h = xxhash.xxh3_128()
         size = 0
+        self._op("create", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             for chunk in chunks:
                 h.update(chunk)
                 view = memoryview(chunk).cast("B")
                 while view:
+                    self._op("write", path,
+                             lambda v=view: None if os.write(fd, v[:len(v) // 2]) else None)
                     n = os.write(fd, view)
                     view = view[n:]
                     size += n
+            self._op("fsync", path)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -59,6 +164,7 @@ class LocalFS:
 
         O_NOFOLLOW | O_NONBLOCK + fstat: a symlink, FIFO or device in place of an artifact is
         refused without following it or hanging on it."""
+        self._op(READ, path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError as e:
@@ -72,7 +178,10 @@ class LocalFS:
                 raise CorruptCheckpoint(f"{path}: not a regular file (mode {oct(st.st_mode)})")
             if st.st_size > limit:
                 raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
-            buf = bytearray(st.st_size)
+            try:
+                buf = bytearray(st.st_size)
+            except (MemoryError, OverflowError):
+                raise CorruptCheckpoint(f"{path}: {st.st_size} bytes do not fit in memory") from None
             view = memoryview(buf)
             got = 0
             while got < st.st_size:
@@ -87,6 +196,7 @@ class LocalFS:
             os.close(fd)
 
     def fsync_dir(self, path: str) -> None:
+        self._op("fsync_dir", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(fd)
@@ -94,19 +204,76 @@ class LocalFS:
             os.close(fd)
 
     def mkdir(self, path: str) -> None:
+        self._op("mkdir", path)
         os.mkdir(path, 0o755)
 
     def rename(self, src: str, dst: str) -> None:
         """Rename without replacing: Linux lets a directory rename replace an empty directory."""
         if os.path.lexists(dst):
             raise FileExistsError(errno.EEXIST, "refusing to replace", dst)
+        self._op("rename", src)
         os.rename(src, dst)
 
     def unlink(self, path: str) -> None:
+        self._op("unlink", path)
         os.unlink(path)
 
     def rmtree(self, path: str) -> None:
-        shutil.rmtree(path)
+        """Remove a folder and everything in it, one counted operation per entry. Symbolic
+        links are removed, never followed; a non-folder ``path`` is simply unlinked."""
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            self._op("unlink", path)
+            os.unlink(path)
+            return
+        with os.scandir(path) as it:
+            entries = [(e.path, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if is_dir:
+                self.rmtree(child)
+            else:
+                self._op("unlink", child)
+                os.unlink(child)
+        self._op("rmdir", path)
+        os.rmdir(path)
+
+
+class FaultyFS(LocalFS):
+    """A `LocalFS` that fails on purpose: the documented seam for I/O-fault tests.
+
+    ``FaultyFS(kind="fsync", nth=2, err=errno.EIO)`` raises ``OSError(EIO)`` instead of the
+    second fsync of a file; ``kind=None`` counts every mutating operation (``read`` must be
+    named explicitly); ``match`` limits counting to paths containing that text; ``times`` is
+    how many consecutive matching operations fail (``-1``: all from ``nth`` on, a full disk).
+    A failing ``write`` first writes half of its chunk, as a disk that filled up mid-write
+    does. ``ops`` records every operation as ``(kind, path)``; ``failed`` the ones that
+    raised. Install with ``store.fs = FaultyFS(...)`` (``checkpointer.store.fs`` for a
+    Checkpointer)."""
+
+    def __init__(self, kind: str | None = None, nth: int = 1, err: int = errno.ENOSPC,
+                 match: str | None = None, times: int = 1) -> None:
+        if kind is not None and kind not in (*MUTATING, READ):
+            raise ValueError(f"kind={kind!r}: one of {(*MUTATING, READ)} or None")
+        if nth < 1:
+            raise ValueError(f"nth={nth!r}: 1-based")
+        self.kind, self.nth, self.err, self.match, self.times = kind, nth, err, match, times
+        self.seen = 0
+        self.ops: list[tuple[str, str]] = []
+        self.failed: list[tuple[str, str]] = []
+
+    def _op(self, kind: str, path: str, before_death: Callable[[], None] | None = None) -> None:
+        super()._op(kind, path, before_death)
+        self.ops.append((kind, path))
+        if (kind != self.kind if self.kind is not None else kind == READ):
+            return
+        if self.match is not None and self.match not in path:
+            return
+        self.seen += 1
+        if self.seen < self.nth or (0 <= self.times <= len(self.failed)):
+            return
+        if kind == "write" and before_death is not None:
+            before_death()  # half the chunk reached the disk before it filled up
+        self.failed.append((kind, path))
+        raise OSError(self.err, os.strerror(self.err), path)
 
 
 def filesystem_type(path: str) -> str:

@@ -27,6 +27,10 @@ from .trace import TRACE_ENV, Tracer, digest_tree, float_hex
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
+# Fault injection for demonstrations and for testing checkers: restore everything except the
+# named parts (comma-separated: optimizer, scheduler, scaler, data, rng, rng.<stream>,
+# extra.<name>, or weights_only). Never set in normal use.
+DROP_ENV = "UNBROKEN_FAULT_DROP"
 
 
 def _steps_from_env(name: str) -> frozenset[int]:
@@ -236,7 +240,12 @@ class Checkpointer:
                 f"{e.strerror or e} ({e.filename or 'run folder'}); older generations are "
                 "untouched and training may continue; free space or fix the disk before the "
                 "next save") from e
-        self.store.verify(self.store.scan_one(step))  # read back what the disk holds
+        try:
+            self.store.verify(self.store.scan_one(step))  # read back what the disk holds
+        except CorruptCheckpoint as e:
+            self.store.move_aside(info, "corrupt")
+            raise SaveFailed(f"generation {step} did not read back as written ({e}); it was "
+                             "moved aside and older generations are untouched") from e
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
@@ -288,10 +297,11 @@ class Checkpointer:
                                                   allow)
         manifest = info.manifest
         assert manifest is not None
+        parts = self._inject_drop(ready, os.environ.get(DROP_ENV, ""))
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
                 self.store.move_aside(g, "abandoned" if g.ok else g.status)
-        S.apply(ready, self._parts)
+        S.apply(ready, parts)
         self.run_id = manifest.run_id
         self.incarnation = 1 + max(g.manifest.incarnation for g in scanned if g.manifest)
         self._origin = manifest.origin
@@ -309,6 +319,40 @@ class Checkpointer:
                                 "generation": os.path.basename(info.path) if info else None,
                                 "rejected": [os.path.basename(p) for p, _ in self.rejected],
                                 **self._digests()})
+
+    def _inject_drop(self, ready: dict[str, Any], spec: str) -> dict[str, Any]:
+        """The parts to apply, minus those named in ``$UNBROKEN_FAULT_DROP`` (a deliberate
+        defect). A dropped RNG stream keeps its live state."""
+        parts = dict(self._parts)
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+        if "weights_only" in names:
+            names += [n for n in parts if n not in (S.MODEL, S.COUNTERS, S.RNG)] + [S.RNG]
+        for name in names:
+            if name == "weights_only":
+                continue
+            if name.startswith(S.RNG + "."):
+                stream = name[len(S.RNG) + 1:]
+                live = self._parts[S.RNG].state_dict()
+                rng = dict(ready[S.RNG])
+                if stream.startswith("generators."):
+                    gen = stream[len("generators."):]
+                    rng["generators"] = {**rng.get("generators", {}),
+                                         gen: live["generators"][gen]}
+                elif stream in live:
+                    rng[stream] = live[stream]
+                else:
+                    raise UnbrokenError(f"${DROP_ENV}: no RNG stream {stream!r}; streams: "
+                                        f"{sorted(live)}")
+                ready[S.RNG] = rng
+            elif name in parts and name not in (S.MODEL, S.COUNTERS):
+                del parts[name]
+            else:
+                raise UnbrokenError(f"${DROP_ENV}: cannot drop {name!r}; choose from "
+                                    f"{sorted(set(parts) - {S.MODEL, S.COUNTERS})}, "
+                                    "rng.<stream> or weights_only")
+        if names:
+            log.warning("fault injection: restoring without %s", ", ".join(sorted(set(names))))
+        return parts
 
     def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
                          generation: int | None, intent: str, allow: Iterable[str],

@@ -26,6 +26,7 @@ from typing import Any
 from ._table import human_size, table
 from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch,
                      UnbrokenError)
+from .harness import PHASES
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 
@@ -365,6 +366,65 @@ def _verify(args: argparse.Namespace) -> int:
         text = "\n".join([f"run {store.root}", _rows(store.root, records), "",
                           f"{len(records)} checked: {good} ok, {len(records) - good} failed"])
     return emit(args, payload, text, ok)
+
+
+_DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
+
+
+@command("check", "prove that a training script resumes exactly: kill it, resume, compare",
+         arg("--at", type=int, action="append", default=[], metavar="K",
+             help="interrupt at update K (repeatable)"),
+         arg("--random", type=int, default=0, metavar="N", help="N random interruption points"),
+         arg("--seed", type=int, default=0, metavar="S", help="seed of the random points"),
+         arg("--phase", action="append", default=[], choices=PHASES,
+             help="where to kill (repeatable; default: all three)"),
+         arg("--rtol", type=float, default=0.0, help="relative tolerance (default: exact)"),
+         arg("--atol", type=float, default=0.0, help="absolute tolerance (default: exact)"),
+         arg("--exact-steps", type=int, default=None, metavar="N",
+             help="with a tolerance: still exact for the first N updates after each resume"),
+         arg("--plot", metavar="FILE.png", help="draw losses and their differences"),
+         arg("--workdir", metavar="DIR", help="keep runs, traces and logs in DIR"),
+         arg("--drop", metavar="PART", help="fault injection: do not restore PART on resume "
+             "(optimizer, scheduler, scaler, data, rng, rng.<stream>, weights_only)"),
+         arg("--reference", metavar="TRACE", help="reuse the trace of an earlier uninterrupted "
+             "run of the same command (its workdir's reference/trace.jsonl)"),
+         arg("--timeout", type=float, default=600.0, help="seconds allowed per process"),
+         arg("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
+             help="the training command"))
+def _check(args: argparse.Namespace) -> int:
+    """Run CMD uninterrupted, then for each interruption point run it again, kill it with a
+    real SIGKILL at that point (after an update, in the middle of a save, or right after a
+    commit), resume it in a fresh process and compare every update's trace with the
+    uninterrupted run: sample ids, learning rate, exact loss, gradient norm, and digests of
+    parameters, optimizer, scheduler, scaler, data cursor and each RNG stream. Exit 0 when
+    every case is equivalent, 1 when one diverges (naming the first step, field and state
+    part), 2 on a usage or environment error."""
+    import tempfile
+
+    from .harness import format_report, run_check
+
+    for part in (args.drop or "").split(","):
+        if part and part not in _DROPPABLE and not part.startswith(("rng.", "extra.")):
+            raise UsageError(f"--drop {part!r}: one of {', '.join(_DROPPABLE)}, rng.<stream> "
+                             "or extra.<name>")
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        raise UsageError("no command: unbroken check [options] -- python train.py ...")
+    if not args.at and not args.random:
+        args.random = 3
+    workdir = args.workdir or tempfile.mkdtemp(prefix="unbroken-check-")
+    say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    report = run_check(cmd, workdir, at=args.at, random_n=args.random, seed=args.seed,
+                       phases=args.phase, rtol=args.rtol, atol=args.atol,
+                       exact_steps=args.exact_steps, drop=args.drop,
+                       reference_trace=args.reference, timeout=args.timeout,
+                       progress=say)
+    if args.plot:
+        from .plot import plot_check
+
+        plot_check(report, args.plot)
+    payload = {**report.to_json(), "workdir": workdir, "plot": args.plot}
+    return emit(args, payload, format_report(report, workdir), report.verdict == "equivalent")
 
 
 @command("demo", "kill a training run, resume it, prove equivalence, show defective resumes",

@@ -1,9 +1,10 @@
-"""``unbroken demo``: seed 000's toy experiment, run for real.
+"""``unbroken demo``: the main job.
 
-Train 12 updates uninterrupted; train another copy that saves every 5 updates and is killed by
-SIGKILL after update 8; resume it in a fresh process and compare every update bit for bit.
-Then resume copies of the killed run deliberately wrongly (weights only; momentum cleared) and
-show where and how they leave the uninterrupted trajectory."""
+Trains the tiny language model of `unbroken.tinylm` uninterrupted; kills a copy with SIGKILL in
+the middle of an epoch; resumes it in a fresh process and compares every update bit for bit.
+Then resumes copies of the killed run deliberately wrongly (weights only; scheduler, RNG or data
+position not restored; the newest generation torn) and shows each defect caught and attributed
+to the right state part, in the continuation-trace table of seed 002."""
 
 from __future__ import annotations
 
@@ -11,113 +12,159 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
+from ._fs import KILL_ENV
 from ._table import table
+from .checkpointer import DROP_ENV, ROOT_ENV
+from .equivalence import compare, stitch
+from .harness import run_process
+from .trace import TRACE_ENV, read_trace
 
-STEPS, EVERY, KILL_AFTER = 12, 5, 8
-_FIELDS = ("weight", "lr", "optimizer", "rng")
+EVERY, KILL_AFTER = 10, 35
+# name -> (fault injected on resume, the state part the checker must name)
+VARIANTS: dict[str, tuple[str | None, str | None]] = {
+    "correct": (None, None),
+    "weights_only": ("weights_only", "optimizer"),
+    "no_scheduler": ("scheduler", "scheduler"),
+    "no_rng": ("rng", "rng"),
+    "no_data_position": ("data", "data position"),
+    "torn_latest": (None, None),
+}
+_COLUMNS = {"correct": "correct resume", "weights_only": "weights only",
+            "no_scheduler": "no scheduler", "no_rng": "no RNG",
+            "no_data_position": "no data position", "torn_latest": "torn newest"}
 
 
-def _run(run: str, log: str, *extra: str, kill_at: str | None = None) -> int:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    if kill_at:
-        env["UNBROKEN_KILL_AT"] = kill_at
-    cmd = [sys.executable, "-m", "unbroken._toy", "--run", run, "--log", log,
-           "--steps", str(STEPS), "--every", str(EVERY), *extra]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          start_new_session=True).returncode
+def _cmd() -> list[str]:
+    return [sys.executable, "-m", "unbroken.tinylm", "--every", str(EVERY)]
 
 
-def _events(log: str) -> list[dict[str, Any]]:
-    with open(log) as f:
-        return [json.loads(line) for line in f if line.endswith("\n")]
-
-
-def _first_difference(ref: dict[int, dict[str, Any]], got: dict[int, dict[str, Any]]
-                      ) -> tuple[int, list[str]] | None:
-    for step in sorted(ref):
-        diff = [f for f in _FIELDS if got.get(step, {}).get(f) != ref[step].get(f)]
-        if diff:
-            return step, diff
-    return None
+def _tear_newest(run: str) -> str:
+    """Truncate the largest file of the newest generation, as a crash of a tool without
+    atomic commits would leave it."""
+    newest = sorted(n for n in os.listdir(run) if n.startswith("gen-"))[-1]
+    folder = os.path.join(run, newest)
+    victim = max(os.listdir(folder), key=lambda n: os.path.getsize(os.path.join(folder, n)))
+    path = os.path.join(folder, victim)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    return newest
 
 
 def run_demo(workdir: str | None = None, as_json: bool = False) -> int:
-    """Run the demonstration; return 0 when the correct resume is bitwise equal to the
-    uninterrupted run and every defective resume is caught."""
+    """Run the demonstration; 0 when the resume is bitwise equivalent and every defect is
+    caught and attributed to the right part."""
+    started = time.monotonic()
     tmp = workdir or tempfile.mkdtemp(prefix="unbroken-demo-")
     os.makedirs(tmp, exist_ok=True)
-    ref_log = os.path.join(tmp, "uninterrupted.jsonl")
-    _run(os.path.join(tmp, "uninterrupted"), ref_log)
-    ref = {e["step"]: e for e in _events(ref_log) if e["event"] == "step"}
-
-    killed_run, killed_log = os.path.join(tmp, "killed"), os.path.join(tmp, "killed.jsonl")
-    code = _run(killed_run, killed_log, kill_at=f"step-done@{KILL_AFTER}")
+    say = (lambda m: None) if as_json else (lambda m: print(m, flush=True))
+    say("unbroken demo: a tiny transformer LM (dropout, 2 DataLoader workers with random token "
+        "masking, accumulation 2, AdamW, warmup+cosine, clipping, a moving AMP loss scale)")
+    ref_trace = os.path.join(tmp, "uninterrupted.jsonl")
+    say("  1. training uninterrupted ...")
+    if run_process(_cmd(), {ROOT_ENV: os.path.join(tmp, "uninterrupted"), TRACE_ENV: ref_trace},
+                   os.path.join(tmp, "uninterrupted.log"), 300) != 0:
+        say(f"  the reference run failed; see {tmp}/uninterrupted.log")
+        return 1
+    reference = read_trace(ref_trace)
+    killed_run, killed_trace = os.path.join(tmp, "killed"), os.path.join(tmp, "killed.jsonl")
+    say(f"  2. training a copy that saves every {EVERY} updates; SIGKILL after update "
+        f"{KILL_AFTER} ...")
+    code = run_process(_cmd(), {ROOT_ENV: killed_run, TRACE_ENV: killed_trace,
+                                KILL_ENV: f"step-done@{KILL_AFTER}"},
+                       os.path.join(tmp, "killed.log"), 300)
     killed_ok = code == -signal.SIGKILL
     results: dict[str, Any] = {}
-    for name, defect in (("correct", "none"), ("weights_only", "weights_only"),
-                         ("cleared_momentum", "clear_momentum")):
-        run, log = os.path.join(tmp, name), os.path.join(tmp, f"{name}.jsonl")
+    say("  3. resuming copies of the killed run in fresh processes: correctly, and with "
+        "deliberate defects ...")
+    for name, (drop, expected_part) in VARIANTS.items():
+        run, trace = os.path.join(tmp, name), os.path.join(tmp, f"{name}.jsonl")
         shutil.copytree(killed_run, run)
-        shutil.copy(killed_log, log)
-        rc = _run(run, log, "--defect", defect)
-        events = _events(log)
-        restored = [e for e in events if e["event"] == "restored"][-1]
-        steps = {e["step"]: e for e in events if e["event"] == "step"}  # replays overwrite
-        first = _first_difference(ref, steps)
-        results[name] = {"exit_code": rc, "resumed_from": restored["step"],
-                         "restored_state": {f: restored[f] for f in _FIELDS},
-                         "verdict": "equivalent" if first is None else "diverged",
-                         "first_divergence": None if first is None else
-                         {"step": first[0], "fields": first[1]}}
-    good = (killed_ok and results["correct"]["verdict"] == "equivalent"
-            and results["correct"]["resumed_from"] == EVERY
-            and all(results[d]["verdict"] == "diverged"
-                    for d in ("weights_only", "cleared_momentum")))
+        torn = _tear_newest(run) if name == "torn_latest" else None
+        env = {ROOT_ENV: run, TRACE_ENV: trace, **({DROP_ENV: drop} if drop else {})}
+        rc = run_process(_cmd(), env, os.path.join(tmp, f"{name}.log"), 300)
+        segments = [read_trace(killed_trace), read_trace(trace)]
+        result = compare(reference, segments)
+        d = result.first_divergence
+        restore = [r for r in segments[1] if r["event"] == "restore"][-1]
+        updates, _ = stitch(segments)
+        nxt = updates.get((result.resumed_from or 0) + 1, {})
+        entry: dict[str, Any] = {
+            "exit_code": rc, "verdict": result.verdict, "resumed_from": result.resumed_from,
+            "state_part": d.state_part if d else None, "field": d.field if d else None,
+            "step": d.step if d else None, "kind": d.kind if d else None,
+            "also": d.also if d else [], "restore_differs": result.restore_differs,
+            "next_ids": (nxt.get("ids") or [])[:4], "next_lr": (nxt.get("lr") or [None])[0],
+            "optimizer_hash": restore["state"].get("optimizer"),
+            "rng_hash": restore["rng"].get("torch_cpu"),
+            "scaler_hash": restore["state"].get("scaler")}
+        if torn:
+            entry["refused"] = restore.get("rejected")
+            entry["torn_generation"] = torn
+        if expected_part is None:
+            entry["caught"] = result.verdict == "equivalent" and (
+                not torn or entry["refused"] == [torn])
+        else:
+            entry["caught"] = (result.verdict == "diverged" and d is not None
+                               and d.state_part.startswith(expected_part))
+        results[name] = entry
+    good = killed_ok and all(r["caught"] for r in results.values())
+    payload = {"ok": good, "workdir": tmp, "killed_by_sigkill": killed_ok,
+               "seconds": round(time.monotonic() - started, 1),
+               "resume": results["correct"],
+               "defects": {k: v for k, v in results.items() if k != "correct"}}
     if as_json:
-        print(json.dumps({"ok": good, "workdir": tmp, "killed_by_sigkill": killed_ok,
-                          "uninterrupted_final_weight": ref[STEPS]["weight"], **results},
-                         indent=2))
+        print(json.dumps(payload, indent=2))
     else:
-        _print(ref, results, killed_ok, tmp, good)
+        say(_report(reference, results, killed_ok, good, tmp, payload["seconds"]))
     if workdir is None and good:
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if good else 1
 
 
-def _print(ref: dict[int, dict[str, Any]], results: dict[str, Any], killed_ok: bool, tmp: str,
-           good: bool) -> None:
-    print(f"unbroken demo: one weight, momentum 0.9, step-dependent lr, shuffled data, random "
-          f"input noise ({STEPS} updates, a save every {EVERY})")
-    print(f"  a copy was killed by SIGKILL after update {KILL_AFTER}: "
-          f"{'yes' if killed_ok else 'NO'}; each resume runs in a fresh process\n")
-    cols = ["uninterrupted", "correct resume", "weights only", "momentum cleared"]
-    names = ["correct", "weights_only", "cleared_momentum"]
-    short = lambda v: v[:12] if isinstance(v, str) else json.dumps(v)[:12]  # noqa: E731
-    rows = [["completed updates", EVERY] + [results[n]["resumed_from"] for n in names]]
-    for f, label in (("weight", "weight (hex)"), ("lr", "next lr (hex)"),
-                     ("optimizer", "momentum hash"), ("rng", "RNG hash")):
-        val = ref[EVERY][f]
-        if f == "rng":
-            rows.append([label, short(val["torch_cpu"])] +
-                        [short(results[n]["restored_state"][f]["torch_cpu"]) for n in names])
-        else:
-            rows.append([label, short(val)] + [short(results[n]["restored_state"][f])
-                                               for n in names])
-    rows.append([f"weight after {STEPS}", short(ref[STEPS]["weight"])] + [
-        "= uninterrupted" if results[n]["verdict"] == "equivalent" else
-        f"differs from {results[n]['first_divergence']['step']}" for n in names])
-    print(table(["state at the resume point", *cols], rows, indent="  "))
-    print()
-    for n, label in zip(names, cols[1:]):
+def _report(reference: list[dict[str, Any]], results: dict[str, Any], killed_ok: bool,
+            good: bool, tmp: str, seconds: float) -> str:
+    ref, _ = stitch([reference])
+    k = results["correct"]["resumed_from"] or 0
+    at, nxt = ref.get(k, {}), ref.get(k + 1, {})
+    short = lambda v: "-" if v is None else str(v)[:10]  # noqa: E731
+    lr = lambda v: "-" if v is None else f"{float.fromhex(v):.3e}"  # noqa: E731
+    ids = lambda v: ",".join(map(str, v[:3])) if v else "-"  # noqa: E731
+    names = list(results)
+    rows = [
+        ["completed updates", k] + [short(results[n]["resumed_from"]) for n in names],
+        ["next batch ids", ids(nxt.get("ids"))] + [ids(results[n]["next_ids"]) for n in names],
+        ["learning rate", lr((nxt.get("lr") or [None])[0])] +
+        [lr(results[n]["next_lr"]) for n in names],
+        ["optimizer hash", short(at.get("state", {}).get("optimizer"))] +
+        [short(results[n]["optimizer_hash"]) for n in names],
+        ["loss-scale hash", short(at.get("state", {}).get("scaler"))] +
+        [short(results[n]["scaler_hash"]) for n in names],
+        ["RNG hash", short(at.get("rng", {}).get("torch_cpu"))] +
+        [short(results[n]["rng_hash"]) for n in names],
+        ["verdict", "reference"] + [results[n]["verdict"] for n in names],
+        ["first differs at", "-"] + [short(results[n]["step"]) for n in names],
+        ["explained by", "-"] + [results[n]["state_part"] or "-" for n in names],
+    ]
+    lines = ["", f"  killed by SIGKILL after update {KILL_AFTER}: {'yes' if killed_ok else 'NO'}",
+             "", table(["", "uninterrupted", *(_COLUMNS[n] for n in names)], rows,
+                       indent="  "), ""]
+    c = results["correct"]
+    lines.append(f"  correct resume: {c['verdict']}, bitwise, every update (resumed from "
+                 f"{c['resumed_from']})")
+    for n in names[1:]:
         r = results[n]
-        if r["verdict"] == "equivalent":
-            print(f"  {label}: equivalent, bitwise, at every one of {STEPS} updates")
-        else:
-            d = r["first_divergence"]
-            print(f"  {label}: diverged at update {d['step']} in {', '.join(d['fields'])}")
-    print(f"\n  verdict: {'OK' if good else 'FAILED'}" + ("" if good else f" (files in {tmp})"))
+        if n == "torn_latest":
+            lines.append(f"  torn newest: {r['torn_generation']} refused by its hashes; resumed "
+                         f"from {r['resumed_from']} instead and still {r['verdict']}")
+            continue
+        also = f" (also: {', '.join(r['also'])})" if r["also"] else ""
+        lines.append(f"  {_COLUMNS[n]}: {r['verdict']} at update {r['step']}, explained by "
+                     f"{r['state_part']}{also}; {'caught' if r['caught'] else 'NOT CAUGHT'}")
+    lines += ["", f"  verdict: {'OK' if good else 'FAILED'} in {seconds:.0f} s" +
+              ("" if good else f"; files in {tmp}")]
+    return "\n".join(lines)

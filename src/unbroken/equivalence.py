@@ -22,6 +22,9 @@ PART_OF_STATE = {"optimizer": "optimizer", "scheduler": "scheduler", "scaler": "
 _NUMERIC = ("loss", "grad_norm")
 # Compared bitwise at every level: they do not drift with floating-point reduction order.
 _ALWAYS_EXACT = ("ids", "batch")
+# When several parts differ at the resume point, the one named first explains the most: a
+# weights-only resume is above all a lost optimizer (seed 000's momentum example).
+_PRIORITY = ("optimizer", "scheduler", "scaler", "data position", "rng", "extra", "model")
 DRIFT_THRESHOLD = 1e-4  # relative loss difference below which a first difference is "tiny"
 
 
@@ -50,7 +53,8 @@ class Comparison:
     steps: int
     first_divergence: Divergence | None
     restore_differs: list[str]  # state parts whose digest at the resume point differs
-    loss_diff: list[tuple[int, float]]  # (step, |loss - reference loss|) for plotting
+    loss: list[tuple[int, float]]  # (step, loss) of the interrupted-and-resumed run
+    loss_diff: list[tuple[int, float]]  # (step, |loss - reference loss|)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +93,10 @@ def _part(name: str) -> str:
         key = name[6:]
         return PART_OF_STATE.get(key, key.replace("extra.", "extra "))
     return PART_OF_FIELD.get(name, name)
+
+
+def _rank(part: str) -> tuple[int, str]:
+    return next((i for i, p in enumerate(_PRIORITY) if part.startswith(p)), len(_PRIORITY)), part
 
 
 def _as_float(value: Any) -> float | None:
@@ -144,6 +152,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
     resumes = [r for r in restores[1:]] if restores else []
     resumed_from = resumes[-1]["step"] if resumes else None
     tolerant = rtol > 0 or atol > 0
+    loss: list[tuple[int, float]] = []
     loss_diff: list[tuple[int, float]] = []
     restore_differs: list[str] = []
     if resumes:
@@ -151,7 +160,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         ref_at = ref_updates.get(r["step"])
         if ref_at is not None:
             restore_differs = sorted({_part(n) for n in _differs(ref_at, r, True, 0, 0)
-                                      if n.startswith(("rng.", "state.", "params"))})
+                                      if n.startswith(("rng.", "state.", "params"))}, key=_rank)
     first: Divergence | None = None
     steps = sorted(ref_updates)
     for step in steps:
@@ -163,6 +172,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             continue
         x, y = _as_float(got.get("loss")), _as_float(ref.get("loss"))
         if x is not None and y is not None:
+            loss.append((step, x))
             loss_diff.append((step, abs(x - y)))
         if first is not None:
             continue
@@ -179,7 +189,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         parts = restore_differs if restore_differs and at_resume else []
         lead = diff[0]
         part = parts[0] if parts else _part(lead)
-        also = sorted({_part(n) for n in diff} | set(parts) - {part})
+        also = sorted(({_part(n) for n in diff} | set(parts)) - {part}, key=_rank)
         kind = "jump" if jump else "drift"
         if resumed_from is not None and step <= resumed_from:
             kind = "irreproducible"
@@ -189,4 +199,4 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         verdict = "untested" if first is None else "diverged"
     else:
         verdict = "equivalent" if first is None else "diverged"
-    return Comparison(verdict, resumed_from, len(steps), first, restore_differs, loss_diff)
+    return Comparison(verdict, resumed_from, len(steps), first, restore_differs, loss, loss_diff)

@@ -10,12 +10,18 @@ Layout (see DESIGN.md)::
     RUN/LOCK                      single writer (POSIX fcntl lock: not inherited by forked workers)
 
 Uncommitted generations are ignored: listing reads only ``gen-*`` folders, and a folder counts
-as a generation only when its ``MANIFEST.json`` parses, names the same generation, and every
-listed file exists with its listed size (``verify`` then re-hashes every byte).
+as a generation only when it is a real folder (not a symbolic link), its ``MANIFEST.json``
+parses, names the same generation, and every listed file exists as a regular file with its
+listed size (``verify`` then re-hashes every byte).
+
+Readers need no lock and may list while a writer commits and deletes: a generation appears
+whole (one rename), and one being deleted loses its manifest first (``torn``) and then
+vanishes from the listing; it is never reported ``corrupt`` for that reason.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -39,6 +45,14 @@ TRASH_PREFIX = ".trash-"
 ASIDE = "aside"
 LOCK = "LOCK"
 _LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
+
+
+def _memory_bytes() -> int:
+    """Physical memory: no artifact larger than this can be read (and verified) whole."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
 
 
 def generation_name(generation: int) -> str:
@@ -78,7 +92,18 @@ class GenerationStore:
         if key in _LOCKED_HERE:
             raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
                               "close() it before opening the run folder again")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never follow a symlink: a planted LOCK -> ~/.bashrc would be truncated below
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
+                         os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
+                                    "regular file inside the run folder (remove it)") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise CorruptCheckpoint(f"{path}: not a regular file; the lock file must be a "
+                                    "regular file inside the run folder (remove it)")
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -105,9 +130,12 @@ class GenerationStore:
 
     def _clean_debris(self) -> None:
         """Staging and trash folders belong to a dead writer: nothing in them was committed."""
-        for name in os.listdir(self.root):
+        for name in sorted(os.listdir(self.root)):
             if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
-                self.fs.rmtree(os.path.join(self.root, name))
+                try:
+                    self.fs.rmtree(os.path.join(self.root, name))
+                except FileNotFoundError:
+                    pass
 
     # -- listing and verification -------------------------------------------------------------
 
@@ -119,16 +147,32 @@ class GenerationStore:
         for name in os.listdir(self.root):
             m = _GEN.match(name)
             if m:
-                found.append(self._check(int(m.group(1)), os.path.join(self.root, name)))
+                info = self._check(int(m.group(1)), os.path.join(self.root, name))
+                if info is not None:  # None: deleted while we looked at it
+                    found.append(info)
         return sorted(found, key=lambda g: g.generation)
 
     def scan_one(self, generation: int) -> GenerationInfo:
         """The cheap check of one generation by number."""
-        return self._check(generation, os.path.join(self.root, generation_name(generation)))
+        path = os.path.join(self.root, generation_name(generation))
+        info = self._check(generation, path)
+        if info is None:
+            return GenerationInfo(generation, path, "torn", f"{path}: missing")
+        return info
 
-    def _check(self, generation: int, path: str) -> GenerationInfo:
+    def _check(self, generation: int, path: str) -> GenerationInfo | None:
         where = os.path.join(path, MANIFEST)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(mode):
+            return GenerationInfo(generation, path, "corrupt", f"{path}: not a folder (mode "
+                                  f"{oct(mode)}); a generation is a real folder inside the run, "
+                                  "never a symbolic link")
         if not os.path.lexists(where):
+            if not os.path.lexists(path):
+                return None
             return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
                                   "or deletion interrupted)")
         try:
@@ -152,9 +196,15 @@ class GenerationStore:
                 if st.st_size != a.size:
                     raise CorruptCheckpoint(f"{file}: {st.st_size} bytes, the manifest lists "
                                             f"{a.size}")
-        except CorruptCheckpoint as e:
-            return GenerationInfo(generation, path, "corrupt", str(e))
-        except OSError as e:
+        except (CorruptCheckpoint, OSError) as e:
+            # A concurrent deletion (manifest first, then the folder) is not corruption.
+            if not os.path.lexists(path):
+                return None
+            if not os.path.lexists(where):
+                return GenerationInfo(generation, path, "torn", f"{where}: missing (deletion "
+                                      "in progress or interrupted)")
+            if isinstance(e, CorruptCheckpoint):
+                return GenerationInfo(generation, path, "corrupt", str(e))
             return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
         return GenerationInfo(generation, path, "complete", "", manifest)
 
@@ -173,6 +223,9 @@ class GenerationStore:
 
     def _read_artifact(self, folder: str, a: Artifact) -> bytes:
         path = os.path.join(folder, a.name)
+        if a.size > _memory_bytes():
+            raise CorruptCheckpoint(f"{path}: the manifest lists {a.size} bytes, more than this "
+                                    f"machine's memory ({_memory_bytes()}); refusing to read it")
         try:
             data = self.fs.read_file(path, a.size)
         except OSError as e:
@@ -222,7 +275,19 @@ class GenerationStore:
         except BaseException:
             self._discard(staging)
             raise
-        self.fs.fsync_dir(self.root)
+        try:
+            self.fs.fsync_dir(self.root)
+        except OSError:
+            # The rename may not be durable. Take the generation back, so that a save reported
+            # as failed never leaves a generation behind (if that fails too, what stays is a
+            # complete, verifiable generation).
+            try:
+                self.fs.rename(final, staging)
+            except OSError:
+                pass
+            else:
+                self._discard(staging)
+            raise
         fault_point("after-rename", generation)
         return GenerationInfo(generation, final, "complete", "", manifest)
 
@@ -236,7 +301,11 @@ class GenerationStore:
         """Move a generation to ``aside/`` under a unique name; it is kept for inspection."""
         self._need_lock()
         aside = os.path.join(self.root, ASIDE)
-        os.makedirs(aside, exist_ok=True)
+        if not os.path.lexists(aside):
+            self.fs.mkdir(aside)
+        elif not stat.S_ISDIR(os.lstat(aside).st_mode):
+            raise CorruptCheckpoint(f"{aside}: not a folder (a symbolic link or file); "
+                                    "generations are moved aside only inside the run folder")
         dest = os.path.join(aside, f"{os.path.basename(info.path)}-{why}-{uuid.uuid4().hex[:8]}")
         self.fs.rename(info.path, dest)
         self.fs.fsync_dir(self.root)
@@ -247,7 +316,8 @@ class GenerationStore:
         then rename out of the listing, then remove the files."""
         self._need_lock()
         manifest = os.path.join(info.path, MANIFEST)
-        if os.path.lexists(manifest):
+        real_folder = stat.S_ISDIR(os.lstat(info.path).st_mode)  # never follow a symlink out
+        if real_folder and os.path.lexists(manifest):
             self.fs.unlink(manifest)
             self.fs.fsync_dir(info.path)
         fault_point("retention-unlinked", info.generation)

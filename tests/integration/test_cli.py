@@ -326,15 +326,3 @@ def test_every_generation_corrupt_still_reports_each(run: Path,
     code, doc = cli_json(capsys, "verify", str(run))
     assert code == 1 and [g["status"] for g in doc["generations"]] == ["corrupt"] * 3
 
-
-def test_demo_proves_resume_and_catches_defects(tmp_path, capsys):
-    from unbroken.cli import main as cli_main
-
-    assert cli_main(["demo", "--json", "--dir", str(tmp_path / "demo")]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["killed_by_sigkill"]
-    assert out["correct"]["verdict"] == "equivalent" and out["correct"]["resumed_from"] == 5
-    assert out["weights_only"]["first_divergence"]["step"] == 6
-    assert set(out["weights_only"]["first_divergence"]["fields"]) == {"weight", "lr",
-                                                                     "optimizer", "rng"}
-    assert out["cleared_momentum"]["first_divergence"]["fields"] == ["weight", "optimizer"]

@@ -1,0 +1,747 @@
+"""Save/load throughput of model + optimizer state: the disk itself, torch.save/torch.load,
+safetensors, torch.distributed.checkpoint (one process) and unbroken, in one run, on one disk.
+
+Every method handles the same tensors (a stack of Linear layers plus AdamW's exp_avg,
+exp_avg_sq and step), is timed end to end including fsync, and loads back *into the live model
+and optimizer* (what a restore has to do). GB/s is always payload bytes (the tensors' nbytes) per
+second, so methods are comparable whatever their file overhead. Each "x disk" ratio divides by
+the O_DIRECT bandwidth measured in the same round-robin for the same size.
+
+Rounds are interleaved (rep 1 of every method, then rep 2, ...) so that drift of a shared
+virtual disk hits every method alike. Loads are cold by default: the files' clean pages are
+dropped from the page cache with posix_fadvise(DONTNEED) before each load (drop_caches needs
+root; this needs nothing). The host may still cache the virtual disk.
+
+Peak memory is the peak resident set size during the operation minus the resident set size
+before it (Linux /proc/self/clear_refs resets the peak; file pages mapped by mmap count too).
+
+    .venv/bin/python benchmarks/save_load.py                 # default sizes, ~3 min on 2 cores
+    .venv/bin/python benchmarks/save_load.py --quick         # tiny sizes, smoke run (< 20 s)
+    .venv/bin/python benchmarks/save_load.py --json --out results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import mmap
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+GB = 1e9
+MB = 1e6
+DIRECT_BLOCK = 64 << 20  # O_DIRECT transfer size: the fastest single-stream size measured here
+ALIGN = 4096
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# machine and disk facts
+
+
+def mount_of(path: str) -> dict[str, str]:
+    """Device, mount point and filesystem type holding ``path`` (longest /proc/mounts match)."""
+    real = os.path.realpath(path)
+    best = {"device": "unknown", "mount": "", "fstype": "unknown", "options": ""}
+    with open("/proc/mounts", encoding="utf-8") as f:
+        for line in f:
+            dev, mnt, fstype, opts, *_ = line.split()
+            mnt = mnt.replace("\\040", " ")
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and \
+                    len(mnt) >= len(best["mount"]):
+                best = {"device": dev, "mount": mnt, "fstype": fstype, "options": opts}
+    return best
+
+
+def pick_root(requested: str | None) -> str:
+    """A temp folder on a real disk: /work if it is one, else /tmp, else the current folder."""
+    if requested:
+        os.makedirs(requested, exist_ok=True)
+        return tempfile.mkdtemp(prefix="unbroken-bench-", dir=requested)
+    for base in ("/work", tempfile.gettempdir(), os.getcwd()):
+        if os.path.isdir(base) and os.access(base, os.W_OK) and \
+                mount_of(base)["fstype"] not in ("tmpfs", "ramfs", "overlay", "zram"):
+            return tempfile.mkdtemp(prefix="unbroken-bench-", dir=base)
+    return tempfile.mkdtemp(prefix="unbroken-bench-")
+
+
+def machine_info(root: str) -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem_total = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_total = int(line.split()[1]) * 1024
+    mnt = mount_of(root)
+    dev = os.path.basename(mnt["device"])
+    rotational = scheduler = None
+    with contextlib.suppress(OSError):
+        with open(f"/sys/block/{dev}/queue/rotational", encoding="utf-8") as f:
+            rotational = f.read().strip() == "1"
+        with open(f"/sys/block/{dev}/queue/scheduler", encoding="utf-8") as f:
+            scheduler = f.read().strip()
+    st = shutil.disk_usage(root)
+    import safetensors
+    import xxhash
+
+    import unbroken
+    return {
+        "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_gb": round(mem_total / GB, 1), "kernel": platform.release(),
+        "python": platform.python_version(), "torch": torch.__version__,
+        "safetensors": safetensors.__version__, "xxhash": xxhash.VERSION,
+        "unbroken": getattr(unbroken, "__version__", "editable"),
+        "target": {"dir": root, **mnt, "rotational": rotational, "scheduler": scheduler,
+                   "free_gb": round(st.free / GB, 1)},
+    }
+
+
+def memory_rates(nbytes: int = 256 << 20) -> dict[str, float]:
+    """GB/s of a copy into a reused buffer, into fresh memory, and of xxh3-128 hashing: the
+    in-memory ceilings every method below runs into."""
+    import xxhash
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+
+    def best(fn: Callable[[], Any], n: int = 3) -> float:
+        times = []
+        for _ in range(n):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return nbytes / min(times) / GB
+
+    view = memoryview(src.numpy())
+    out = {"copy_reused_gbps": best(lambda: dst.copy_(src)),
+           "copy_fresh_gbps": best(lambda: torch.empty_like(src).copy_(src)),
+           "bytes_fresh_gbps": best(lambda: bytes(view)),
+           "xxh3_128_gbps": best(lambda: xxhash.xxh3_128(view).digest())}
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# memory accounting
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRSS:
+    """Peak RSS minus RSS at start, via /proc/self/clear_refs (None where unavailable)."""
+
+    def __init__(self) -> None:
+        self.delta_mb: float | None = None
+
+    def __enter__(self) -> PeakRSS:
+        gc.collect()
+        try:
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            self._ok = True
+        except OSError:
+            self._ok = False
+        self._base = _status_kb("VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ok:
+            self.delta_mb = max(0, _status_kb("VmHWM") - self._base) * 1024 / MB
+
+
+# ---------------------------------------------------------------------------------------------
+# the state under test
+
+
+def build_state(layers: int, width: int, small: bool = False
+                ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A stack of Linear layers with AdamW state (exp_avg, exp_avg_sq, step per parameter)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    if not small:  # default init walks every element in Python-visible kernels; randn is faster
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return model, opt
+
+
+def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = list(model.state_dict().values())
+    for s in opt.state.values():
+        out.extend(v for v in s.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def flat_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Model and optimizer tensors under flat string keys (safetensors and DCP want this)."""
+    flat = {f"m.{k}": v for k, v in model.state_dict().items()}
+    for i, p in enumerate(opt.param_groups[0]["params"]):
+        for k, v in opt.state[p].items():
+            flat[f"o.{i}.{k}"] = v
+    return flat
+
+
+def load_flat(model: torch.nn.Module, opt: torch.optim.Optimizer,
+              loaded: dict[str, torch.Tensor]) -> None:
+    """Apply a flat dict the way a restore does: model by load_state_dict (copies into the
+    parameters), optimizer by load_state_dict (adopts the loaded tensors)."""
+    model.load_state_dict({k[2:]: v for k, v in loaded.items() if k.startswith("m.")})
+    sd = opt.state_dict()
+    for i in sd["state"]:
+        sd["state"][i] = {k: loaded[f"o.{i}.{k}"] for k in sd["state"][i]}
+    opt.load_state_dict(sd)
+
+
+# ---------------------------------------------------------------------------------------------
+# file helpers
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def drop_cache(path: str) -> None:
+    """Drop the clean page-cache pages of every file under ``path`` (they are fsynced)."""
+    paths = [path] if os.path.isfile(path) else [
+        os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+    for p in paths:
+        with contextlib.suppress(OSError):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fdatasync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def tree_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+# ---------------------------------------------------------------------------------------------
+# methods: each has prepare (untimed), save, load, and cleanup between saves (untimed)
+
+
+class Method:
+    """A way to save and load. Saves alternate between two paths and remove the older one
+    first (untimed): the previous checkpoint still exists while the next one is written, as
+    with any safe checkpointer (and as with unbroken's retention)."""
+
+    name = ""
+    note = ""
+
+    def __init__(self, where: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 payload: int) -> None:
+        self.base, self.model, self.opt, self.payload = where, model, opt, payload
+        self.slot = 0
+        self.phases: dict[str, list[dict[str, float]]] = {"save": [], "load": []}
+
+    @property
+    def where(self) -> str:
+        return f"{self.base}.{self.slot}"
+
+    def before_save(self) -> None:
+        self.slot ^= 1
+        remove(self.where)
+
+    def save(self) -> None:
+        raise NotImplementedError
+
+    def load(self) -> None:
+        raise NotImplementedError
+
+    def files(self) -> str:
+        return self.where
+
+    def close(self) -> None:
+        for slot in (0, 1):
+            remove(f"{self.base}.{slot}")
+
+
+class DiskDirect(Method):
+    name = "disk O_DIRECT"
+    note = "the disk itself: aligned 64 MiB O_DIRECT writes + fsync, O_DIRECT reads"
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        block = min(DIRECT_BLOCK, -(-self.payload // ALIGN) * ALIGN)
+        self.buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+        self.buf.write(os.urandom(min(block, 1 << 20)) * (block // min(block, 1 << 20)))
+        self.view = memoryview(self.buf)
+        self.total = -(-self.payload // block) * block
+
+    def save(self) -> None:
+        fd = os.open(self.where, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            done = 0
+            while done < self.total:
+                done += os.write(fd, self.view)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def load(self) -> None:
+        fd = os.open(self.where, os.O_RDONLY | os.O_DIRECT)
+        try:
+            while os.readv(fd, [self.view]) > 0:
+                pass
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        super().close()
+        self.view.release()
+        self.buf.close()
+
+
+class DiskBuffered(DiskDirect):
+    name = "disk buffered"
+    note = "page cache: write() of a reused buffer + fsync, read() into a reused buffer"
+
+    def save(self) -> None:
+        fd = os.open(self.where, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            done = 0
+            while done < self.total:
+                done += os.write(fd, self.view)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def load(self) -> None:
+        fd = os.open(self.where, os.O_RDONLY)
+        try:
+            while os.readv(fd, [self.view]) > 0:
+                pass
+        finally:
+            os.close(fd)
+
+
+class TorchSave(Method):
+    name = "torch.save"
+    note = "torch.save({model, optimizer}) + fsync / torch.load(weights_only=True) + load_state_dict"
+
+    def save(self) -> None:
+        with open(self.where, "wb") as f:
+            torch.save({"model": self.model.state_dict(), "optimizer": self.opt.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def load(self) -> None:
+        sd = torch.load(self.where, map_location="cpu", weights_only=True)
+        self.model.load_state_dict(sd["model"])
+        self.opt.load_state_dict(sd["optimizer"])
+
+
+class Safetensors(Method):
+    name = "safetensors"
+    note = "save_file(flat) + fsync / load_file (mmap) + load_state_dict"
+
+    def save(self) -> None:
+        from safetensors.torch import save_file
+        save_file(flat_state(self.model, self.opt), self.where)
+        fsync_path(self.where)
+
+    def load(self) -> None:
+        from safetensors.torch import load_file
+        load_flat(self.model, self.opt, load_file(self.where))
+
+
+class DCP(Method):
+    name = "torch DCP"
+    note = "torch.distributed.checkpoint save/load, no_dist=True, sync_files=True; loads in place"
+
+    def save(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.save(flat_state(self.model, self.opt),
+                 storage_writer=dcp.FileSystemWriter(self.where, sync_files=True), no_dist=True)
+
+    def load(self) -> None:
+        import torch.distributed.checkpoint as dcp
+        dcp.load(flat_state(self.model, self.opt),
+                 storage_reader=dcp.FileSystemReader(self.where), no_dist=True)
+
+
+class PhaseTimer:
+    """Times calls of named functions (phases) and, inside them, of system calls, so that
+    e.g. the fsync() of commit and the fsync() of retention are told apart."""
+
+    def __init__(self) -> None:
+        self.acc: dict[str, float] = {}
+        self._stack: list[str] = []
+
+    @contextlib.contextmanager
+    def patch(self, obj: Any, name: str, key: str, syscall: bool = False) -> Iterator[None]:
+        orig = getattr(obj, name)
+        own = name in vars(obj)  # else a class attribute, shadowed on the instance
+        acc, stack = self.acc, self._stack
+
+        def timed(*a: Any, **k: Any) -> Any:
+            label = f"{stack[-1] if stack else 'other'}:{key}" if syscall else key
+            if not syscall:
+                stack.append(key)
+            t = time.perf_counter()
+            try:
+                return orig(*a, **k)
+            finally:
+                acc[label] = acc.get(label, 0.0) + time.perf_counter() - t
+                if not syscall:
+                    stack.pop()
+
+        setattr(obj, name, timed)
+        try:
+            yield
+        finally:
+            if own:
+                setattr(obj, name, orig)
+            else:
+                delattr(obj, name)
+
+
+class Unbroken(Method):
+    name = "unbroken"
+    note = ("Checkpointer.save (capture, encode, write+hash+fsync, manifest, rename, read-back "
+            "verify, retention) / restore (read+hash, decode, validate, load into live objects)")
+
+    def __init__(self, *a: Any) -> None:
+        super().__init__(*a)
+        import unbroken
+        self._unbroken = unbroken
+        remove(self.base)
+        self.ckpt = unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
+                                          keep=unbroken.Keep(last=1))
+        self.step = 0
+
+    def before_save(self) -> None:  # retention removes the previous generation inside save()
+        pass
+
+    def save(self) -> None:
+        import unbroken.state as S
+        pt = PhaseTimer()
+        c, st = self.ckpt, self.ckpt.store
+        self.step += 1
+        with contextlib.ExitStack() as es:
+            for obj, name, key in ((S, "capture", "capture"), (S, "encode_generation", "encode"),
+                                   (st, "commit", "commit"), (st, "scan_one", "verify"),
+                                   (st, "verify", "verify"), (c, "_apply_retention", "retention")):
+                es.enter_context(pt.patch(obj, name, key))
+            for name in ("write", "fsync", "readv"):
+                es.enter_context(pt.patch(os, name, name + "()", syscall=True))
+            t = time.perf_counter()
+            c.save(self.step)
+            total = time.perf_counter() - t
+        a = pt.acc
+        ph = {k: a.get(k, 0.0) for k in ("capture", "encode", "commit")}
+        ph["  write()"] = a.get("commit:write()", 0.0)
+        ph["  fsync()"] = a.get("commit:fsync()", 0.0)
+        ph["  hash+other"] = ph["commit"] - ph["  write()"] - ph["  fsync()"]
+        ph["verify"] = a.get("verify", 0.0)
+        ph["  read()"] = a.get("verify:readv()", 0.0)
+        ph["  hash+alloc+copy"] = ph["verify"] - ph["  read()"]
+        ph["retention"] = a.get("retention", 0.0)
+        ph["other"] = total - sum(ph[k] for k in ("capture", "encode", "commit", "verify",
+                                                  "retention"))
+        ph["total"] = total
+        self.phases["save"].append(ph)
+
+    def load(self) -> None:
+        import unbroken.state as S
+        self.ckpt.close()
+        r = self._unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
+                                        keep=self._unbroken.Keep(last=1))
+        pt = PhaseTimer()
+        st = r.store
+        try:
+            with contextlib.ExitStack() as es:
+                for obj, name, key in ((st, "scan", "scan"), (st, "read_verified", "read+hash"),
+                                       (S, "decode_generation", "decode"),
+                                       (S, "validate_parts", "validate"), (S, "apply", "apply")):
+                    es.enter_context(pt.patch(obj, name, key))
+                es.enter_context(pt.patch(os, "readv", "readv()", syscall=True))
+                t = time.perf_counter()
+                r.restore()
+                total = time.perf_counter() - t
+        finally:
+            r.close()
+        a = pt.acc
+        ph = {k: a.get(k, 0.0) for k in ("scan", "read+hash")}
+        ph["  read()"] = a.get("read+hash:readv()", 0.0)
+        ph["  hash+alloc+copy"] = ph["read+hash"] - ph["  read()"]
+        ph.update({k: a.get(k, 0.0) for k in ("decode", "validate", "apply")})
+        ph["other"] = total - sum(ph[k] for k in ("scan", "read+hash", "decode", "validate",
+                                                  "apply"))
+        ph["total"] = total
+        self.phases["load"].append(ph)
+        self.ckpt = self._unbroken.Checkpointer(self.base, model=self.model,
+                                                optimizer=self.opt,
+                                                keep=self._unbroken.Keep(last=1))
+
+    def files(self) -> str:
+        return self.base
+
+    def close(self) -> None:
+        self.ckpt.close()
+        remove(self.base)
+
+
+# Display order; indented names are parts of the phase above them.
+PHASE_ORDER = {
+    "save": ["capture", "encode", "commit", "  write()", "  fsync()", "  hash+other",
+             "verify", "  read()", "  hash+alloc+copy", "retention", "other"],
+    "load": ["scan", "read+hash", "  read()", "  hash+alloc+copy", "decode", "validate",
+             "apply", "other"]}
+
+METHODS: dict[str, type[Method]] = {
+    "disk": DiskDirect, "buffered": DiskBuffered, "torch": TorchSave,
+    "safetensors": Safetensors, "dcp": DCP, "unbroken": Unbroken}
+
+
+# ---------------------------------------------------------------------------------------------
+# cases and the run
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B")
+    mult = {"K": 1e3, "M": 1e6, "G": 1e9}.get(text[-1:], 1)
+    return int(float(text.rstrip("KMG")) * mult)
+
+
+def make_cases(sizes: list[str], small: int | None) -> list[dict[str, Any]]:
+    cases = []
+    for s in sizes:
+        target = parse_size(s)
+        width = 256 if target < 20e6 else 1024 if target < 256e6 else 2048
+        per_layer = 3 * 4 * (width * width + width)  # params + exp_avg + exp_avg_sq, fp32
+        layers = max(1, round(target / per_layer))
+        cases.append({"name": f"{s} dense", "layers": layers, "width": width, "small": False})
+    if small:
+        # each Linear: weight + bias, each with exp_avg, exp_avg_sq and step: 8 tensors
+        cases.append({"name": f"{small // 1000}k small", "layers": max(1, small // 8),
+                      "width": 32, "small": True})
+    return cases
+
+
+def summarize(times: list[float], payload: int) -> dict[str, Any]:
+    med = statistics.median(times)
+    return {"median_s": med, "min_s": min(times), "max_s": max(times), "all_s": times,
+            "spread_pct": 100 * (max(times) - min(times)) / med if med else 0.0,
+            "gbps": payload / med / GB if med else 0.0}
+
+
+def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, warmup: int,
+             cold: bool) -> dict[str, Any]:
+    model, opt = build_state(case["layers"], case["width"], case["small"])
+    tensors = state_tensors(model, opt)
+    payload = sum(t.numel() * t.element_size() for t in tensors)
+    log(f"== {case['name']}: {len(tensors)} tensors, {payload / MB:.1f} MB")
+    folder = os.path.join(root, case["name"].replace(" ", "_"))
+    os.makedirs(folder, exist_ok=True)
+    ms = [METHODS[m](os.path.join(folder, m), model, opt, payload) for m in methods]
+    gc.collect()
+    gc.freeze()  # keeps the per-measurement gc.collect() cheap (torch holds ~10^6 objects)
+    times: dict[str, dict[str, list[float]]] = {m.name: {"save": [], "load": []} for m in ms}
+    peaks: dict[str, dict[str, list[float]]] = {m.name: {"save": [], "load": []} for m in ms}
+    file_bytes: dict[str, int] = {}
+    t_case = time.perf_counter()
+    try:
+        for op in ("save", "load"):
+            for rep in range(warmup + repeats):
+                for m in ms:  # round-robin: drift of the disk hits every method alike
+                    if op == "save":
+                        m.before_save()
+                    elif cold:
+                        drop_cache(m.files())
+                    with PeakRSS() as mem:
+                        t = time.perf_counter()
+                        getattr(m, op)()
+                        dt = time.perf_counter() - t
+                    if rep < warmup:
+                        if isinstance(m, Unbroken):
+                            m.phases[op].pop()
+                        continue
+                    times[m.name][op].append(dt)
+                    if mem.delta_mb is not None:
+                        peaks[m.name][op].append(mem.delta_mb)
+                    if op == "save":
+                        file_bytes[m.name] = tree_bytes(m.files())
+                log(f"   {op} round {rep + 1}/{warmup + repeats}"
+                    f"{' (warm-up)' if rep < warmup else ''}: " +
+                    ", ".join(f"{m.name} {times[m.name][op][-1]:.3f}s" if rep >= warmup
+                              else m.name for m in ms))
+    finally:
+        for m in ms:
+            m.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    disk = times.get(DiskDirect.name)
+    disk_gbps = {op: payload / statistics.median(disk[op]) / GB for op in ("save", "load")} \
+        if disk else None
+    results = []
+    for m in ms:
+        for op in ("save", "load"):
+            r = {"method": m.name, "op": op, **summarize(times[m.name][op], payload),
+                 "x_disk": (payload / statistics.median(times[m.name][op]) / GB / disk_gbps[op])
+                 if disk_gbps else None,
+                 "peak_rss_delta_mb": max(peaks[m.name][op]) if peaks[m.name][op] else None,
+                 "file_mb": file_bytes.get(m.name, 0) / MB}
+            if isinstance(m, Unbroken) and m.phases[op]:
+                keys = m.phases[op][0].keys()
+                r["phases_median_s"] = {k: statistics.median(p.get(k, 0.0) for p in m.phases[op])
+                                        for k in keys}
+            results.append(r)
+    n_tensors = len(tensors)
+    del model, opt, tensors, ms
+    gc.unfreeze()
+    gc.collect()
+    return {"case": case["name"], "layers": case["layers"], "width": case["width"],
+            "n_tensors": n_tensors, "payload_mb": payload / MB, "disk_gbps": disk_gbps,
+            "seconds": time.perf_counter() - t_case, "results": results}
+
+
+def fmt_table(doc: dict[str, Any]) -> str:
+    head = ("case", "method", "op", "median s", "min-max s", "spread", "GB/s", "x disk",
+            "peak RSS +MB", "file MB")
+    rows = []
+    for c in doc["cases"]:
+        for r in c["results"]:
+            rows.append((c["case"], r["method"], r["op"], f"{r['median_s']:.3f}",
+                         f"{r['min_s']:.3f}-{r['max_s']:.3f}", f"{r['spread_pct']:.0f}%",
+                         f"{r['gbps']:.2f}",
+                         "-" if r["x_disk"] is None else f"{r['x_disk']:.2f}",
+                         "-" if r["peak_rss_delta_mb"] is None else f"{r['peak_rss_delta_mb']:.0f}",
+                         f"{r['file_mb']:.0f}"))
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "| " + " | ".join(h.ljust(w) for h, w in zip(head, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    out = [line, sep]
+    for r in rows:
+        out.append("| " + " | ".join(v.ljust(w) if i < 3 else v.rjust(w)
+                                     for i, (v, w) in enumerate(zip(r, widths))) + " |")
+    phase_lines = []
+    for c in doc["cases"]:
+        for r in c["results"]:
+            ph = r.get("phases_median_s")
+            if not ph:
+                continue
+            total = ph.get("total", 0.0) or 1.0
+            parts = []
+            for k in PHASE_ORDER[r["op"]]:
+                if k in ph:
+                    parts.append(f"{k} {ph[k]:.3f}s ({100 * ph[k] / total:.0f}%)")
+            phase_lines.append(f"- {c['case']}, {r['op']} {ph.get('total', 0):.3f}s: " +
+                               ", ".join(parts))
+    return "\n".join(out) + ("\n\nunbroken phases (median s, share of total):\n" +
+                             "\n".join(phase_lines) if phase_lines else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (< 20 s)")
+    ap.add_argument("--sizes", help="comma-separated payload sizes of dense cases "
+                    "(default 64M,512M,1.5G; --quick: 4M,16M)")
+    ap.add_argument("--small", type=int, help="tensor count of the many-small-tensors case "
+                    "(default 20000; --quick: 1000; 0: none)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help=f"comma-separated subset of {','.join(METHODS)}")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    ap.add_argument("--warm-cache", action="store_true",
+                    help="load from the page cache (default: drop the files' pages first)")
+    ap.add_argument("--dir", help="parent folder of the scratch folder (default: /work or the "
+                    "temp dir, whichever is on a real disk)")
+    ap.add_argument("--json", action="store_true", help="print only the JSON document")
+    ap.add_argument("--out", help="also write the JSON document to this file")
+    args = ap.parse_args(argv)
+
+    sizes = (args.sizes or ("4M,16M" if args.quick else "64M,512M,1.5G")).split(",")
+    small = args.small if args.small is not None else (1000 if args.quick else 20000)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
+    warnings.filterwarnings("ignore", category=UserWarning)  # DCP's no-process-group warnings
+    started = time.perf_counter()
+    root = pick_root(args.dir)
+    try:
+        info = machine_info(root)
+        if info["target"]["fstype"] in ("tmpfs", "ramfs"):
+            log(f"warning: {root} is on {info['target']['fstype']}: that measures memory")
+        log(f"target {root} on {info['target']['device']} ({info['target']['fstype']}), "
+            f"{info['cpu_count']} CPUs")
+        info["memory_rates"] = memory_rates(16 << 20 if args.quick else 256 << 20)
+        cases = []
+        for case in make_cases(sizes, small):
+            cases.append(run_case(case, root, methods, args.repeats, args.warmup,
+                                  cold=not args.warm_cache))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    doc = {"benchmark": "unbroken save_load", "command": " ".join([os.path.basename(
+        sys.executable), *sys.argv]), "machine": info,
+        "config": {"sizes": sizes, "small": small, "methods": methods,
+                   "repeats": args.repeats, "warmup": args.warmup,
+                   "load_cache": "warm" if args.warm_cache else "cold (posix_fadvise DONTNEED)",
+                   "gbps": "payload bytes (tensor nbytes) per second, median of repeats",
+                   "x_disk": "GB/s over the same case's disk O_DIRECT median (save: write, "
+                             "load: read)",
+                   "methods_notes": {cls.name: cls.note for cls in METHODS.values()
+                                     if any(cls is METHODS[m] for m in methods)}},
+        "cases": cases, "total_seconds": time.perf_counter() - started}
+    text = json.dumps(doc, indent=1)
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(fmt_table(doc))
+        print()
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
