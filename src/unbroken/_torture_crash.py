@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -582,13 +583,34 @@ def prepare_parent() -> None:
     torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
+def _retention_first() -> Callable[[], None]:
+    """Accelerate's bug, on purpose: delete old generations *before* writing the new one."""
+    original = Checkpointer.save
+
+    def save(self: Checkpointer, step: int | None = None, **kw: Any) -> Any:
+        for g in [g for g in self.store.scan() if g.ok][:-1]:
+            self.store.delete(g)
+        return original(self, step, **kw)
+
+    Checkpointer.save = save  # type: ignore[method-assign]
+    return lambda: setattr(Checkpointer, "save", original)
+
+
+# Known-bad implementations the torture must catch (a test of the test: exit status 1).
+SABOTAGE: dict[str, Callable[[], Callable[[], None]]] = {"retention-first": _retention_first}
+
+
 def crash(kills: int, seed: int, workdir: str | None = None, kinds: tuple[str, ...] = KINDS,
-          keep: bool = False) -> Figures:
+          keep: bool = False, sabotage: str | None = None) -> Figures:
     prepare_parent()
     own = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="unbroken-torture-")
+    os.makedirs(work, exist_ok=True)
+    undo = SABOTAGE[sabotage]() if sabotage else None  # forked lives inherit it
     try:
         return Torture(kills, seed, work, kinds, keep).run()
     finally:
+        if undo is not None:
+            undo()
         if own and not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -21,8 +21,9 @@ from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
 from .rng import capture_rng, restore_rng, rng_digests, validate_rng
+from ._digest import digest_modules, digest_optimizer, digest_tree
 from .store import GenerationInfo, GenerationStore
-from .trace import TRACE_ENV, Tracer, digest_tree, float_hex
+from .trace import TRACE_ENV, Tracer, float_hex
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
@@ -100,7 +101,9 @@ class Checkpointer:
     initialized CUDA device's RNG are always captured. ``identity`` binds config, tokenizer and
     data; ``every`` saves each N completed updates from ``step_done``; ``keep`` is retention.
     ``trace`` (or ``$UNBROKEN_TRACE``) appends one record per completed update to a JSON-lines
-    file, with parameter and state digests every ``trace_hash_every`` updates.
+    file: lr, sample ids, batch, loss, gradient norm, and digests of the parameters, RNG
+    streams and every state part; the optimizer's (the costliest) every ``trace_hash_every``
+    updates and at every restore.
 
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
@@ -111,7 +114,7 @@ class Checkpointer:
                  scaler: Any = None, data: Any = None, extras: Mapping[str, Any] | None = None,
                  generators: Mapping[str, Any] | None = None, identity: Identity | None = None,
                  every: int | None = None, keep: Keep | None = None,
-                 trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 1) -> None:
+                 trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if every is not None and (type(every) is not int or every < 1):
@@ -159,6 +162,7 @@ class Checkpointer:
         self._tracer = Tracer(trace) if trace else None
         self._trace_hash_every = trace_hash_every
         self._lr_next = self._lrs()  # the rates the next update will use
+        self._modules = list(model.modules())  # for parameter digests in the trace
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -422,14 +426,17 @@ class Checkpointer:
         groups = self.optimizer.param_groups if self.optimizer is not None else []
         return [float(g["lr"]) for g in groups]
 
-    def _digests(self) -> dict[str, Any]:
+    def _digests(self, optimizer: bool = True) -> dict[str, Any]:
         """Content digests of the parameters, every state part and each RNG stream."""
-        tree = S.capture({n: p for n, p in self._parts.items() if n not in (S.COUNTERS, S.RNG)},
-                         self.model)
-        rng = self._parts[S.RNG].state_dict()
-        return {"params": digest_tree(tree.pop(S.MODEL)),
-                "state": {name: digest_tree(value) for name, value in tree.items()},
-                "rng": rng_digests(rng)}
+        state = {}
+        for name, obj in self._parts.items():
+            if name == S.OPTIMIZER:
+                if optimizer:
+                    state[name] = digest_optimizer(obj)
+            elif name not in (S.MODEL, S.COUNTERS, S.RNG):
+                state[name] = digest_tree(obj.state_dict())
+        return {"params": digest_modules(self._modules), "state": state,
+                "rng": rng_digests(self._parts[S.RNG].state_dict())}
 
     def _trace_update(self, step: int, loss: Any, batch: Any, grad_norm: Any) -> None:
         assert self._tracer is not None
@@ -439,8 +446,7 @@ class Checkpointer:
             "ids": list(ids) if ids is not None else None,
             "batch": digest_tree(batch) if batch is not None else None,
             "loss": float_hex(loss), "grad_norm": float_hex(grad_norm)}
-        if step % self._trace_hash_every == 0:
-            record.update(self._digests())
+        record.update(self._digests(optimizer=step % self._trace_hash_every == 0))
         self._tracer.write(record)
         self._lr_next = self._lrs()
 

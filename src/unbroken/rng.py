@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import random
-import struct
 import warnings
-from array import array
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
+from ._digest import digest_tree
 from .errors import MissingState, StateMismatch, UnbrokenWarning
 
 AnyGenerator = torch.Generator | np.random.Generator
@@ -185,56 +183,15 @@ def restore_rng(saved: Mapping[str, Any], generators: Generators | None,
     _apply(saved, generators or {})
 
 
-def _feed(h: Any, obj: Any) -> None:
-    """Hash a canonical, type-tagged byte form of ``obj`` (no repr: stable across versions)."""
-    if obj is None or type(obj) is bool:
-        h.update(b"N" if obj is None else b"T" if obj else b"F")
-    elif type(obj) is int:
-        h.update(b"I%d;" % obj)
-    elif type(obj) is float:
-        h.update(b"D" + struct.pack("<d", obj))
-    elif type(obj) is str:
-        h.update(b"S%d;" % len(obj.encode()) + obj.encode())
-    elif isinstance(obj, torch.Tensor):
-        t = obj.detach().cpu().contiguous().reshape(-1)
-        h.update(f"X{t.dtype}{tuple(obj.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy())
-    elif isinstance(obj, (np.ndarray, np.generic)):
-        arr = np.ascontiguousarray(obj)
-        h.update(f"A{arr.dtype.str}{arr.shape};".encode())
-        h.update(arr.tobytes())
-    elif type(obj) in (tuple, list):
-        try:  # fast path for the 625-word Mersenne state: one packed buffer, no Python loop
-            packed = array("Q", obj)
-        except (TypeError, OverflowError):
-            h.update(b"L%d;" % len(obj))
-            for item in obj:
-                _feed(h, item)
-        else:
-            h.update(b"Q%d;" % len(obj) + packed.tobytes())
-    elif isinstance(obj, Mapping):
-        h.update(b"M%d;" % len(obj))
-        for key in sorted(obj, key=lambda k: (type(k).__name__, str(k))):
-            _feed(h, key)
-            _feed(h, obj[key])
-    else:
-        raise TypeError(f"cannot digest RNG state value of type {type(obj).__qualname__}")
-
-
-def _digest(obj: Any) -> str:
-    h = xxhash.xxh3_64()
-    _feed(h, obj)
-    return h.hexdigest()
-
-
 def rng_digests(state: Mapping[str, Any]) -> dict[str, str]:
     """xxh3-64 hex digest per stream (python, numpy, torch_cpu, cuda:i, gen:NAME), so a
     per-step trace can say which stream diverged; equal states give equal digests."""
-    out = {key: _digest(state[key]) for key in ("python", "numpy", "torch_cpu") if key in state}
+    out = {key: digest_tree(state[key]) for key in ("python", "numpy", "torch_cpu")
+           if key in state}
     for i, value in enumerate(state.get("cuda") or ()):
-        out[f"cuda:{i}"] = _digest(value)
+        out[f"cuda:{i}"] = digest_tree(value)
     for name, entry in (state.get("generators") or {}).items():
-        out[f"gen:{name}"] = _digest(entry)
+        out[f"gen:{name}"] = digest_tree(entry)
     return out
 
 

@@ -325,3 +325,7 @@ class GenerationStore:
         self.fs.rename(info.path, trash)
         self.fs.fsync_dir(self.root)
         self.fs.rmtree(trash)
+        # Trash an earlier deletion left behind (it failed midway, e.g. on an I/O error).
+        for name in sorted(os.listdir(self.root)):
+            if name.startswith(TRASH_PREFIX):
+                self.fs.rmtree(os.path.join(self.root, name))

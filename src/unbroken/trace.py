@@ -15,25 +15,10 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 import torch
-import xxhash
 
-from .codec import dumps_json, encode_tree
 from .errors import CorruptCheckpoint
 
 TRACE_ENV = "UNBROKEN_TRACE"
-
-
-def digest_tree(tree: Any) -> str:
-    """A 64-bit content digest of a state tree: its typed skeleton and every tensor's bytes."""
-    skeleton, tensors = encode_tree(tree)
-    h = xxhash.xxh3_64(dumps_json(skeleton))
-    for key in sorted(tensors):
-        t = tensors[key].contiguous()
-        h.update(key.encode())
-        h.update(str(t.dtype).encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
 
 
 def float_hex(value: float | torch.Tensor | None) -> str | None:

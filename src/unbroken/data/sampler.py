@@ -147,6 +147,7 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
         self._epoch = 0
         self._consumed = 0
         self._perms: dict[int, KeyedPermutation] = {}
+        self._recent: dict[tuple[int, int, int | None], list[SampleKey]] = {}
 
     # -- the order -------------------------------------------------------------------------
 
@@ -179,6 +180,10 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
 
         ``rank=-1`` returns the whole global batch.
         """
+        key = (epoch, number, rank)
+        cached = self._recent.get(key)
+        if cached is not None:  # the trace asks again for batches the DataLoader just took
+            return cached
         if not 0 <= number < self.batches_per_epoch:
             raise IndexError(f"batch {number} outside the epoch's [0, {self.batches_per_epoch})")
         start = number * self.batch_size
@@ -187,7 +192,11 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
             lo, hi = self._share(stop - start, self.rank if rank is None else rank)
             start, stop = start + lo, start + hi
         idx = self.indices(epoch, start, stop).tolist()
-        return [SampleKey(i, epoch, start + k) for k, i in enumerate(idx)]
+        keys = [SampleKey(i, epoch, start + k) for k, i in enumerate(idx)]
+        if len(self._recent) >= 256:  # more than any prefetch depth
+            self._recent.clear()
+        self._recent[key] = keys
+        return keys
 
     def __len__(self) -> int:
         """Batches per epoch (the whole epoch, wherever the cursor is)."""

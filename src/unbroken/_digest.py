@@ -1,0 +1,118 @@
+"""Content digests of state trees, for traces: fast, stable, and never via repr or pickle."""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+
+def _feed(h: Any, obj: Any) -> None:
+    """Hash a canonical, type-tagged byte form of ``obj`` (no repr: stable across versions).
+    Tensors come first: a trace digests hundreds of them per update."""
+    kind = type(obj)
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype, not requiring grad
+            arr = obj.numpy()
+            h.update(arr)
+            h.update(arr.dtype.char.encode())
+            return
+        except (RuntimeError, TypeError, BufferError, ValueError):
+            pass
+        t = obj.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
+        h.update(t.view(-1).view(torch.uint8).numpy())
+    elif obj is None or kind is bool:
+        h.update(b"N" if obj is None else b"T" if obj else b"F")
+    elif kind is int:
+        h.update(b"I%d;" % obj)
+    elif kind is float:
+        h.update(b"D" + struct.pack("<d", obj))
+    elif kind is str:
+        h.update(b"S%d;" % len(obj.encode()) + obj.encode())
+    elif isinstance(obj, Mapping):
+        h.update(b"M%d;" % len(obj))
+        keys = list(obj)
+        if not all(type(k) is str for k in keys):
+            keys.sort(key=lambda k: (type(k).__name__, str(k)))
+        else:
+            keys.sort()
+        for key in keys:
+            _feed(h, key)
+            _feed(h, obj[key])
+    elif kind is tuple or kind is list:
+        try:  # fast path for the 625-word Mersenne state: one packed buffer, no Python loop
+            packed = array("Q", obj)
+        except (TypeError, OverflowError):
+            h.update(b"L%d;" % len(obj))
+            for item in obj:
+                _feed(h, item)
+        else:
+            h.update(b"Q%d;" % len(obj) + packed.tobytes())
+    elif isinstance(obj, torch.Tensor):  # a Tensor subclass
+        _feed(h, obj.as_subclass(torch.Tensor))
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        arr = np.ascontiguousarray(obj)
+        h.update(f"A{arr.dtype.str}{arr.shape};".encode())
+        h.update(arr.tobytes())
+    elif kind is bytes:
+        h.update(b"B%d;" % len(obj) + obj)
+    elif isinstance(obj, (torch.dtype, torch.device)):
+        h.update(f"T{obj};".encode())
+    else:
+        raise TypeError(f"cannot digest a state value of type {type(obj).__qualname__}")
+
+
+def digest_tree(obj: Any) -> str:
+    """A 64-bit content digest of a state tree: equal trees give equal digests."""
+    h = xxhash.xxh3_64()
+    _feed(h, obj)
+    return h.hexdigest()
+
+
+
+
+def digest_modules(modules: list[torch.nn.Module]) -> str:
+    """Digest of the parameters and buffers of ``modules`` (``list(model.modules())``, built
+    once by the caller: walking the module tree costs more than hashing a small model)."""
+    h = xxhash.xxh3_64()
+    for m in modules:
+        for t in m._parameters.values():
+            if t is not None:
+                _feed(h, t.data)
+        for t in m._buffers.values():
+            if t is not None:
+                _feed(h, t.data)
+    return h.hexdigest()
+
+
+def digest_optimizer(optimizer: torch.optim.Optimizer) -> str:
+    """Digest of an optimizer's hyperparameters and per-parameter state, in group order."""
+    h = xxhash.xxh3_64()
+    for group in optimizer.param_groups:
+        _feed(h, {k: v for k, v in group.items() if k != "params"})
+        for p in group["params"]:
+            entry = optimizer.state.get(p)
+            if not entry:
+                h.update(b"-")
+                continue
+            for key in sorted(entry):  # a few keys per parameter: inline the tensor fast path
+                h.update(key.encode())
+                value = entry[key]
+                if type(value) is torch.Tensor and not value.requires_grad:
+                    try:
+                        h.update(value.numpy())
+                        continue
+                    except (RuntimeError, TypeError, BufferError, ValueError):
+                        pass
+                _feed(h, value)
+    return h.hexdigest()

@@ -1,0 +1,140 @@
+"""Trace comparison: stitching process segments, first divergence and its attribution, and
+the jump / drift / irreproducible classification under exact and tolerance levels."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+from unbroken.equivalence import compare, stitch
+from unbroken.trace import read_trace
+
+STEPS, RESUME = 20, 8
+
+
+def run_records(noise: float = 0.0, lose: str | None = None, seed: int = 0) -> list[dict]:
+    """A synthetic but realistic trace: loss decays, digests change every update. ``noise``
+    adds a relative error growing with each update after the resume (numerical drift)."""
+    rng = random.Random(seed)
+    recs = [{"event": "restore", "step": 0, "params": "p0", "state": {"optimizer": "o0"},
+             "rng": {"torch_cpu": "r0"}}]
+    for s in range(1, STEPS + 1):
+        loss = 2.0 / s
+        if noise and s > RESUME:
+            loss *= 1 + noise * (s - RESUME) * (1 + rng.random())
+        drifting = noise and s > RESUME
+        recs.append({"event": "update", "step": s, "lr": [(0.1 / s).hex()],
+                     "ids": [2 * s, 2 * s + 1], "batch": f"b{s}", "loss": loss.hex(),
+                     "grad_norm": (1.0 / s).hex(),
+                     "params": f"p{s}" + ("~" if drifting else ""),
+                     "state": {"optimizer": f"o{s}" + ("~" if drifting else ""),
+                               "scheduler": f"s{s}", "data": f"d{s}"},
+                     "rng": {"torch_cpu": f"r{s}", "python": f"y{s}"}})
+    return recs
+
+
+def segments(records: list[dict], restore: dict | None = None) -> list[list[dict]]:
+    """Split a run into a killed process (updates up to RESUME + 2) and a resumed one."""
+    first = [r for r in records if r["event"] == "restore" or r["step"] <= RESUME + 2]
+    at = next(r for r in records if r["event"] == "update" and r["step"] == RESUME)
+    resumed = dict(at, event="restore", **(restore or {}))
+    rest = [r for r in records if r["event"] == "update" and r["step"] > RESUME]
+    return [first, [resumed, *rest]]
+
+
+def test_identical_runs_are_equivalent_and_stitching_replaces_replayed_updates():
+    ref = run_records()
+    got = segments(run_records())
+    got[0][-1] = dict(got[0][-1], loss="0x1p+5")  # the killed process's update RESUME+2 ...
+    updates, restores = stitch(got)  # ... is replayed by the resumed process
+    assert sorted(updates) == list(range(1, STEPS + 1))
+    assert updates[RESUME + 2]["loss"] == ref[RESUME + 2]["loss"]
+    result = compare(ref, got)
+    assert result.verdict == "equivalent" and result.resumed_from == RESUME
+    assert result.first_divergence is None and result.restore_differs == []
+    assert [d for _, d in result.loss_diff] == [0.0] * STEPS
+
+
+def test_single_process_run_is_untested():
+    assert compare(run_records(), [run_records()]).verdict == "untested"
+
+
+def test_missing_optimizer_is_a_jump_attributed_to_the_optimizer():
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["loss"] = (float.fromhex(r["loss"]) * 1.3).hex()
+            r["state"]["optimizer"] += "!"
+            r["params"] += "!"
+    got = segments(bad, restore={"state": {"optimizer": "fresh", "scheduler": f"s{RESUME}",
+                                           "data": f"d{RESUME}"}})
+    result = compare(ref, got)
+    d = result.first_divergence
+    assert result.verdict == "diverged" and result.restore_differs == ["optimizer"]
+    assert (d.step, d.state_part, d.kind) == (RESUME + 1, "optimizer", "jump")
+    assert "numerics" in d.also and "model" in d.also
+
+
+def test_wrong_data_position_names_the_cursor():
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["ids"] = [0, 1]
+    d = compare(ref, segments(bad)).first_divergence
+    assert (d.step, d.field, d.state_part, d.kind) == (RESUME + 1, "ids", "data position", "jump")
+    assert d.expected == [2 * RESUME + 2, 2 * RESUME + 3] and d.found == [0, 1]
+
+
+def test_injected_tiny_noise_is_drift_under_tolerance_and_exact_mode():
+    ref = run_records()
+    noisy = segments(run_records(noise=1e-7))
+    # Exact level: the first difference is tiny and grows, and nothing differed at the resume.
+    d = compare(ref, noisy).first_divergence
+    assert d.kind == "drift" and d.step == RESUME + 1
+    # A tolerance wider than the noise accepts it (digests of drifting state are not compared)
+    result = compare(ref, noisy, rtol=1e-4)
+    assert result.verdict == "equivalent"
+    # ... a tolerance tighter than the noise reports it, as drift, not as missing state.
+    d = compare(ref, noisy, rtol=1e-9).first_divergence
+    assert d.kind == "drift" and d.field == "loss" and d.state_part == "numerics"
+
+
+def test_exact_steps_then_tolerance():
+    ref = run_records()
+    noisy = segments(run_records(noise=1e-7))
+    # Exact for the first 3 updates after the resume: the drift at RESUME+1 is reported ...
+    d = compare(ref, noisy, rtol=1e-4, exact_steps=3).first_divergence
+    assert d is not None and d.step == RESUME + 1
+    # ... while a run that matches exactly right after the resume and drifts later passes.
+    late = run_records(noise=1e-7)
+    for r in late:
+        if r["event"] == "update" and RESUME < r["step"] <= RESUME + 3:
+            exact = next(x for x in ref if x.get("step") == r["step"] and x["event"] == "update")
+            r.update(copy.deepcopy(exact))
+    assert compare(ref, segments(late), rtol=1e-4, exact_steps=3).verdict == "equivalent"
+
+
+def test_rng_is_compared_exactly_even_under_tolerance():
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["rng"]["python"] = "other"
+    d = compare(ref, segments(bad), rtol=0.1).first_divergence
+    assert d.state_part == "rng (python)" and d.kind == "jump"
+
+
+def test_difference_before_the_resume_is_irreproducible():
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    bad[3]["rng"]["python"] = "unseeded"
+    d = compare(ref, segments(bad)).first_divergence
+    assert d.kind == "irreproducible" and d.step == 3
+
+
+def test_read_trace_ignores_a_torn_last_line(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"event":"update","step":1}\n{"event":"upd')
+    assert read_trace(p) == [{"event": "update", "step": 1}]
