@@ -5,9 +5,19 @@ from __future__ import annotations
 
 from .checkpointer import Checkpointer
 from .data import Packer, ResumableLoader, ResumableSampler, seeded
-from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, NoCheckpoint,
-                     SaveFailed, StateMismatch, StoreLocked, UnbrokenError, UnbrokenWarning,
-                     UnsupportedValue, UpdateBoundaryError)
+from .errors import (
+                     CorruptCheckpoint,
+                     IdentityMismatch,
+                     MissingState,
+                     NoCheckpoint,
+                     SaveFailed,
+                     StateMismatch,
+                     StoreLocked,
+                     UnbrokenError,
+                     UnbrokenWarning,
+                     UnsupportedValue,
+                     UpdateBoundaryError,
+)
 from .identity import Identity
 from .retention import Keep
 from .state import Stateful

@@ -33,7 +33,7 @@ from typing import Any
 
 import xxhash
 
-from ._torture_crash import build, prepare_parent, state_digest, train
+from ._torture_crash import build, prepare_parent, state_digest, train, update
 from .errors import CorruptCheckpoint, UnbrokenError
 from .manifest import MANIFEST
 
@@ -736,17 +736,16 @@ class Fuzz:
             f.write(b"a file outside the run that no checkpoint operation may touch\n")
 
     def restore(self, run: str, layout: bool) -> tuple[str, Any]:
-        ckpt = None
+        job = None
         try:
-            ckpt, model = build(run, None, KEEP)
-            step = ckpt.restore()
-            digest = state_digest(ckpt)
-            rejected = list(ckpt.rejected)
+            job = build(run, None, KEEP)
+            step = job.ckpt.restore()
+            digest = state_digest(job)
+            rejected = list(job.ckpt.rejected)
             if layout:  # train on and save: retention and debris cleanup meet the layout
-                from ._torture_crash import _update
-                _update(ckpt, model)
-                ckpt.step_done(step + 1)
-                ckpt.save()
+                update(job)
+                job.ckpt.step_done(step + 1)
+                job.ckpt.save()
             return "ok", (step, digest, rejected)
         except _Timeout:
             raise
@@ -755,8 +754,8 @@ class Fuzz:
         except BaseException as e:  # noqa: BLE001 -- judged as a failure
             return "other", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}"
         finally:
-            if ckpt is not None:
-                ckpt.close()
+            if job is not None:
+                job.ckpt.close()
 
     def one(self, number: int) -> Outcome:
         rng = random.Random(f"{self.seed}:{number}")

@@ -30,6 +30,7 @@ import xxhash
 
 from ._fs import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV, io_count
 from .checkpointer import Checkpointer
+from .codec import encode_tree
 from .errors import CorruptCheckpoint
 from .identity import Identity
 from .retention import Keep
@@ -47,7 +48,18 @@ _LIFE_TIMEOUT = 120.0
 # -- the training run ---------------------------------------------------------------------------
 
 
-def build(run: str, every: int | None, keep_last: int) -> tuple[Checkpointer, torch.nn.Module]:
+@dataclass
+class Job:
+    """The live objects of one training process."""
+
+    ckpt: Checkpointer
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    data: torch.Generator
+
+
+def build(run: str, every: int | None, keep_last: int) -> Job:
     """A small model with everything a resume can get wrong: AdamW moments, a warm-up
     schedule, dropout (global torch RNG), a registered data generator, NumPy and Python
     randomness. Deterministic given the seeds set here."""
@@ -63,27 +75,38 @@ def build(run: str, every: int | None, keep_last: int) -> tuple[Checkpointer, to
                         generators={"data": data},
                         identity=Identity(config={"torture": 1, "width": 16}),
                         every=every, keep=Keep(last=keep_last))
-    return ckpt, model
+    return Job(ckpt, model, opt, sched, data)
 
 
-def state_digest(ckpt: Checkpointer) -> str:
-    """One digest of everything that decides the next update (parameters, optimizer,
-    scheduler, every RNG stream)."""
-    return xxhash.xxh3_64(json.dumps(ckpt._digests(), sort_keys=True).encode()).hexdigest()
+def state_digest(job: Job) -> str:
+    """One digest of everything that decides the next update: parameters, optimizer and
+    scheduler state, and every RNG stream (Python, NumPy, torch, the data generator). Taken
+    from the live objects directly, independent of how unbroken captures them."""
+    h = xxhash.xxh3_64()
+    tree = {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+            "scheduler": job.sched.state_dict(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "data": job.data.get_state(), "step": job.ckpt.step}
+    skeleton, tensors = encode_tree(tree)
+    h.update(json.dumps(skeleton, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
 
 
-def _update(ckpt: Checkpointer, model: torch.nn.Module) -> torch.Tensor:
-    data = ckpt._parts["rng"].generators["data"]
-    opt, sched = ckpt.optimizer, ckpt._parts["scheduler"]
-    assert opt is not None
-    x = torch.randn(16, 8, generator=data)
+def update(job: Job) -> torch.Tensor:
+    """One training update (forward, backward, clip, optimizer and scheduler step)."""
+    x = torch.randn(16, 8, generator=job.data)
     y = x.sum(1, keepdim=True) + float(np.random.normal(0, 1e-2)) + random.gauss(0, 1e-2)
-    loss = (model(x) - y).pow(2).mean()
-    opt.zero_grad()
+    loss = (job.model(x) - y).pow(2).mean()
+    job.opt.zero_grad()
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    sched.step()
+    torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
+    job.opt.step()
+    job.sched.step()
     return loss
 
 
@@ -96,16 +119,16 @@ def train(run: str, log: str, steps: int = STEPS, every: int = 2,
         os.write(fd, (json.dumps({**record, "t": time.monotonic()}) + "\n").encode())
 
     emit(e="start", pid=os.getpid())
-    ckpt, model = build(run, every, keep_last)
-    start = ckpt.restore()
-    emit(e="restored", step=start, digest=state_digest(ckpt),
-         rejected=[os.path.basename(p) for p, _ in ckpt.rejected])
+    job = build(run, every, keep_last)
+    start = job.ckpt.restore()
+    emit(e="restored", step=start, digest=state_digest(job),
+         rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
     for step in range(start + 1, steps + 1):
-        loss = _update(ckpt, model)
-        saved = ckpt.step_done(step, loss=loss)
-        emit(e="step", step=step, saved=saved, digest=state_digest(ckpt))
-    ckpt.close()
-    emit(e="done", step=steps, digest=state_digest(ckpt), ops=io_count())
+        loss = update(job)
+        saved = job.ckpt.step_done(step, loss=loss)
+        emit(e="step", step=step, saved=saved, digest=state_digest(job))
+    job.ckpt.close()
+    emit(e="done", step=steps, digest=state_digest(job), ops=io_count())
     os.close(fd)
 
 

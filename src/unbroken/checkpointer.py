@@ -15,23 +15,25 @@ import torch
 
 from . import state as S
 from ._fs import fault_point, filesystem_type, rename_is_atomic
-from .errors import (CorruptCheckpoint, NoCheckpoint, SaveFailed, UnbrokenError,
-                     UnbrokenWarning, UpdateBoundaryError)
+from .errors import (
+    CorruptCheckpoint,
+    NoCheckpoint,
+    SaveFailed,
+    UnbrokenError,
+    UnbrokenWarning,
+    UpdateBoundaryError,
+)
+from .faults import DROP_ENV, drop_parts
 from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
-from .rng import capture_rng, restore_rng, rng_digests, validate_rng
-from ._digest import digest_modules, digest_optimizer, digest_tree
+from .rng import RNGStreams
 from .store import GenerationInfo, GenerationStore
-from .trace import TRACE_ENV, Tracer, float_hex
+from .trace import TRACE_ENV, TraceRecorder
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
-# Fault injection for demonstrations and for testing checkers: restore everything except the
-# named parts (comma-separated: optimizer, scheduler, scaler, data, rng, rng.<stream>,
-# extra.<name>, or weights_only). Never set in normal use.
-DROP_ENV = "UNBROKEN_FAULT_DROP"
 
 
 def _steps_from_env(name: str) -> frozenset[int]:
@@ -41,53 +43,6 @@ def _steps_from_env(name: str) -> frozenset[int]:
     except ValueError:
         raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
-
-
-class _RNGPart:
-    """Every RNG stream of this process, as one part."""
-
-    def __init__(self, generators: Mapping[str, Any]) -> None:
-        self.generators = dict(generators)
-
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng(self.generators)
-
-    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
-        validate_rng(saved, self.generators, where)
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        restore_rng(saved, self.generators)
-
-
-class _Counters:
-    """Completed updates and epoch. The epoch lives here only when no data part owns it."""
-
-    def __init__(self, data: Any) -> None:
-        self.step = 0
-        self._epoch = 0
-        self._data = data
-
-    @property
-    def epoch(self) -> int:
-        return int(getattr(self._data, "epoch", self._epoch))
-
-    @epoch.setter
-    def epoch(self, value: int) -> None:
-        if self._data is not None and hasattr(self._data, "epoch"):
-            raise UnbrokenError("the data part owns the epoch; do not set it on the Checkpointer")
-        self._epoch = int(value)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch}
-
-    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
-        if type(saved.get("step")) is not int or type(saved.get("epoch")) is not int:
-            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch'")
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.step = saved["step"]
-        if self._data is None or not hasattr(self._data, "epoch"):
-            self._epoch = saved["epoch"]
 
 
 class Checkpointer:
@@ -125,7 +80,7 @@ class Checkpointer:
         self.identity = identity or Identity()
         self.every = every
         self.keep = keep or Keep()
-        self._counters = _Counters(data)
+        self._counters = S.Counters(data)
         self._parts: dict[str, Any] = {S.MODEL: model}
         for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
                           (S.SCALER, scaler), (S.DATA, data)):
@@ -140,7 +95,7 @@ class Checkpointer:
         for name, obj in self._parts.items():
             if name != S.MODEL and not isinstance(obj, S.Stateful):
                 raise TypeError(f"{name} needs state_dict() and load_state_dict()")
-        self._parts[S.RNG] = _RNGPart(generators or {})
+        self._parts[S.RNG] = RNGStreams(generators or {})
         self._parts[S.COUNTERS] = self._counters
 
         self._save_at = _steps_from_env(SAVE_AT_ENV)
@@ -159,10 +114,7 @@ class Checkpointer:
         self._last_saved: int | None = None
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
-        self._tracer = Tracer(trace) if trace else None
-        self._trace_hash_every = trace_hash_every
-        self._lr_next = self._lrs()  # the rates the next update will use
-        self._modules = list(model.modules())  # for parameter digests in the trace
+        self._trace = TraceRecorder(trace, self._parts, trace_hash_every) if trace else None
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -196,8 +148,8 @@ class Checkpointer:
                 f"step_done({step}) in the middle of an update window of the data loader; "
                 "call it after the optimizer step that ends the window")
         self._counters.step = step
-        if self._tracer is not None:
-            self._trace_update(step, loss, batch, grad_norm)
+        if self._trace is not None:
+            self._trace.update(step, loss, batch, grad_norm)
         saved = False
         if self.every and step % self.every == 0 or step in self._save_at:
             if loss is not None:
@@ -254,8 +206,8 @@ class Checkpointer:
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
         self._apply_retention()
-        if self._tracer is not None:
-            self._tracer.write({"event": "save", "step": step})
+        if self._trace is not None:
+            self._trace.saved(step)
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
@@ -301,7 +253,7 @@ class Checkpointer:
                                                   allow)
         manifest = info.manifest
         assert manifest is not None
-        parts = self._inject_drop(ready, os.environ.get(DROP_ENV, ""))
+        parts = drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""))
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
                 self.store.move_aside(g, "abandoned" if g.ok else g.status)
@@ -317,46 +269,9 @@ class Checkpointer:
         return manifest.step
 
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
-        self._lr_next = self._lrs()
-        if self._tracer is not None:
-            self._tracer.write({"event": "restore", "step": step,
-                                "generation": os.path.basename(info.path) if info else None,
-                                "rejected": [os.path.basename(p) for p, _ in self.rejected],
-                                **self._digests()})
-
-    def _inject_drop(self, ready: dict[str, Any], spec: str) -> dict[str, Any]:
-        """The parts to apply, minus those named in ``$UNBROKEN_FAULT_DROP`` (a deliberate
-        defect). A dropped RNG stream keeps its live state."""
-        parts = dict(self._parts)
-        names = [n.strip() for n in spec.split(",") if n.strip()]
-        if "weights_only" in names:
-            names += [n for n in parts if n not in (S.MODEL, S.COUNTERS, S.RNG)] + [S.RNG]
-        for name in names:
-            if name == "weights_only":
-                continue
-            if name.startswith(S.RNG + "."):
-                stream = name[len(S.RNG) + 1:]
-                live = self._parts[S.RNG].state_dict()
-                rng = dict(ready[S.RNG])
-                if stream.startswith("generators."):
-                    gen = stream[len("generators."):]
-                    rng["generators"] = {**rng.get("generators", {}),
-                                         gen: live["generators"][gen]}
-                elif stream in live:
-                    rng[stream] = live[stream]
-                else:
-                    raise UnbrokenError(f"${DROP_ENV}: no RNG stream {stream!r}; streams: "
-                                        f"{sorted(live)}")
-                ready[S.RNG] = rng
-            elif name in parts and name not in (S.MODEL, S.COUNTERS):
-                del parts[name]
-            else:
-                raise UnbrokenError(f"${DROP_ENV}: cannot drop {name!r}; choose from "
-                                    f"{sorted(set(parts) - {S.MODEL, S.COUNTERS})}, "
-                                    "rng.<stream> or weights_only")
-        if names:
-            log.warning("fault injection: restoring without %s", ", ".join(sorted(set(names))))
-        return parts
+        if self._trace is not None:
+            self._trace.restored(step, os.path.basename(info.path) if info else None,
+                                 [os.path.basename(p) for p, _ in self.rejected])
 
     def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
                          generation: int | None, intent: str, allow: Iterable[str],
@@ -420,43 +335,13 @@ class Checkpointer:
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
 
-    # -- trace ---------------------------------------------------------------------------------
-
-    def _lrs(self) -> list[float]:
-        groups = self.optimizer.param_groups if self.optimizer is not None else []
-        return [float(g["lr"]) for g in groups]
-
-    def _digests(self, optimizer: bool = True) -> dict[str, Any]:
-        """Content digests of the parameters, every state part and each RNG stream."""
-        state = {}
-        for name, obj in self._parts.items():
-            if name == S.OPTIMIZER:
-                if optimizer:
-                    state[name] = digest_optimizer(obj)
-            elif name not in (S.MODEL, S.COUNTERS, S.RNG):
-                state[name] = digest_tree(obj.state_dict())
-        return {"params": digest_modules(self._modules), "state": state,
-                "rng": rng_digests(self._parts[S.RNG].state_dict())}
-
-    def _trace_update(self, step: int, loss: Any, batch: Any, grad_norm: Any) -> None:
-        assert self._tracer is not None
-        ids = getattr(self.data, "last_update_ids", None)
-        record: dict[str, Any] = {
-            "event": "update", "step": step, "lr": [v.hex() for v in self._lr_next],
-            "ids": list(ids) if ids is not None else None,
-            "batch": digest_tree(batch) if batch is not None else None,
-            "loss": float_hex(loss), "grad_norm": float_hex(grad_norm)}
-        record.update(self._digests(optimizer=step % self._trace_hash_every == 0))
-        self._tracer.write(record)
-        self._lr_next = self._lrs()
-
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Release the run folder's writer lock and close the trace."""
         self.store.unlock()
-        if self._tracer is not None:
-            self._tracer.close()
+        if self._trace is not None:
+            self._trace.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -24,8 +24,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from ._table import human_size, table
-from .errors import (CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch,
-                     UnbrokenError)
+from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .harness import PHASES
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore

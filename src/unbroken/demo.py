@@ -19,8 +19,9 @@ from typing import Any
 
 from ._fs import KILL_ENV
 from ._table import table
-from .checkpointer import DROP_ENV, ROOT_ENV
+from .checkpointer import ROOT_ENV
 from .equivalence import compare, stitch
+from .faults import DROP_ENV
 from .harness import run_process
 from .trace import TRACE_ENV, read_trace
 

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._fs import KILL_ENV
-from .checkpointer import DROP_ENV, ROOT_ENV, SAVE_AT_ENV
+from .checkpointer import ROOT_ENV, SAVE_AT_ENV
 from .equivalence import Comparison, compare
 from .errors import UnbrokenError
+from .faults import DROP_ENV
 from .trace import TRACE_ENV, read_trace
 
 PHASES = ("after-update", "mid-save", "after-commit")

@@ -204,3 +204,19 @@ def fork_rng_streams() -> Iterator[None]:
         yield
     finally:
         _apply(saved, {})
+
+
+class RNGStreams:
+    """Every RNG stream of this process as one state part (what the Checkpointer saves)."""
+
+    def __init__(self, generators: Mapping[str, Any]) -> None:
+        self.generators = dict(generators)
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng(self.generators)
+
+    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+        validate_rng(saved, self.generators, where)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        restore_rng(saved, self.generators)

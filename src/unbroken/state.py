@@ -13,9 +13,15 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .codec import decode_safetensors, decode_tree, dumps_json, encode_safetensors, encode_tree
-from .codec import loads_json
-from .errors import CorruptCheckpoint, MissingState, StateMismatch
+from .codec import (
+    decode_safetensors,
+    decode_tree,
+    dumps_json,
+    encode_safetensors,
+    encode_tree,
+    loads_json,
+)
+from .errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError
 
 # State keys: the part names of a generation (and the stem of their tensor files).
 MODEL = "model"
@@ -139,6 +145,37 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str)
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
                                 f"{t.dtype} (live model), found {found}")
+
+
+class Counters:
+    """Completed updates and epoch. The epoch lives here only when no data part owns it."""
+
+    def __init__(self, data: Any) -> None:
+        self.step = 0
+        self._epoch = 0
+        self._data = data
+
+    @property
+    def epoch(self) -> int:
+        return int(getattr(self._data, "epoch", self._epoch))
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        if self._data is not None and hasattr(self._data, "epoch"):
+            raise UnbrokenError("the data part owns the epoch; do not set it on the Checkpointer")
+        self._epoch = int(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "epoch": self.epoch}
+
+    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+        if type(saved.get("step")) is not int or type(saved.get("epoch")) is not int:
+            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch'")
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.step = saved["step"]
+        if self._data is None or not hasattr(self._data, "epoch"):
+            self._epoch = saved["epoch"]
 
 
 # -- capture and restore of every part ---------------------------------------------------------

@@ -16,7 +16,10 @@ from typing import IO, Any
 
 import torch
 
+from . import state as S
+from ._digest import digest_modules, digest_optimizer, digest_tree
 from .errors import CorruptCheckpoint
+from .rng import rng_digests
 
 TRACE_ENV = "UNBROKEN_TRACE"
 
@@ -71,3 +74,56 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise CorruptCheckpoint(f"{path}:{number}: not a trace record (needs event, step)")
         records.append(record)
     return records
+
+
+class TraceRecorder:
+    """The trace of one Checkpointer: a record per completed update, restore and save.
+
+    ``parts`` are the Checkpointer's live parts (model, optimizer, ..., rng, counters). The
+    optimizer digest, the costliest, is taken every ``hash_every`` updates and at restores."""
+
+    def __init__(self, path: str | os.PathLike[str], parts: Mapping[str, Any],
+                 hash_every: int) -> None:
+        self._out = Tracer(path)
+        self._parts = parts
+        self._hash_every = hash_every
+        # Walking the module tree costs more than hashing a small model: do it once.
+        self._modules = list(parts[S.MODEL].modules())
+        self._lr_next = self._lrs()  # the rates the next update will use
+
+    def _lrs(self) -> list[float]:
+        optimizer = self._parts.get(S.OPTIMIZER)
+        return [float(g["lr"]) for g in optimizer.param_groups] if optimizer else []
+
+    def digests(self, optimizer: bool = True) -> dict[str, Any]:
+        """Content digests of the parameters, every state part and each RNG stream."""
+        state = {}
+        for name, obj in self._parts.items():
+            if name == S.OPTIMIZER:
+                if optimizer:
+                    state[name] = digest_optimizer(obj)
+            elif name not in (S.MODEL, S.COUNTERS, S.RNG):
+                state[name] = digest_tree(obj.state_dict())
+        return {"params": digest_modules(self._modules), "state": state,
+                "rng": rng_digests(self._parts[S.RNG].state_dict())}
+
+    def update(self, step: int, loss: Any, batch: Any, grad_norm: Any) -> None:
+        ids = getattr(self._parts.get(S.DATA), "last_update_ids", None)
+        self._out.write({
+            "event": "update", "step": step, "lr": [v.hex() for v in self._lr_next],
+            "ids": list(ids) if ids is not None else None,
+            "batch": digest_tree(batch) if batch is not None else None,
+            "loss": float_hex(loss), "grad_norm": float_hex(grad_norm),
+            **self.digests(optimizer=step % self._hash_every == 0)})
+        self._lr_next = self._lrs()
+
+    def restored(self, step: int, generation: str | None, rejected: list[str]) -> None:
+        self._lr_next = self._lrs()
+        self._out.write({"event": "restore", "step": step, "generation": generation,
+                         "rejected": rejected, **self.digests()})
+
+    def saved(self, step: int) -> None:
+        self._out.write({"event": "save", "step": step})
+
+    def close(self) -> None:
+        self._out.close()

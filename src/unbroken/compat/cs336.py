@@ -15,8 +15,14 @@ from typing import IO, Any
 import torch
 import xxhash
 
-from ..codec import (decode_safetensors, decode_tree, dumps_json, encode_safetensors,
-                     encode_tree, loads_json)
+from ..codec import (
+    decode_safetensors,
+    decode_tree,
+    dumps_json,
+    encode_safetensors,
+    encode_tree,
+    loads_json,
+)
 from ..errors import CorruptCheckpoint
 from ..state import optimizer_state, optimizer_state_to_torch, validate_model
 

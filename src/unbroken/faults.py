@@ -1,0 +1,55 @@
+"""Deliberate defects, for demonstrations and for testing checkers (never set in normal use).
+
+``$UNBROKEN_FAULT_DROP`` makes a continuation restore everything except the named parts
+(comma-separated: optimizer, scheduler, scaler, data, rng, rng.<stream>,
+rng.generators.<name>, extra.<name>, or weights_only). A normal restore still refuses a
+checkpoint that lacks a part with `MissingState`: this switch only leaves live parts as they
+are."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from . import state as S
+from .errors import UnbrokenError
+
+DROP_ENV = "UNBROKEN_FAULT_DROP"
+log = logging.getLogger("unbroken")
+
+
+def drop_parts(parts: Mapping[str, Any], ready: dict[str, Any], spec: str) -> dict[str, Any]:
+    """The parts to apply, minus those named in ``spec``. A dropped RNG stream keeps its live
+    state (``ready`` is edited accordingly)."""
+    parts = dict(parts)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    if "weights_only" in names:
+        names += [n for n in parts if n not in (S.MODEL, S.COUNTERS, S.RNG)] + [S.RNG]
+    for name in names:
+        if name == "weights_only":
+            continue
+        if name.startswith(S.RNG + "."):
+            ready[S.RNG] = _keep_live_stream(parts[S.RNG], ready[S.RNG], name[len(S.RNG) + 1:])
+        elif name in parts and name not in (S.MODEL, S.COUNTERS):
+            del parts[name]
+        else:
+            raise UnbrokenError(f"${DROP_ENV}: cannot drop {name!r}; choose from "
+                                f"{sorted(set(parts) - {S.MODEL, S.COUNTERS})}, "
+                                "rng.<stream> or weights_only")
+    if names:
+        log.warning("fault injection: restoring without %s", ", ".join(sorted(set(names))))
+    return parts
+
+
+def _keep_live_stream(streams: Any, saved: Mapping[str, Any], stream: str) -> dict[str, Any]:
+    live = streams.state_dict()
+    rng = dict(saved)
+    if stream.startswith("generators."):
+        gen = stream[len("generators."):]
+        rng["generators"] = {**rng.get("generators", {}), gen: live["generators"][gen]}
+    elif stream in live:
+        rng[stream] = live[stream]
+    else:
+        raise UnbrokenError(f"${DROP_ENV}: no RNG stream {stream!r}; streams: {sorted(live)}")
+    return rng
