@@ -20,24 +20,26 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from ._table import human_size, table
+from ._runview import (
+    UsageError,
+    aside_entries,
+    list_debris,
+    newest_summary,
+    newest_summary_lines,
+    open_run,
+    record,
+    rows,
+    verify_one,
+)
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .harness import PHASES
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
-_DEBRIS = {STAGING_PREFIX: "in-progress or interrupted save, ignored",
-           TRASH_PREFIX: "interrupted deletion, ignored"}
-
-
-class UsageError(Exception):
-    """Bad input found after argument parsing (no such folder, unknown generation): exit 2."""
 
 
 # -- command registry ---------------------------------------------------------------------------
@@ -144,122 +146,6 @@ def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool)
     return EXIT_OK if ok else EXIT_PROBLEM
 
 
-# -- reading a run folder (no lock, no hashing unless asked) ------------------------------------
-
-
-def _open_run(path: str) -> GenerationStore:
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such run folder")
-    if not os.path.isdir(path):
-        raise UsageError(f"{path}: not a folder; a run folder holds gen-* generation folders")
-    return GenerationStore(path)
-
-
-def _peek_manifest(store: GenerationStore, info: GenerationInfo) -> Manifest | None:
-    """The manifest of a generation if it parses at all (a corrupt one may still name its
-    step); ``None`` when missing or unreadable. Reads the manifest only."""
-    if info.manifest is not None:
-        return info.manifest
-    try:
-        where = os.path.join(info.path, MANIFEST)  # never a symlink, FIFO or device
-        return parse_manifest(store.fs.read_file(where, MAX_MANIFEST_BYTES), where)
-    except (UnbrokenError, OSError):
-        return None
-
-
-def _disk_bytes(folder: str) -> int | None:
-    try:
-        with os.scandir(folder) as entries:
-            return sum(e.stat(follow_symlinks=False).st_size for e in entries
-                       if e.is_file(follow_symlinks=False))
-    except OSError:
-        return None
-
-
-def _record(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
-    """A generation as JSON: what scan found, plus what its manifest says (if it parses)."""
-    m = _peek_manifest(store, info)
-    return {
-        "generation": info.generation, "path": info.path, "status": info.status,
-        "reason": info.reason or None,
-        "step": m.step if m else None,
-        "bytes": info.manifest.total_bytes if info.manifest else _disk_bytes(info.path),
-        "run_id": m.run_id if m else None, "incarnation": m.incarnation if m else None,
-        "created": m.created if m else None, "parts": m.parts if m else [],
-        "artifacts": [asdict(a) for a in m.artifacts] if m else [],
-    }
-
-
-def _relative(root: str, text: str | None) -> str:
-    """Shorten absolute paths inside the run folder for the human-readable report."""
-    return (text or "").replace(root + os.sep, "")
-
-
-def _rows(root: str, records: list[dict[str, Any]]) -> str:
-    headers = ["generation", "step", "size", "status", "incarnation", "created", "parts",
-               "reason"]
-    rows = [[r["generation"], r["step"], human_size(r["bytes"]), r["status"], r["incarnation"],
-             (r["created"] or "-")[:19].replace("T", " "), ",".join(r["parts"]) or "-",
-             _relative(root, r["reason"])] for r in records]
-    if not any(r["reason"] for r in records):
-        headers, rows = headers[:-1], [r[:-1] for r in rows]
-    return table(headers, rows, right=(0, 1, 2, 4), indent="  ")
-
-
-# -- inspect ------------------------------------------------------------------------------------
-
-
-def _newest(info: GenerationInfo) -> dict[str, Any]:
-    m = info.manifest
-    assert m is not None
-    return {"generation": info.generation, "step": m.step, "path": info.path,
-            "run_id": m.run_id, "incarnation": m.incarnation, "identity": m.identity,
-            "parent": m.parent, "origin": m.origin, "environment": m.environment,
-            "metrics": m.metrics, "retention": m.retention}
-
-
-def _newest_text(n: dict[str, Any]) -> list[str]:
-    lines = [f"newest complete: gen-{n['generation']:09d} (step {n['step']})",
-             f"  run          {n['run_id']} (incarnation {n['incarnation']})"]
-    for field in ("config", "tokenizer", "data"):
-        e = n["identity"].get(field)
-        desc = "not recorded" if not isinstance(e, dict) else (
-            f"{e.get('summary') or e.get('kind', '?')} [{str(e.get('hash', ''))[:12]}]")
-        lines.append(f"  {field:<12} {desc}")
-    p = n["parent"]
-    if isinstance(p, dict):
-        same = "this run" if p.get("run_id") == n["run_id"] else f"run {p.get('run_id')}"
-        parent = f"gen {p.get('generation')} of {same}, incarnation {p.get('incarnation')}"
-    else:
-        parent = "none (first generation of the run)"
-    lines.append(f"  parent       {parent}")
-    o = n["origin"]
-    origin = "fresh run" if not isinstance(o, dict) else (
-        f"{o.get('operation', '?')} from {o.get('source', '?')} gen {o.get('generation')} "
-        f"(run {o.get('run_id')})")
-    lines.append(f"  origin       {origin}")
-    env = n["environment"]
-    cuda = ", ".join(map(str, env.get("cuda_devices") or [])) or "none"
-    lines.append(f"  environment  torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
-                 f"{env.get('num_threads', '?')} threads, deterministic algorithms "
-                 f"{'on' if env.get('deterministic_algorithms') else 'off'}, cuda {cuda}, "
-                 f"world size {env.get('world_size', '?')}, filesystem {env.get('filesystem', '?')}")
-    if n["metrics"]:
-        lines.append("  metrics      " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float))
-                                                  else f"{k}={v}" for k, v in n["metrics"].items()))
-    return lines
-
-
-def _debris(root: str) -> list[dict[str, str]]:
-    return [{"name": name, "note": note} for name in sorted(os.listdir(root))
-            for prefix, note in _DEBRIS.items() if name.startswith(prefix)]
-
-
-def _aside(root: str) -> list[str]:
-    folder = os.path.join(root, ASIDE)
-    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-
-
 @command("inspect", "list generations, their status and the newest one's identity",
          arg("run", metavar="RUN", help="the run folder"))
 def _inspect(args: argparse.Namespace) -> int:
@@ -267,12 +153,12 @@ def _inspect(args: argparse.Namespace) -> int:
     the identity, lineage and environment of the newest complete one, uncommitted debris and
     moved-aside generations. Cheap: checks manifests and sizes, never re-hashes file contents
     (use `unbroken verify` for that). Exit 1 when any generation is torn or corrupt."""
-    store = _open_run(args.run)
+    store = open_run(args.run)
     scanned = store.scan()
-    records = [_record(store, g) for g in scanned]
+    records = [record(store, g) for g in scanned]
     complete = [g for g in scanned if g.ok]
-    newest = _newest(complete[-1]) if complete else None
-    debris, aside = _debris(store.root), _aside(store.root)
+    newest = newest_summary(complete[-1]) if complete else None
+    debris, aside = list_debris(store.root), aside_entries(store.root)
     ok = len(complete) == len(scanned)
     payload = {"run": store.root, "generations": records, "newest_complete": newest,
                "debris": debris, "aside": aside, "ok": ok}
@@ -286,8 +172,8 @@ def _inspect(args: argparse.Namespace) -> int:
         lines += [f"{len(scanned)} generation{'s' * (len(scanned) != 1)}: "
                   f"{len(complete)} complete"
                   + (f", {bad} torn or corrupt" if bad else ""), "",
-                  _rows(store.root, records), ""]
-        lines += _newest_text(newest) if newest else ["no complete generation"]
+                  rows(store.root, records), ""]
+        lines += newest_summary_lines(newest) if newest else ["no complete generation"]
     for d in debris:
         lines.append(f"debris: {d['name']} ({d['note']})")
     if aside:
@@ -299,46 +185,6 @@ def _inspect(args: argparse.Namespace) -> int:
 # -- verify -------------------------------------------------------------------------------------
 
 
-def _consistency(info: GenerationInfo, tree: dict[str, Any], meta: dict[str, str]) -> None:
-    """What decode_generation cannot know: state.json must agree with the manifest."""
-    m = info.manifest
-    assert m is not None
-    where = os.path.join(info.path, "state.json")
-    expected = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
-                "unbroken.incarnation": str(m.incarnation)}
-    found = {k: meta.get(k) for k in expected}
-    if found != expected:
-        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
-                                "state belongs to another generation")
-    if sorted(tree) != sorted(m.parts):
-        raise CorruptCheckpoint(f"{where}: holds parts {sorted(tree)}, the manifest lists "
-                                f"{sorted(m.parts)}")
-    counters = tree.get("counters")
-    if isinstance(counters, dict) and "step" in counters and counters["step"] != m.step:
-        raise CorruptCheckpoint(f"{where}: counters say step {counters['step']!r}, the manifest "
-                                f"says step {m.step}")
-
-
-def _verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
-    from .state import decode_generation  # torch-heavy; only verify needs it
-
-    rec = _record(store, info)
-    if not info.ok:
-        return rec
-    try:
-        files = store.read_verified(info)  # every byte re-hashed against the manifest
-        tree, meta = decode_generation(files, info.path)  # headers, references, stamps
-        _consistency(info, tree, meta)
-    except UnbrokenError as e:
-        rec.update(status="corrupt", reason=str(e))
-    except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results
-        rec.update(status="corrupt", reason=f"{info.path}: cannot be decoded "
-                                            f"({type(e).__name__}: {e})")
-    else:
-        rec.update(status="ok", reason=None)
-    return rec
-
-
 @command("verify", "re-hash and fully decode generations",
          arg("run", metavar="RUN", help="the run folder"),
          arg("--generation", type=int, metavar="N", help="verify only generation N"))
@@ -347,7 +193,7 @@ def _verify(args: argparse.Namespace) -> int:
     manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
     without loading it into any model. Reports each generation: ok, or which file failed and
     what was expected and found. Exit 1 when any checked generation fails."""
-    store = _open_run(args.run)
+    store = open_run(args.run)
     scanned = store.scan()
     if args.generation is not None:
         scanned = [g for g in scanned if g.generation == args.generation]
@@ -355,14 +201,14 @@ def _verify(args: argparse.Namespace) -> int:
             found = [g.generation for g in store.scan()]
             raise UsageError(f"{store.root}: no generation {args.generation} (found "
                              f"{found or 'none'})")
-    records = [_verify_one(store, g) for g in scanned]
+    records = [verify_one(store, g) for g in scanned]
     ok = all(r["status"] == "ok" for r in records)
     payload = {"run": store.root, "generations": records, "ok": ok}
     if not records:
         text = f"run {store.root}\nno generations to verify"
     else:
         good = sum(r["status"] == "ok" for r in records)
-        text = "\n".join([f"run {store.root}", _rows(store.root, records), "",
+        text = "\n".join([f"run {store.root}", rows(store.root, records), "",
                           f"{len(records)} checked: {good} ok, {len(records) - good} failed"])
     return emit(args, payload, text, ok)
 
