@@ -361,3 +361,57 @@ def test_no_pickle_in_the_format(tmp_path):
         head = f.read_bytes()[:2]
         assert head != b"\x80\x04" and head != b"PK", f  # pickle protocol / torch zip
     assert os.path.exists(tmp_path / "run" / "gen-000000001" / "model.safetensors")
+
+
+def _truncate(g):
+    p = g / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-7])
+
+
+def _flip(g):
+    p = g / "optimizer.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-5] ^= 0x01
+    p.write_bytes(bytes(data))
+
+
+def _no_manifest(g):
+    (g / "MANIFEST.json").unlink()
+
+
+def _edit_manifest(field, value):
+    def edit(g):
+        m = json.loads((g / "MANIFEST.json").read_text())
+        m["artifacts"][0][field] = value
+        (g / "MANIFEST.json").write_text(json.dumps(m))
+    return edit
+
+
+def _outside(g):
+    m = json.loads((g / "MANIFEST.json").read_text())
+    m["artifacts"][0]["name"] = "../gen-000000002/" + m["artifacts"][0]["name"]
+    (g / "MANIFEST.json").write_text(json.dumps(m))
+
+
+@pytest.mark.parametrize("corrupt", [
+    _truncate, _flip, _no_manifest, _edit_manifest("size", 1),
+    _edit_manifest("xxh3_128", "0" * 32), _outside],
+    ids=["truncate", "flip-byte", "delete-manifest", "edit-size", "edit-hash", "outside-name"])
+def test_corrupt_newest_falls_back_to_previous_exact_state(tmp_path, corrupt):
+    model, opt, sched, ckpt = small_run(tmp_path / "run", every=1)
+    train(model, opt, sched, ckpt, 2)
+    at_two = snapshot(model, opt)  # state as saved in generation 2 ...
+    sched_two = sched.state_dict()
+    rng_two = torch.get_rng_state()
+    train(model, opt, sched, ckpt, 1)
+    ckpt.close()
+    corrupt(tmp_path / "run" / "gen-000000003")
+    torch.manual_seed(99)
+    model2, opt2, sched2, ckpt2 = small_run(tmp_path / "run")
+    torch.manual_seed(99)  # live RNG differs from the saved one until the restore
+    assert ckpt2.restore() == 2
+    assert ckpt2.rejected and "gen-000000003" in ckpt2.rejected[0][0]
+    assert unchanged(at_two[:2] + (rng_two,), model2, opt2)  # ... restored bit for bit
+    assert sched2.state_dict() == sched_two
+    assert not (tmp_path / "run" / "gen-000000003").exists()  # moved aside, not reused
+    ckpt2.close()
