@@ -28,7 +28,8 @@ from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
 from .rng import RNGStreams
-from .store import GenerationInfo, GenerationStore
+from ._progress import Progress
+from .store import GenerationInfo, GenerationStore, generation_name
 from .trace import TRACE_ENV, TraceRecorder
 
 log = logging.getLogger("unbroken")
@@ -43,6 +44,22 @@ def _steps_from_env(name: str) -> frozenset[int]:
     except ValueError:
         raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+def _read(store: GenerationStore, info: GenerationInfo, names: list[str] | None,
+          progress: Progress) -> dict[str, bytes]:
+    """Read and verify a generation's artifacts one by one, advancing the progress bar."""
+    if info.manifest is None:
+        return store.read_verified(info, names)  # raises with the scan's reason
+    files = {}
+    try:
+        for a in info.manifest.artifacts:
+            if names is None or a.name in names:
+                files.update(store.read_verified(info, [a.name]))
+                progress.advance(a.size)
+    finally:
+        progress.close()
+    return files
 
 
 class Checkpointer:
@@ -177,6 +194,9 @@ class Checkpointer:
         meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
                 "unbroken.incarnation": str(self.incarnation)}
         artifacts = S.encode_generation(tree, meta)
+        total = sum(memoryview(c).nbytes for chunks in artifacts.values() for c in chunks)
+        progress = Progress(f"saving {generation_name(step)}", 2 * total)
+        artifacts = {name: progress.wrap(chunks) for name, chunks in artifacts.items()}
         fingerprint = self.identity.fingerprint()
         env = {**environment(), "filesystem": self.fstype}
 
@@ -191,13 +211,14 @@ class Checkpointer:
         try:
             info = self.store.commit(step, artifacts, make_manifest)
         except OSError as e:
+            progress.close()
             raise SaveFailed(
                 f"{self.store.root}: saving generation {step} failed: "
                 f"{e.strerror or e} ({e.filename or 'run folder'}); older generations are "
                 "untouched and training may continue; free space or fix the disk before the "
                 "next save") from e
         try:
-            self.store.verify(self.store.scan_one(step))  # read back what the disk holds
+            _read(self.store, self.store.scan_one(step), None, progress)  # read back
         except CorruptCheckpoint as e:
             self.store.move_aside(info, "corrupt")
             raise SaveFailed(f"generation {step} did not read back as written ({e}); it was "
@@ -284,8 +305,10 @@ class Checkpointer:
                                f"{[g.generation for g in scanned]}")
         for info in candidates:
             try:
-                files = store.read_verified(
-                    info, None if intent == "continue" else [S.STATE_FILE, "model.safetensors"])
+                names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
+                files = _read(store, info, names, Progress(
+                    f"loading {os.path.basename(info.path)}",
+                    info.manifest.total_bytes if info.manifest else 0))
                 tree, _ = S.decode_generation(
                     files, info.path, None if intent == "continue" else {S.MODEL})
             except CorruptCheckpoint as e:

@@ -415,3 +415,25 @@ def test_corrupt_newest_falls_back_to_previous_exact_state(tmp_path, corrupt):
     assert sched2.state_dict() == sched_two
     assert not (tmp_path / "run" / "gen-000000003").exists()  # moved aside, not reused
     ckpt2.close()
+
+
+def test_progress_bar_for_slow_saves_and_loads(tmp_path, monkeypatch, capsys):
+    import unbroken._progress as progress
+
+    monkeypatch.setattr(progress, "DELAY", 0.0)  # as if the save took more than a second
+    monkeypatch.setattr(progress, "INTERVAL", 0.0)
+    monkeypatch.setenv("UNBROKEN_PROGRESS", "1")
+    model, opt, sched, ckpt = small_run(tmp_path / "run")
+    ckpt.save(1)
+    ckpt.close()
+    err = capsys.readouterr().err
+    assert "saving gen-000000001" in err and "100%" in err and err.endswith("\n")
+    model, opt, sched, ckpt = small_run(tmp_path / "run")
+    ckpt.restore()
+    ckpt.close()
+    assert "loading gen-000000001" in capsys.readouterr().err
+    monkeypatch.setenv("UNBROKEN_PROGRESS", "0")
+    model, opt, sched, ckpt = small_run(tmp_path / "run")
+    ckpt.save(2)
+    ckpt.close()
+    assert capsys.readouterr().err == ""
