@@ -155,23 +155,23 @@ def _status_kb(field: str) -> int:
 class PeakRSS:
     """Peak RSS minus RSS at start, via /proc/self/clear_refs (None where unavailable)."""
 
-    def __init__(self) -> None:
-        self.delta_mb: float | None = None
+    delta_mb: float | None = None
 
-    def __enter__(self) -> PeakRSS:
-        gc.collect()
-        try:
-            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-                f.write("5")
-            self._ok = True
-        except OSError:
-            self._ok = False
-        self._base = _status_kb("VmRSS")
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        if self._ok:
-            self.delta_mb = max(0, _status_kb("VmHWM") - self._base) * 1024 / MB
+@contextlib.contextmanager
+def peak_rss() -> Iterator[PeakRSS]:
+    out = PeakRSS()
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        ok = True
+    except OSError:
+        ok = False
+    base = _status_kb("VmRSS")
+    yield out
+    if ok:
+        out.delta_mb = max(0, _status_kb("VmHWM") - base) * 1024 / MB
 
 
 # ---------------------------------------------------------------------------------------------
@@ -421,6 +421,8 @@ class PhaseTimer:
         acc, stack = self.acc, self._stack
 
         def timed(*a: Any, **k: Any) -> Any:
+            if not syscall and key in stack:  # nested in a phase of the same name
+                return orig(*a, **k)
             label = f"{stack[-1] if stack else 'other'}:{key}" if syscall else key
             if not syscall:
                 stack.append(key)
@@ -465,10 +467,13 @@ class Unbroken(Method):
         c, st = self.ckpt, self.ckpt.store
         self.step += 1
         with contextlib.ExitStack() as es:
+            # after commit, the read-back reads through scan_one and read_verified (or verify)
             for obj, name, key in ((S, "capture", "capture"), (S, "encode_generation", "encode"),
                                    (st, "commit", "commit"), (st, "scan_one", "verify"),
-                                   (st, "verify", "verify"), (c, "_apply_retention", "retention")):
-                es.enter_context(pt.patch(obj, name, key))
+                                   (st, "read_verified", "verify"), (st, "verify", "verify"),
+                                   (c, "_apply_retention", "retention")):
+                if hasattr(obj, name):
+                    es.enter_context(pt.patch(obj, name, key))
             for name in ("write", "fsync", "readv"):
                 es.enter_context(pt.patch(os, name, name + "()", syscall=True))
             t = time.perf_counter()
@@ -500,7 +505,8 @@ class Unbroken(Method):
                 for obj, name, key in ((st, "scan", "scan"), (st, "read_verified", "read+hash"),
                                        (S, "decode_generation", "decode"),
                                        (S, "validate_parts", "validate"), (S, "apply", "apply")):
-                    es.enter_context(pt.patch(obj, name, key))
+                    if hasattr(obj, name):
+                        es.enter_context(pt.patch(obj, name, key))
                 es.enter_context(pt.patch(os, "readv", "readv()", syscall=True))
                 t = time.perf_counter()
                 r.restore()
@@ -542,6 +548,10 @@ METHODS: dict[str, type[Method]] = {
 
 # ---------------------------------------------------------------------------------------------
 # cases and the run
+
+
+DEFAULT_SIZES = "64M,512M,1G"  # 1.5G adds ~2 min (unbroken alone takes ~20 s a round today)
+DEFAULT_SMALL = 20000
 
 
 def parse_size(text: str) -> int:
@@ -595,7 +605,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                         m.before_save()
                     elif cold:
                         drop_cache(m.files())
-                    with PeakRSS() as mem:
+                    with peak_rss() as mem:
                         t = time.perf_counter()
                         getattr(m, op)()
                         dt = time.perf_counter() - t
@@ -641,6 +651,28 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
             "seconds": time.perf_counter() - t_case, "results": results}
 
 
+def fmt_header(doc: dict[str, Any]) -> str:
+    m, t = doc["machine"], doc["machine"]["target"]
+    rates = m.get("memory_rates", {})
+    load = m.get("loadavg_before_after")
+    lines = [
+        (f"machine: {m['cpu']}, {m['cpu_count']} CPUs, {m['memory_gb']} GB RAM, Linux "
+         f"{m['kernel']}, Python {m['python']}, torch {m['torch']}, safetensors "
+         f"{m['safetensors']}"),
+        (f"target:  {t['dir']} on {t['device']} ({t['fstype']}, {t['options']}), "
+         f"rotational flag {t['rotational']}, scheduler {t['scheduler']}"),
+        (f"memory:  copy into a reused buffer {rates.get('copy_reused_gbps')} GB/s, into "
+         f"fresh memory {rates.get('copy_fresh_gbps')} GB/s, bytes() copy "
+         f"{rates.get('bytes_fresh_gbps')} GB/s, xxh3-128 {rates.get('xxh3_128_gbps')} GB/s"),
+        (f"run:     {doc['config']['repeats']} timed reps (median), warm-up "
+         f"{doc['config']['warmup']}, loads {doc['config']['load_cache']}, "
+         f"{doc['total_seconds']:.0f} s"),
+    ]
+    if load:
+        lines[-1] += f", load average before/after {load[0][0]:.2f}/{load[1][0]:.2f}"
+    return "\n".join(lines)
+
+
 def fmt_table(doc: dict[str, Any]) -> str:
     head = ("case", "method", "op", "median s", "min-max s", "spread", "GB/s", "x disk",
             "peak RSS +MB", "file MB")
@@ -682,13 +714,17 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (< 20 s)")
     ap.add_argument("--sizes", help="comma-separated payload sizes of dense cases "
-                    "(default 64M,512M,1.5G; --quick: 4M,16M)")
+                    f"(default {DEFAULT_SIZES}; --quick: 4M,16M)")
     ap.add_argument("--small", type=int, help="tensor count of the many-small-tensors case "
-                    "(default 20000; --quick: 1000; 0: none)")
+                    f"(default {DEFAULT_SMALL}; --quick: 1000; 0: none)")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="untimed rounds before the timed ones, in the first case only (it "
+                    "warms every method's code paths for the later cases)")
+    ap.add_argument("--warmup-every-case", action="store_true",
+                    help="also run the untimed rounds before every later case")
     ap.add_argument("--warm-cache", action="store_true",
                     help="load from the page cache (default: drop the files' pages first)")
     ap.add_argument("--dir", help="parent folder of the scratch folder (default: /work or the "
@@ -697,13 +733,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="also write the JSON document to this file")
     args = ap.parse_args(argv)
 
-    sizes = (args.sizes or ("4M,16M" if args.quick else "64M,512M,1.5G")).split(",")
-    small = args.small if args.small is not None else (1000 if args.quick else 20000)
+    sizes = (args.sizes or ("4M,16M" if args.quick else DEFAULT_SIZES)).split(",")
+    small = args.small if args.small is not None else (1000 if args.quick else DEFAULT_SMALL)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         ap.error(f"unknown methods {unknown}; choose from {list(METHODS)}")
     warnings.filterwarnings("ignore", category=UserWarning)  # DCP's no-process-group warnings
+    os.environ.setdefault("UNBROKEN_PROGRESS", "0")  # no progress bar on stderr
     started = time.perf_counter()
     root = pick_root(args.dir)
     try:
@@ -712,17 +749,21 @@ def main(argv: list[str] | None = None) -> int:
             log(f"warning: {root} is on {info['target']['fstype']}: that measures memory")
         log(f"target {root} on {info['target']['device']} ({info['target']['fstype']}), "
             f"{info['cpu_count']} CPUs")
-        info["memory_rates"] = memory_rates(16 << 20 if args.quick else 256 << 20)
+        info["memory_rates"] = memory_rates(128 << 20 if args.quick else 256 << 20)
         cases = []
-        for case in make_cases(sizes, small):
-            cases.append(run_case(case, root, methods, args.repeats, args.warmup,
+        load_before = os.getloadavg()
+        for i, case in enumerate(make_cases(sizes, small)):
+            warmup = args.warmup if i == 0 or args.warmup_every_case else 0
+            cases.append(run_case(case, root, methods, args.repeats, warmup,
                                   cold=not args.warm_cache))
+        info["loadavg_before_after"] = [load_before, os.getloadavg()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     doc = {"benchmark": "unbroken save_load", "command": " ".join([os.path.basename(
         sys.executable), *sys.argv]), "machine": info,
         "config": {"sizes": sizes, "small": small, "methods": methods,
                    "repeats": args.repeats, "warmup": args.warmup,
+                   "warmup_every_case": args.warmup_every_case,
                    "load_cache": "warm" if args.warm_cache else "cold (posix_fadvise DONTNEED)",
                    "gbps": "payload bytes (tensor nbytes) per second, median of repeats",
                    "x_disk": "GB/s over the same case's disk O_DIRECT median (save: write, "
@@ -737,6 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(text)
     else:
+        print(fmt_header(doc))
+        print()
         print(fmt_table(doc))
         print()
         print(text)

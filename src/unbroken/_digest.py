@@ -95,24 +95,33 @@ def digest_modules(modules: list[torch.nn.Module]) -> str:
     return h.hexdigest()
 
 
-def digest_optimizer(optimizer: torch.optim.Optimizer) -> str:
-    """Digest of an optimizer's hyperparameters and per-parameter state, in group order."""
+def digest_optimizer(optimizer: torch.optim.Optimizer, moments: bool = True) -> str:
+    """Digest of an optimizer's hyperparameters and per-parameter state, in group order.
+
+    ``moments=False`` is the cheap per-update form: hyperparameters, how many parameters have
+    state, and the scalar entries (step counts) of each group's first parameter, which is
+    enough to see a lost, reset or shifted optimizer at every update."""
     h = xxhash.xxh3_64()
+    h.update(b"%d;" % len(optimizer.state))
     for group in optimizer.param_groups:
         _feed(h, {k: v for k, v in group.items() if k != "params"})
-        for p in group["params"]:
+        for p in group["params"] if moments else group["params"][:1]:
             entry = optimizer.state.get(p)
             if not entry:
                 h.update(b"-")
                 continue
             for key in sorted(entry):  # a few keys per parameter: inline the tensor fast path
-                h.update(key.encode())
                 value = entry[key]
-                if type(value) is torch.Tensor and not value.requires_grad:
-                    try:
-                        h.update(value.numpy())
+                if type(value) is torch.Tensor:
+                    if not moments and value.dim() > 0:
                         continue
-                    except (RuntimeError, TypeError, BufferError, ValueError):
-                        pass
+                    if not value.requires_grad:
+                        try:
+                            h.update(key.encode())
+                            h.update(value.numpy())
+                            continue
+                        except (RuntimeError, TypeError, BufferError, ValueError):
+                            pass
+                h.update(key.encode())
                 _feed(h, value)
     return h.hexdigest()

@@ -128,6 +128,11 @@ def io_fault_point(kind: str, path: str, before_death: Callable[[], None] | None
             _die()
 
 
+def _write_half(fd: int, view: memoryview) -> None:
+    """What a process killed mid-write leaves: part of the chunk."""
+    os.write(fd, view[: len(view) // 2])
+
+
 class LocalFS:
     """POSIX file operations with the durability steps the commit protocol needs.
 
@@ -148,8 +153,7 @@ class LocalFS:
                 h.update(chunk)
                 view = memoryview(chunk).cast("B")
                 while view:
-                    self._op("write", path,
-                             lambda v=view: None if os.write(fd, v[:len(v) // 2]) else None)
+                    self._op("write", path, lambda v=view: _write_half(fd, v))
                     n = os.write(fd, view)
                     view = view[n:]
                     size += n

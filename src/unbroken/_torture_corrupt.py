@@ -355,7 +355,8 @@ def _path_escape(c: Case) -> str:
                          outside_rel=os.path.relpath(outside_file, c.run))
     if c.rng.random() < 0.5 and pattern not in ("{abs_self}", "../{other}/{name}"):
         # point at a real file outside the generation, with its true size and hash
-        data = open(outside_file, "rb").read()
+        with open(outside_file, "rb") as f:
+            data = f.read()
         entry["size"], entry["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
     entry["name"] = new
     c.save_manifest(g, doc)
@@ -683,6 +684,7 @@ class Outcome:
     description: str
     verdict: str = ""  # refused | fell_back | loaded | FAILED
     detail: str = ""
+    older_only: bool = False  # the mutation hit an older generation, not the newest
     failures: list[str] = field(default_factory=list)
 
 
@@ -767,6 +769,7 @@ class Fuzz:
         case = Case(number, rng, run, gens, self.outside, self.marker)
         try:
             out = Outcome(kind, MUTATIONS[kind][1](case))
+            out.older_only = bool(case.target) and case.target != gens[-1]
         except Exception as e:  # noqa: BLE001 -- a broken mutation is the fuzzer's own bug
             out = Outcome(kind, f"mutation failed: {type(e).__name__}: {e}")
             out.failures.append(out.description)
@@ -840,7 +843,8 @@ class Fuzz:
         started = time.monotonic()
         self.make_base()
         by_kind: dict[str, dict[str, int]] = {
-            k: {"cases": 0, "refused": 0, "fell_back": 0, "loaded": 0, "failures": 0}
+            k: {"cases": 0, "refused": 0, "fell_back": 0, "loaded": 0, "loaded_older_mutated": 0,
+                "failures": 0}
             for k in sorted(MUTATIONS)}
         errors: dict[str, int] = {}
         failures: list[dict[str, Any]] = []
@@ -865,6 +869,8 @@ class Fuzz:
                                          "failures": o.failures})
                     else:
                         row[o.verdict] += 1
+                        if o.verdict == "loaded" and o.older_only:
+                            row["loaded_older_mutated"] += 1
                         if o.verdict == "refused":
                             name = o.detail.split(":", 1)[0]
                             errors[name] = errors.get(name, 0) + 1
@@ -872,10 +878,12 @@ class Fuzz:
             log.setLevel(level)
             log.propagate = propagate
         total = {k: sum(r[k] for r in by_kind.values())
-                 for k in ("cases", "refused", "fell_back", "loaded", "failures")}
+                 for k in ("cases", "refused", "fell_back", "loaded", "loaded_older_mutated",
+                           "failures")}
         return {"mode": "corrupt", "seed": self.seed, "cases": total["cases"],
                 "refused": total["refused"], "fell_back": total["fell_back"],
-                "loaded": total["loaded"], "failed": total["failures"], "by_kind": by_kind,
+                "loaded": total["loaded"], "loaded_older_mutated": total["loaded_older_mutated"],
+                "failed": total["failures"], "by_kind": by_kind,
                 "errors_by_type": dict(sorted(errors.items())), "failures": failures,
                 "case_log": case_log,
                 "seconds": round(time.monotonic() - started, 2),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
 import shutil
 import signal
 import sys
@@ -39,9 +40,12 @@ from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 STEPS = 24
 KEEP_LAST = 2
 KINDS = ("op", "timer", "point")
-_WEIGHTS = {"op": 5, "timer": 3, "point": 2}
-_POINTS = ("artifact-1-written", "artifact-2-written", "artifact-4-written", "manifest-written",
-           "before-rename", "after-rename", "retention-unlinked", "step-done")
+# Kill kinds in a fixed rotation (half numbered I/O operations, 30% timers, 20% named points),
+# and the named points in a fixed order, so that every run of 10 kills covers all kinds and the
+# first named-point kills cover the commit and retention.
+_ROTATION = ("op", "timer", "point", "op", "op", "timer", "op", "point", "timer", "op")
+_POINTS = ("before-rename", "retention-unlinked", "artifact-1-written", "after-rename",
+           "manifest-written", "artifact-2-written", "step-done", "artifact-4-written")
 _LIFE_TIMEOUT = 120.0
 
 
@@ -193,19 +197,31 @@ def run_life(run: str, log: str, err: str, env: dict[str, str], every: int,
     timer = delay is not None
     deadline = started + (delay if delay is not None else _LIFE_TIMEOUT)
     fired = False
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        now = time.monotonic()
-        if now >= deadline and not fired:
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            fired = True
-            continue
-        time.sleep(min(0.0005, max(0.0, deadline - now)) if not fired else 0.0005)
+    try:  # wait on a pidfd where the kernel has them: no polling competes with the child
+        pidfd: int | None = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    try:
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            now = time.monotonic()
+            if now >= deadline and not fired:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:  # so early that it has no group of its own yet
+                    os.kill(pid, signal.SIGKILL)
+                fired = True
+                continue
+            wait = max(0.0, deadline - now) if not fired else 0.05
+            if pidfd is not None:
+                select.select([pidfd], [], [], wait)
+            else:
+                time.sleep(min(0.0005, wait))
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
     gone = _group_gone(pid)
     code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
     return Life(code, fired and timer, time.monotonic() - started, gone)
@@ -215,9 +231,12 @@ def run_life(run: str, log: str, err: str, env: dict[str, str], every: int,
 
 
 def read_events(log: str, offset: int) -> tuple[list[dict[str, Any]], int]:
-    with open(log, "rb") as f:
-        f.seek(offset)
-        data = f.read()
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:  # killed before it wrote anything
+        return [], offset
     end = data.rfind(b"\n") + 1  # a partial last line (impossible with one write) is left
     events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
     return events, offset + end
@@ -367,6 +386,8 @@ class Torture:
         self.ref: dict[int, str] = {}
         self.ref_start = 0.0  # seconds from fork to "restored" in a fresh life
         self.ref_train = 0.0  # seconds of the training loop of a whole run
+        self._plans = self._points = 0
+        self._walk = self.rng.random()
         self._seen_bad: set[tuple[int, str, int]] = set()  # (episode, status, generation)
         self._pending_bad: dict[tuple[int, str, int], None] = {}
 
@@ -398,17 +419,25 @@ class Torture:
     def _plan(self, expected: int, every: int) -> tuple[str, dict[str, str], float | None, str]:
         """Choose how the next life dies: (kind, env, timer delay, description)."""
         remaining = max(1, STEPS - expected)
-        kind = self.rng.choices(self.kinds, [_WEIGHTS[k] for k in self.kinds])[0]
+        rotation = [k for k in _ROTATION if k in self.kinds]
+        kind = rotation[self._plans % len(rotation)]
+        self._plans += 1
+        if kind == "point" and expected >= STEPS:  # nothing left to train: no named point
+            kind = "op" if "op" in self.kinds else "timer"
         if kind == "op":
             # Restores and debris cleanup cost a few operations; saves the rest.
+            # Successive op kills walk the operation space by the golden ratio from a seeded
+            # start: evenly spread over every write, fsync, rename and unlink, never clustered.
             span = max(2, round(self.f.reference_ops * remaining / STEPS) + 8)
-            k = self.rng.randint(1, span)
+            self._walk = (self._walk + 0.6180339887498949) % 1.0
+            k = 1 + int(self._walk * span)
             return kind, {KILL_OP_ENV: str(k)}, None, f"I/O operation {k}"
         if kind == "timer":
             delay = self.rng.uniform(0, self.ref_start + self.ref_train * remaining / STEPS)
             return kind, {}, delay, f"after {delay * 1000:.1f} ms"
         saves = [s for s in range(expected + 1, STEPS + 1) if s % every == 0] or [STEPS]
-        point = self.rng.choice(_POINTS)
+        point = _POINTS[self._points % len(_POINTS)]
+        self._points += 1
         at = self.rng.choice(saves)
         if point == "retention-unlinked":
             at = max(every, at - KEEP_LAST * every)  # the generation the save of `at` deletes

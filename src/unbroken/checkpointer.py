@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -60,6 +61,31 @@ def _read(store: GenerationStore, info: GenerationInfo, names: list[str] | None,
     finally:
         progress.close()
     return files
+
+
+def _errno_name(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or 0)
+    return f" [{name}]" if name else ""
+
+
+def _check_stamps(info: GenerationInfo, tree: Mapping[str, Any],
+                  meta: Mapping[str, Any]) -> None:
+    """state.json (and, through its stamps, every tensor file) must belong to the generation
+    the manifest describes: a file or a whole generation copied into another folder, or a
+    manifest whose step was edited, is refused like any other corruption."""
+    m = info.manifest
+    assert m is not None
+    where = os.path.join(info.path, S.STATE_FILE)
+    expected = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
+                "unbroken.incarnation": str(m.incarnation)}
+    found = {k: meta.get(k) for k in expected}
+    if found != expected:
+        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
+                                "state belongs to another generation")
+    counters = tree.get(S.COUNTERS)
+    if isinstance(counters, Mapping) and counters.get("step") != m.step:
+        raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r}, the "
+                                f"manifest says step {m.step}")
 
 
 class Checkpointer:
@@ -214,19 +240,30 @@ class Checkpointer:
             progress.close()
             raise SaveFailed(
                 f"{self.store.root}: saving generation {step} failed: "
-                f"{e.strerror or e} ({e.filename or 'run folder'}); older generations are "
+                f"{e.strerror or e}{_errno_name(e)} ({e.filename or 'run folder'}); older "
+                "generations are "
                 "untouched and training may continue; free space or fix the disk before the "
                 "next save") from e
         try:
             _read(self.store, self.store.scan_one(step), None, progress)  # read back
         except CorruptCheckpoint as e:
-            self.store.move_aside(info, "corrupt")
+            try:
+                self.store.move_aside(info, "corrupt")
+            except OSError as moving:
+                raise SaveFailed(f"generation {step} did not read back as written ({e}) and "
+                                 f"could not be moved aside ({moving}); restore refuses it, "
+                                 "and older generations are untouched") from e
             raise SaveFailed(f"generation {step} did not read back as written ({e}); it was "
                              "moved aside and older generations are untouched") from e
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
-        self._apply_retention()
+        try:
+            self._apply_retention()
+        except OSError as e:  # the generation is committed; deleting old ones can wait
+            warnings.warn(f"{self.store.root}: retention could not delete an old generation "
+                          f"({e}); generation {step} is committed and verified, and retention "
+                          "is retried after the next save", UnbrokenWarning, stacklevel=2)
         if self._trace is not None:
             self._trace.saved(step)
         log.info("saved %s (%d bytes) in %.3f s", info.path,
@@ -309,8 +346,9 @@ class Checkpointer:
                 files = _read(store, info, names, Progress(
                     f"loading {os.path.basename(info.path)}",
                     info.manifest.total_bytes if info.manifest else 0))
-                tree, _ = S.decode_generation(
+                tree, meta = S.decode_generation(
                     files, info.path, None if intent == "continue" else {S.MODEL})
+                _check_stamps(info, tree, meta)
             except CorruptCheckpoint as e:
                 self.rejected.append((info.path, str(e)))
                 log.warning("rejected %s: %s", info.path, e)

@@ -17,7 +17,8 @@ from typing import Any
 # Which state part explains a difference in each trace field.
 PART_OF_FIELD = {"ids": "data position", "batch": "data", "lr": "scheduler",
                  "loss": "numerics", "grad_norm": "numerics", "params": "model"}
-PART_OF_STATE = {"optimizer": "optimizer", "scheduler": "scheduler", "scaler": "scaler",
+PART_OF_STATE = {"optimizer": "optimizer", "optimizer-meta": "optimizer",
+                 "scheduler": "scheduler", "scaler": "scaler",
                  "data": "data position", "model": "model"}
 _NUMERIC = ("loss", "grad_norm")
 # Compared bitwise at every level: they do not drift with floating-point reduction order.

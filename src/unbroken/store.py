@@ -36,8 +36,14 @@ import xxhash
 
 from ._fs import LocalFS, fault_point
 from .errors import CorruptCheckpoint, StoreLocked
-from .manifest import (MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest,
-                       valid_artifact_name)
+from .manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Artifact,
+    Manifest,
+    parse_manifest,
+    valid_artifact_name,
+)
 
 _GEN = re.compile(r"^gen-(\d{9,})$")
 STAGING_PREFIX = ".staging-"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
@@ -43,14 +44,13 @@ def _crash_text(f: dict[str, Any]) -> str:
         ["generations reported committed", f["generations_reported"], ""],
         ["generations lost (must be 0)", f["generations_lost"], ""],
         ["torn or corrupt generations loaded (must be 0)", f["torn_or_corrupt_loaded"], ""],
-        ["restored state differs from uninterrupted (must be 0)", f["wrong_state_restored"],
-         ""],
+        ["restored state differs (must be 0)", f["wrong_state_restored"], ""],
         ["final state bitwise equal to uninterrupted",
          f"{f['episodes_equal']}/{f['episodes']}", "yes" if f["final_equal"] else "NO"],
     ]
-    lines = [f"crash torture: seed {f['seed']}, {f['kills']} kills in {f['seconds']} s "
-             f"(reference run: {f['reference_ops']} I/O operations, "
-             f"{f['reference_seconds']} s)", "",
+    head = (f"crash torture: seed {f['seed']}, {f['kills']} kills in {f['seconds']} s "
+            f"(reference run: {f['reference_ops']} I/O operations, {f['reference_seconds']} s)")
+    lines = [head, "",
              table(["figure", "value", "note"], rows, right=(1,), indent="  "), "",
              "  where the kills landed:"]
     for phase, n in sorted(f["kills_by_phase"].items(), key=lambda kv: (-kv[1], kv[0])):
@@ -61,12 +61,17 @@ def _crash_text(f: dict[str, Any]) -> str:
 
 
 def _corrupt_text(r: dict[str, Any]) -> str:
-    rows = [[k, v["cases"], v["refused"], v["fell_back"], v["loaded"], v["failures"]]
-            for k, v in r["by_kind"].items()]
-    rows.append(["total", r["cases"], r["refused"], r["fell_back"], r["loaded"], r["failed"]])
+    rows = [[k, v["cases"], v["refused"], v["fell_back"], v["loaded"],
+             v["loaded_older_mutated"], v["failures"]] for k, v in r["by_kind"].items()]
+    rows.append(["total", r["cases"], r["refused"], r["fell_back"], r["loaded"],
+                 r["loaded_older_mutated"], r["failed"]])
     lines = [f"corruption fuzz: seed {r['seed']}, {r['cases']} cases in {r['seconds']} s", "",
-             table(["mutation", "cases", "refused (typed error)", "fell back (equal)",
-                    "loaded (equal)", "failures"], rows, right=(1, 2, 3, 4, 5), indent="  "),
+             table(["mutation", "cases", "refused", "fell back", "loaded", "(older hit)",
+                    "failures"], rows, right=(1, 2, 3, 4, 5, 6), indent="  "), "",
+             "  refused: a typed UnbrokenError naming the file and the reason",
+             "  fell back: an older generation loaded; its restored state equals what it saved",
+             "  loaded: the newest loaded; its restored state equals what it saved",
+             "  (older hit): of those, cases whose mutation hit an older generation",
              "", "  typed errors: " + (", ".join(f"{k} {v}" for k, v in
                                                  r["errors_by_type"].items()) or "none")]
     lines += _failures([f"case {x['case']} ({x['kind']}: {x['mutation']}): "
@@ -136,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         result = corrupt(args.cases, args.seed, args.dir, args.case, sabotage=args.sabotage)
         text = _corrupt_text
-    print(json.dumps(result, indent=2) if args.json else text(result))
+    try:
+        print(json.dumps(result, indent=2) if args.json else text(result), flush=True)
+    except BrokenPipeError:  # the reader went away (`... | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result["ok"] else 1
 
 

@@ -22,6 +22,9 @@ from .errors import CorruptCheckpoint
 from .rng import rng_digests
 
 TRACE_ENV = "UNBROKEN_TRACE"
+# Hyperparameters and step counts of the optimizer, digested at every update; the moment
+# buffers (the "optimizer" digest) only every ``hash_every`` updates and at restores.
+OPTIMIZER_META = "optimizer-meta"
 
 
 def float_hex(value: float | torch.Tensor | None) -> str | None:
@@ -80,7 +83,8 @@ class TraceRecorder:
     """The trace of one Checkpointer: a record per completed update, restore and save.
 
     ``parts`` are the Checkpointer's live parts (model, optimizer, ..., rng, counters). The
-    optimizer digest, the costliest, is taken every ``hash_every`` updates and at restores."""
+    digest of the optimizer's moment buffers, the costliest, is taken every ``hash_every``
+    updates and at restores; its hyperparameters and step counts at every update."""
 
     def __init__(self, path: str | os.PathLike[str], parts: Mapping[str, Any],
                  hash_every: int) -> None:
@@ -100,6 +104,7 @@ class TraceRecorder:
         state = {}
         for name, obj in self._parts.items():
             if name == S.OPTIMIZER:
+                state[OPTIMIZER_META] = digest_optimizer(obj, moments=False)
                 if optimizer:
                     state[name] = digest_optimizer(obj)
             elif name not in (S.MODEL, S.COUNTERS, S.RNG):

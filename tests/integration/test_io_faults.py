@@ -235,7 +235,7 @@ def test_eio_on_read_back_moves_the_new_generation_aside(base):
 
 
 def test_eio_reading_the_newest_generation_falls_back(base):
-    ckpt, model, opt = make(base)
+    ckpt, _, _ = make(base)
     ckpt.store.fs = FaultyFS(kind="read", err=errno.EIO, match="gen-000000002",
                              times=-1)
     assert ckpt.restore() == 1

@@ -24,7 +24,12 @@ import xxhash
 
 import unbroken
 from unbroken.cli import main as cli_main
-from unbroken.codec import MAX_HEADER_BYTES, decode_safetensors, loads_json, read_safetensors_header
+from unbroken.codec import (
+    MAX_HEADER_BYTES,
+    decode_safetensors,
+    loads_json,
+    read_safetensors_header,
+)
 from unbroken.errors import CorruptCheckpoint, UnbrokenError
 from unbroken.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest
 from unbroken.store import GenerationStore
@@ -70,9 +75,9 @@ def test_source_never_unpickles(path):
             if (node.arg, getattr(node.value, "value", None)) in (("allow_pickle", True),
                                                                    ("weights_only", False)):
                 found.append(f"{node.arg}={node.value.value}")  # type: ignore[attr-defined]
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-            if node.func.id in ("eval", "exec", "__import__"):
-                found.append(f"{node.func.id}()")
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id in ("eval", "exec", "__import__")):
+            found.append(f"{node.func.id}()")
     assert not found, f"{path}: {found}"
 
 
