@@ -2,7 +2,8 @@
 sample 0, 10**6 and 10**9 of datasets of 10**6, 10**9 and 3*10**9 samples, and hand out the
 first batch.
 
-Memory is the peak of Python/NumPy allocations (tracemalloc). The point: the cost is independent of the position and of the dataset size, because the
+Memory is the peak of Python/NumPy allocations (tracemalloc). The point: the cost is
+independent of the position and of the dataset size, because the
 order is a keyed bijection evaluated per position (no permutation is materialized, no
 skipped batch is read). Prints a table, then one JSON object.
 

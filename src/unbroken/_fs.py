@@ -185,7 +185,8 @@ class LocalFS:
             try:
                 buf = bytearray(st.st_size)
             except (MemoryError, OverflowError):
-                raise CorruptCheckpoint(f"{path}: {st.st_size} bytes do not fit in memory") from None
+                raise CorruptCheckpoint(
+                    f"{path}: {st.st_size} bytes do not fit in memory") from None
             view = memoryview(buf)
             got = 0
             while got < st.st_size:

@@ -119,7 +119,8 @@ def newest_summary_lines(n: dict[str, Any]) -> list[str]:
     lines.append(f"  environment  torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
                  f"{env.get('num_threads', '?')} threads, deterministic algorithms "
                  f"{'on' if env.get('deterministic_algorithms') else 'off'}, cuda {cuda}, "
-                 f"world size {env.get('world_size', '?')}, filesystem {env.get('filesystem', '?')}")
+                 f"world size {env.get('world_size', '?')}, "
+                 f"filesystem {env.get('filesystem', '?')}")
     if n["metrics"]:
         lines.append("  metrics      " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float))
                                                   else f"{k}={v}" for k, v in n["metrics"].items()))

@@ -16,6 +16,7 @@ import torch
 
 from . import state as S
 from ._fs import fault_point, filesystem_type, rename_is_atomic
+from ._progress import Progress
 from .errors import (
     CorruptCheckpoint,
     NoCheckpoint,
@@ -29,7 +30,6 @@ from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
 from .rng import RNGStreams
-from ._progress import Progress
 from .store import GenerationInfo, GenerationStore, generation_name
 from .trace import TRACE_ENV, TraceRecorder
 

@@ -45,6 +45,7 @@ _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
 # -- command registry ---------------------------------------------------------------------------
 
 Argument = tuple[tuple[str, ...], dict[str, Any]]
+Runner = Callable[[argparse.Namespace], int]
 
 
 def arg(*flags: str, **kwargs: Any) -> Argument:
@@ -56,7 +57,7 @@ def arg(*flags: str, **kwargs: Any) -> Argument:
 class Command:
     name: str
     help: str
-    run: Callable[[argparse.Namespace], int]
+    run: Runner
     arguments: tuple[Argument, ...]
 
 
@@ -64,9 +65,9 @@ COMMANDS: dict[str, Command] = {}
 
 
 def command(name: str, help: str, *arguments: Argument
-            ) -> Callable[[Callable[[argparse.Namespace], int]], Callable[[argparse.Namespace], int]]:
+            ) -> Callable[[Runner], Runner]:
     """Register a subcommand; ``--json`` is added to every command."""
-    def register(run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    def register(run: Runner) -> Runner:
         if name in COMMANDS:
             raise ValueError(f"command {name!r} registered twice")
         COMMANDS[name] = Command(name, help, run, arguments)

@@ -26,8 +26,9 @@ _ALWAYS_EXACT = ("ids", "batch")
 # When several parts differ at the resume point, the one named first explains the most: a
 # weights-only resume is above all a lost optimizer (seed 000's momentum example).
 _PRIORITY = ("optimizer", "scheduler", "scaler", "data position", "rng", "extra", "model")
-DRIFT_THRESHOLD = 1e-4
-_DRIFTS = frozenset({"loss", "grad_norm", "params", "state.optimizer", "state.scaler"})  # relative loss difference below which a first difference is "tiny"
+DRIFT_THRESHOLD = 1e-4  # relative loss difference below which a first difference is "tiny"
+# What numerical nondeterminism moves; a difference anywhere else is different state.
+_DRIFTS = frozenset({"loss", "grad_norm", "params", "state.optimizer", "state.scaler"})
 
 
 @dataclass

@@ -46,4 +46,5 @@ class UpdateBoundaryError(UnbrokenError):
 
 
 class UnbrokenWarning(UserWarning):
-    """Warnings that do not stop a run (e.g. a different environment: bitwise equality may not hold)."""
+    """Warnings that do not stop a run (e.g. a different environment: bitwise equality may not
+    hold)."""

@@ -86,7 +86,8 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
         groups, state = saved["param_groups"], saved["state"]
         saved_names = [list(g["params"]) for g in groups]
     except (KeyError, TypeError):
-        raise CorruptCheckpoint(f"{where}: optimizer state lacks 'param_groups' or 'state'") from None
+        raise CorruptCheckpoint(
+            f"{where}: optimizer state lacks 'param_groups' or 'state'") from None
     live_names = _live_group_names(model, optimizer)
     if saved_names != live_names:
         raise StateMismatch(

@@ -245,7 +245,8 @@ class GenerationStore:
         return data
 
     def verify(self, info: GenerationInfo) -> None:
-        """Re-hash every artifact of a generation; raise ``CorruptCheckpoint`` on the first bad one."""
+        """Re-hash every artifact of a generation; raise ``CorruptCheckpoint`` on the first bad
+        one."""
         self.read_verified(info)
 
     # -- changing the folder (writer only) -----------------------------------------------------

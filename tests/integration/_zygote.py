@@ -4,7 +4,8 @@ disk), runs in its own session so a SIGKILL of its group takes its DataLoader wo
 and costs ~0.1 s instead of the ~3 s an interpreter needs to import torch on two cores.
 
 Protocol: one JSON request per line on stdin {"script" (a .py path or a module name),
-"argv", "env", "out", "err", "timeout"}; one JSON reply per line on stdout {"pid", "returncode"} (negative = signal)."""
+"argv", "env", "out", "err", "timeout"}; one JSON reply per line on stdout {"pid",
+"returncode"} (negative = signal)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.errors import (CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch,
-                             StoreLocked, UpdateBoundaryError)
+from unbroken.errors import (
+    CorruptCheckpoint,
+    IdentityMismatch,
+    MissingState,
+    StateMismatch,
+    StoreLocked,
+    UpdateBoundaryError,
+)
 
 
 def one_weight(w: float = 1.0):

@@ -169,7 +169,8 @@ def test_numpy_arrays_including_mt19937_state():
     np.testing.assert_array_equal(restored.random_raw(10), bitgen.random_raw(10))
     legacy = np.random.RandomState()
     legacy.set_state(out["legacy"])
-    assert legacy.randint(0, 2**31, 5).tolist() == np.random.RandomState(7).randint(0, 2**31, 5).tolist()
+    expected = np.random.RandomState(7).randint(0, 2**31, 5).tolist()
+    assert legacy.randint(0, 2**31, 5).tolist() == expected
     # decoded arrays are writable copies, not views into the JSON buffer
     out["multi"][0, 0, 0] = 99
 

@@ -83,7 +83,8 @@ def test_order_is_a_function_of_seed_and_epoch() -> None:
     a, b = ResumableSampler(1000, 10, seed=7), ResumableSampler(1000, 10, seed=7)
     assert a.indices(3, 0, 1000).tolist() == b.indices(3, 0, 1000).tolist()
     assert a.indices(0, 0, 1000).tolist() != a.indices(1, 0, 1000).tolist()
-    assert a.indices(0, 0, 1000).tolist() != ResumableSampler(1000, 10, seed=8).indices(0, 0, 1000).tolist()
+    other = ResumableSampler(1000, 10, seed=8)
+    assert a.indices(0, 0, 1000).tolist() != other.indices(0, 0, 1000).tolist()
     b.set_epoch(3)
     assert sum(ids(b), []) == a.indices(3, 0, 1000).tolist()
 
@@ -121,12 +122,14 @@ def test_rank_shares_concatenate_to_the_global_batch(drop_last: bool) -> None:
     n, batch = 1006, 8  # final partial batch of 6 >= world size 4
     glob = ids(ResumableSampler(n, batch, seed=5, drop_last=drop_last))
     for world in (2, 4):
-        shares = [ids(ResumableSampler(n, batch, seed=5, drop_last=drop_last, rank=r, world_size=world))
+        shares = [ids(ResumableSampler(n, batch, seed=5, drop_last=drop_last, rank=r,
+                                       world_size=world))
                   for r in range(world)]
         assert all(len(s) == len(glob) for s in shares)
         for b, g in enumerate(glob):
             assert sum((shares[r][b] for r in range(world)), []) == g  # contiguous, rank order
-            assert max(len(shares[r][b]) for r in range(world)) - min(len(shares[r][b]) for r in range(world)) <= 1
+            sizes = [len(shares[r][b]) for r in range(world)]
+            assert max(sizes) - min(sizes) <= 1
 
 
 def test_world_size_change_at_a_boundary_continues_without_repeat_or_gap() -> None:
@@ -177,7 +180,8 @@ def test_invalid_layouts_and_states_are_refused() -> None:
 
 def make_loader(n: int = 64, batch: int = 8, **kwargs: Any) -> ResumableLoader:
     sampler = ResumableSampler(n, batch, seed=3)
-    return ResumableLoader(seeded(Augmented(n), seed=11), sampler, collate_fn=masking_collate, **kwargs)
+    return ResumableLoader(seeded(Augmented(n), seed=11), sampler, collate_fn=masking_collate,
+                           **kwargs)
 
 
 def test_batches_identical_with_0_2_4_workers_persistent_or_not() -> None:

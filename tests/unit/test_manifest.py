@@ -134,7 +134,8 @@ def test_artifact_names_that_could_leave_the_folder_are_refused(name):
     refuse(doc, "artifact name")
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors", "extra.my-thing.safetensors",
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.safetensors",
+                                  "extra.my-thing.safetensors",
                                   "_x", "0", "a" * 128, "a..b", "x.", "MANIFEST.json.bak"])
 def test_plain_names_are_accepted(name):
     assert valid_artifact_name(name)

@@ -95,7 +95,8 @@ class KeyedPermutation:
         return (left << self._half) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
-        """Map positions (any integer array, each in ``[0, n)``) to their permuted values (int64)."""
+        """Map positions (any integer array, each in ``[0, n)``) to their permuted values
+        (int64)."""
         x = np.asarray(positions, dtype=np.uint64).reshape(-1)
         if self.n <= 1:
             return x.astype(np.int64)

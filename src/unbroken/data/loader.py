@@ -128,7 +128,8 @@ class ResumableLoader:
         seed: int | None = None,
     ) -> None:
         if not isinstance(accumulation, int) or accumulation < 1:
-            raise ValueError(f"ResumableLoader: accumulation must be an int >= 1, got {accumulation!r}")
+            raise ValueError("ResumableLoader: accumulation must be an int >= 1, got "
+                             f"{accumulation!r}")
         self._dataset = dataset
         self.sampler = sampler
         self.accumulation = accumulation
@@ -167,10 +168,12 @@ class ResumableLoader:
                 dataset, batch_size=batch_size, collate_fn=collate_fn, **common)
         else:
             if not isinstance(sampler, ResumableSampler):
-                raise TypeError("ResumableLoader: a map-style dataset needs sampler=ResumableSampler(...)")
+                raise TypeError("ResumableLoader: a map-style dataset needs "
+                                "sampler=ResumableSampler(...)")
             if batch_size is not None and batch_size != sampler.batch_size // sampler.world_size:
                 raise ValueError(f"ResumableLoader: batch_size={batch_size} contradicts the "
-                                 f"sampler's per-rank batch {sampler.batch_size // sampler.world_size}")
+                                 "sampler's per-rank batch "
+                                 f"{sampler.batch_size // sampler.world_size}")
             if hasattr(dataset, "__len__") and len(dataset) != sampler.num_samples:
                 raise ValueError(f"ResumableLoader: len(dataset)={len(dataset)} but the sampler "
                                  f"orders num_samples={sampler.num_samples}")

@@ -73,7 +73,8 @@ class Packer:
     def _document(self, epoch: int, number: int) -> tuple[int, np.ndarray]:
         if self.shuffle:
             if self._perm is None or self._perm[0] != epoch:
-                self._perm = (epoch, KeyedPermutation(self.num_documents, mix(TAG_PACK, self.seed, epoch)))
+                key = mix(TAG_PACK, self.seed, epoch)
+                self._perm = (epoch, KeyedPermutation(self.num_documents, key))
             index = int(self._perm[1](np.array([number]))[0])
         else:
             index = number
@@ -84,7 +85,8 @@ class Packer:
             tokens = np.append(tokens, np.int64(self.eos_id))
         return index, tokens
 
-    def _batch(self, cursor: tuple[int, int, int]) -> tuple[torch.Tensor, tuple[int, int, int], list[int]]:
+    def _batch(self, cursor: tuple[int, int, int]
+               ) -> tuple[torch.Tensor, tuple[int, int, int], list[int]]:
         epoch, number, offset = cursor
         need = self.batch_size * self.seq_len
         out = np.empty(need, dtype=np.int64)
@@ -108,7 +110,8 @@ class Packer:
                 number, offset = number + 1, 0
                 if number == self.num_documents:
                     epoch, number = epoch + 1, 0
-        return torch.from_numpy(out.reshape(self.batch_size, self.seq_len)), (epoch, number, offset), ids
+        rows = torch.from_numpy(out.reshape(self.batch_size, self.seq_len))
+        return rows, (epoch, number, offset), ids
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         """Batches from the last update boundary on (an unfinished window is replayed)."""

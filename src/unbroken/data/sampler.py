@@ -115,7 +115,8 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
         num_samples, batch_size, seed = int(num_samples), int(batch_size), int(seed)
         rank, world_size = int(rank), int(world_size)
         if not 0 < num_samples <= MAX_SAMPLES:
-            raise ValueError(f"ResumableSampler: num_samples must be in [1, 2**62], got {num_samples}")
+            raise ValueError("ResumableSampler: num_samples must be in [1, 2**62], got "
+                             f"{num_samples}")
         if batch_size < 1:
             raise ValueError(f"ResumableSampler: batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -142,7 +143,8 @@ class ResumableSampler(torch.utils.data.Sampler[list[int]]):
         self.drop_last = bool(drop_last)
         self.rank = rank
         self.world_size = world_size
-        self.batches_per_epoch = num_samples // batch_size if drop_last else -(-num_samples // batch_size)
+        self.batches_per_epoch = (num_samples // batch_size if drop_last
+                                  else -(-num_samples // batch_size))
         self.samples_per_epoch = self.batches_per_epoch * batch_size if drop_last else num_samples
         self._epoch = 0
         self._consumed = 0
