@@ -31,7 +31,7 @@ from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
 from .rng import RNGStreams
 from .store import GenerationInfo, GenerationStore, generation_name
-from .trace import TRACE_ENV, TraceRecorder
+from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
@@ -157,7 +157,8 @@ class Checkpointer:
         self._last_saved: int | None = None
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
-        self._trace = TraceRecorder(trace, self._parts, trace_hash_every) if trace else None
+        hash_every = int(os.environ.get(TRACE_HASH_ENV) or trace_hash_every)
+        self._trace = TraceRecorder(trace, self._parts, hash_every) if trace else None
 
     # -- counters ------------------------------------------------------------------------------
 

@@ -190,7 +190,8 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         # and scaler state built from them; anything else differing means different state.
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
             rel is not None and rel > DRIFT_THRESHOLD and at_resume)
-        parts = restore_differs if restore_differs and at_resume else []
+        # State that already differed at the resume point explains whatever diverges later.
+        parts = restore_differs if resumed_from is not None and step > resumed_from else []
         lead = diff[0]
         part = parts[0] if parts else _part(lead)
         also = sorted(({_part(n) for n in diff} | set(parts)) - {part}, key=_rank)

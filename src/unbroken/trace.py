@@ -22,6 +22,7 @@ from .errors import CorruptCheckpoint
 from .rng import rng_digests
 
 TRACE_ENV = "UNBROKEN_TRACE"
+TRACE_HASH_ENV = "UNBROKEN_TRACE_HASH_EVERY"  # the harness sets 1: every digest at every update
 # Hyperparameters and step counts of the optimizer, digested at every update; the moment
 # buffers (the "optimizer" digest) only every ``hash_every`` updates and at restores.
 OPTIMIZER_META = "optimizer-meta"

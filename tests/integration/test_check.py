@@ -89,3 +89,24 @@ def test_demo_proves_resume_and_attributes_every_defect(capsys, tmp_path):
     torn = d["torn_latest"]
     assert torn["verdict"] == "equivalent" and torn["refused"] == ["gen-000000030"]
     assert torn["resumed_from"] == 20
+
+
+NOISY = [sys.executable, str(Path(__file__).parent / "scripts" / "noisy_after_resume.py")]
+
+
+def test_tolerance_mode_tells_drift_from_a_jump(capsys, tmp_path, monkeypatch):
+    """Tiny per-update noise after the resume is a drift: reported at the exact level,
+    accepted within a tolerance; a missing optimizer under the same tolerance is a jump."""
+    monkeypatch.setenv("NOISE", "1e-7")
+    common = ["--at", "12", "--phase", "after-update", "--"]
+    code, out = check(capsys, "--workdir", str(tmp_path / "exact"), *common, *NOISY)
+    d = out["cases"][0]["first_divergence"]
+    assert code == 1 and d["kind"] == "drift" and d["step"] == 12, d
+    ref = str(tmp_path / "exact" / "reference" / "trace.jsonl")
+    code, out = check(capsys, "--rtol", "1e-4", "--reference", ref, "--workdir",
+                      str(tmp_path / "tol"), *common, *NOISY)
+    assert code == 0 and out["verdict"] == "equivalent", out
+    code, out = check(capsys, "--rtol", "1e-4", "--drop", "optimizer", "--reference", ref,
+                      "--workdir", str(tmp_path / "drop"), *common, *NOISY)
+    d = out["cases"][0]["first_divergence"]
+    assert code == 1 and d["kind"] == "jump" and d["state_part"] == "optimizer", d
