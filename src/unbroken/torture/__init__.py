@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Any
 
-from ._table import table
+from .._table import table
 
 
 def _crash_text(f: dict[str, Any]) -> str:
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
     if args.mode == "crash":
-        from ._torture_crash import KINDS, crash
+        from .crash import KINDS, crash
 
         kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
         if args.kills < 1 or not kinds or any(k not in KINDS for k in kinds):
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                        sabotage=args.sabotage).to_json()
         text = _crash_text
     else:
-        from ._torture_corrupt import corrupt
+        from .corrupt import corrupt
 
         if args.cases < 1:
             print("torture: --cases must be >= 1", file=sys.stderr)
@@ -146,7 +146,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader went away (`... | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result["ok"] else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -11,34 +11,29 @@ folder before it restarts the run."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import select
 import shutil
 import signal
-import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-import xxhash
+from .._fs import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
+from ..checkpointer import Checkpointer
+from ._disk import (
+    POINT_PHASE,
+    DiskState,
+    inspect_run,
+    lost_generations,
+    phase_of_note,
+    phase_of_state,
+)
+from ._job import KEEP_LAST, STEPS, prepare_parent
+from ._life import count_lines, read_events, read_lines, run_life, tail
 
-from ._fs import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV, io_count
-from .checkpointer import Checkpointer
-from .codec import encode_tree
-from .errors import CorruptCheckpoint
-from .identity import Identity
-from .retention import Keep
-from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
-
-STEPS = 24
-KEEP_LAST = 2
 KINDS = ("op", "timer", "point")
 # Kill kinds in a fixed rotation (half numbered I/O operations, 30% timers, 20% named points),
 # and the named points in a fixed order, so that every run of 10 kills covers all kinds and the
@@ -46,289 +41,6 @@ KINDS = ("op", "timer", "point")
 _ROTATION = ("op", "timer", "point", "op", "op", "timer", "op", "point", "timer", "op")
 _POINTS = ("before-rename", "retention-unlinked", "artifact-1-written", "after-rename",
            "manifest-written", "artifact-2-written", "step-done", "artifact-4-written")
-_LIFE_TIMEOUT = 120.0
-
-
-# -- the training run ---------------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """The live objects of one training process."""
-
-    ckpt: Checkpointer
-    model: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: Any
-    data: torch.Generator
-
-
-def build(run: str, every: int | None, keep_last: int) -> Job:
-    """A small model with everything a resume can get wrong: AdamW moments, a warm-up
-    schedule, dropout (global torch RNG), a registered data generator, NumPy and Python
-    randomness. Deterministic given the seeds set here."""
-    torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
-                                torch.nn.Linear(16, 1))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    data = torch.Generator().manual_seed(1)
-    ckpt = Checkpointer(run, model=model, optimizer=opt, scheduler=sched,
-                        generators={"data": data},
-                        identity=Identity(config={"torture": 1, "width": 16}),
-                        every=every, keep=Keep(last=keep_last))
-    return Job(ckpt, model, opt, sched, data)
-
-
-def state_digest(job: Job) -> str:
-    """One digest of everything that decides the next update: parameters, optimizer and
-    scheduler state, and every RNG stream (Python, NumPy, torch, the data generator). Taken
-    from the live objects directly, independent of how unbroken captures them."""
-    h = xxhash.xxh3_64()
-    tree = {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
-            "scheduler": job.sched.state_dict(), "python": random.getstate(),
-            "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "data": job.data.get_state(), "step": job.ckpt.step}
-    skeleton, tensors = encode_tree(tree)
-    h.update(json.dumps(skeleton, sort_keys=True).encode())
-    for key in sorted(tensors):
-        t = tensors[key].contiguous()
-        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
-        if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-    return h.hexdigest()
-
-
-def update(job: Job) -> torch.Tensor:
-    """One training update (forward, backward, clip, optimizer and scheduler step)."""
-    x = torch.randn(16, 8, generator=job.data)
-    y = x.sum(1, keepdim=True) + float(np.random.normal(0, 1e-2)) + random.gauss(0, 1e-2)
-    loss = (job.model(x) - y).pow(2).mean()
-    job.opt.zero_grad()
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
-    job.opt.step()
-    job.sched.step()
-    return loss
-
-
-def train(run: str, log: str, steps: int = STEPS, every: int = 2,
-          keep_last: int = KEEP_LAST) -> None:
-    """One life of the run: restore from disk, train to ``steps``, logging exact digests."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
-
-    def emit(**record: Any) -> None:  # one write per line: a kill never tears a record
-        os.write(fd, (json.dumps({**record, "t": time.monotonic()}) + "\n").encode())
-
-    emit(e="start", pid=os.getpid())
-    job = build(run, every, keep_last)
-    start = job.ckpt.restore()
-    emit(e="restored", step=start, digest=state_digest(job),
-         rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
-    for step in range(start + 1, steps + 1):
-        loss = update(job)
-        saved = job.ckpt.step_done(step, loss=loss)
-        emit(e="step", step=step, saved=saved, digest=state_digest(job))
-    job.ckpt.close()
-    emit(e="done", step=steps, digest=state_digest(job), ops=io_count())
-    os.close(fd)
-
-
-# -- one life in a forked child ------------------------------------------------------------------
-
-
-def _child(run: str, log: str, err: str, env: dict[str, str], every: int) -> None:
-    code = 1
-    try:
-        os.setsid()
-        for key in (KILL_ENV, KILL_OP_ENV, KILL_NOTE_ENV):
-            os.environ.pop(key, None)
-        os.environ.update(env)
-        f = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, 1)
-        os.dup2(f, 2)
-        os.close(f)
-        torch.set_num_threads(1)  # fork-safe, and the same arithmetic in every life
-        train(run, log, STEPS, every, KEEP_LAST)
-        code = 0
-    except BaseException:  # noqa: BLE001 -- reported through the exit status and err file
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _group_gone(pgid: int, timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return True
-        time.sleep(0.001)
-    return False
-
-
-@dataclass
-class Life:
-    code: int  # exit status, or -signal
-    killed_by_timer: bool
-    seconds: float
-    group_gone: bool
-
-
-def run_life(run: str, log: str, err: str, env: dict[str, str], every: int,
-             delay: float | None) -> Life:
-    """Fork one life; with ``delay``, SIGKILL its whole group after that many seconds. Returns
-    once the child is reaped and no process of its group is left."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    started = time.monotonic()
-    pid = os.fork()
-    if pid == 0:
-        _child(run, log, err, env, every)
-    timer = delay is not None
-    deadline = started + (delay if delay is not None else _LIFE_TIMEOUT)
-    fired = False
-    try:  # wait on a pidfd where the kernel has them: no polling competes with the child
-        pidfd: int | None = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        pidfd = None
-    try:
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            now = time.monotonic()
-            if now >= deadline and not fired:
-                try:
-                    os.killpg(pid, signal.SIGKILL)
-                except ProcessLookupError:  # so early that it has no group of its own yet
-                    os.kill(pid, signal.SIGKILL)
-                fired = True
-                continue
-            wait = max(0.0, deadline - now) if not fired else 0.05
-            if pidfd is not None:
-                select.select([pidfd], [], [], wait)
-            else:
-                time.sleep(min(0.0005, wait))
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-    gone = _group_gone(pid)
-    code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-    return Life(code, fired and timer, time.monotonic() - started, gone)
-
-
-# -- checks between lives ------------------------------------------------------------------------
-
-
-def read_events(log: str, offset: int) -> tuple[list[dict[str, Any]], int]:
-    try:
-        with open(log, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:  # killed before it wrote anything
-        return [], offset
-    end = data.rfind(b"\n") + 1  # a partial last line (impossible with one write) is left
-    events = [json.loads(line) for line in data[:end].splitlines() if line.strip()]
-    return events, offset + end
-
-
-@dataclass
-class DiskState:
-    complete: list[int]
-    torn: list[int]
-    corrupt: list[int]  # includes "complete" generations that failed hash verification
-    staging: int
-    trash: int
-    aside: int
-
-
-def inspect_run(run: str) -> DiskState:
-    store = GenerationStore(run)
-    complete, torn, corrupt = [], [], []
-    for info in store.scan():
-        if info.ok:
-            try:
-                store.verify(info)
-                complete.append(info.generation)
-            except CorruptCheckpoint:
-                corrupt.append(info.generation)
-        elif info.status == "torn":
-            torn.append(info.generation)
-        else:
-            corrupt.append(info.generation)
-    names = os.listdir(run) if os.path.isdir(run) else []
-    aside = os.path.join(run, ASIDE)
-    return DiskState(complete, torn, corrupt,
-                     sum(n.startswith(STAGING_PREFIX) for n in names),
-                     sum(n.startswith(TRASH_PREFIX) for n in names),
-                     len(os.listdir(aside)) if os.path.isdir(aside) else 0)
-
-
-def lost_generations(reported: set[int], complete: list[int], keep_last: int) -> list[int]:
-    """Reported-committed generations missing from disk although retention had to keep them:
-    a generation may only be gone once ``keep_last`` newer complete generations exist."""
-    return sorted(g for g in reported
-                  if g not in complete and sum(c > g for c in complete) < keep_last)
-
-
-def _phase_of_note(line: str, run: str) -> str:
-    """Where an I/O-numbered kill landed, from the note the child wrote before dying."""
-    parts = line.split(" ", 2)
-    if len(parts) < 3:
-        return "unknown"
-    kind, path = parts[1], parts[2]
-    rel = os.path.relpath(path, run)
-    first = rel.split(os.sep)[0]
-    if first.startswith(STAGING_PREFIX):
-        if kind == "mkdir":
-            return "save: create staging"
-        if kind in ("create", "write", "fsync"):
-            return ("save: write manifest" if rel.endswith("MANIFEST.json")
-                    else "save: write artifacts")
-        if kind == "fsync_dir":
-            return "commit: fsync staging"
-        if kind == "rename":
-            return "commit: rename into place"
-        return "cleanup: remove staging debris"
-    if first.startswith(TRASH_PREFIX):
-        return "retention: remove files"
-    if first.startswith("gen-"):
-        if kind == "rename":
-            return "retention: rename to trash / move aside"
-        return "retention: unlink manifest"
-    if first == ASIDE:
-        return "restore: move aside"
-    if kind == "fsync_dir":
-        return "commit/retention: fsync run folder"
-    return f"other: {kind}"
-
-
-def _phase_of_state(state: DiskState) -> str:
-    if state.staging:
-        return "timer: inside a save (staging left)"
-    if state.trash or state.torn:
-        return "timer: inside retention (trash or torn left)"
-    return "timer: between I/O (training, restore, checks)"
-
-
-_POINT_PHASE = {"artifact": "save: write artifacts", "manifest-written": "save: write manifest",
-                "before-rename": "commit: rename into place",
-                "after-rename": "commit: after rename, before read-back",
-                "retention-unlinked": "retention: unlink manifest",
-                "step-done": "training: after an update"}
-
-
-# -- the torture ---------------------------------------------------------------------------------
 
 
 @dataclass
@@ -404,7 +116,7 @@ class Torture:
         events, _ = read_events(log, 0) if os.path.exists(log) else ([], 0)
         if life.code != 0 or not events or events[-1]["e"] != "done":
             self.fail(f"the uninterrupted reference run failed (exit {life.code}): "
-                      f"{_tail(os.path.join(d, 'err.txt'))}")
+                      f"{tail(os.path.join(d, 'err.txt'))}")
             return False
         for e in events:
             if e["e"] in ("restored", "step"):
@@ -469,7 +181,7 @@ class Torture:
                 kind, env, delay, desc = "none", {}, None, "no kill"
             if env.get(KILL_OP_ENV):
                 env[KILL_NOTE_ENV] = note
-            notes_before = _count_lines(note)
+            notes_before = count_lines(note)
             err = os.path.join(d, f"life-{life_no:03d}.err")
             life = run_life(run, log, err, env, every, delay)
             where = f"episode {number} life {life_no} ({kind}: {desc})"
@@ -494,7 +206,7 @@ class Torture:
                 self._check_finished(run, done, reported, every, where)
                 return kills
             if life.code != -signal.SIGKILL:
-                self.fail(f"{where}: exit status {life.code}: {_tail(err)}")
+                self.fail(f"{where}: exit status {life.code}: {tail(err)}")
                 return kills
             # Killed: account for it, then check what the disk holds before restarting.
             kills += 1
@@ -503,13 +215,13 @@ class Torture:
             self.f.kills_by_kind[kind] += 1
             state = inspect_run(run)
             if kind == "op":
-                lines = _read_lines(note)[notes_before:]
-                phase = _phase_of_note(lines[-1], run) if lines else "unknown"
+                lines = read_lines(note)[notes_before:]
+                phase = phase_of_note(lines[-1], run) if lines else "unknown"
             elif kind == "point":
                 name = env[KILL_ENV].split("@")[0]
-                phase = _POINT_PHASE["artifact" if name.startswith("artifact") else name]
+                phase = POINT_PHASE["artifact" if name.startswith("artifact") else name]
             else:
-                phase = _phase_of_state(state)
+                phase = phase_of_state(state)
             self.f.kills_by_phase[phase] = self.f.kills_by_phase.get(phase, 0) + 1
             self.f.kills_log.append({"episode": number, "life": life_no, "kind": kind,
                                      "at": desc, "phase": phase, "complete": state.complete,
@@ -607,32 +319,6 @@ class Torture:
                                   and self.f.episodes_equal == self.f.episodes)
         self.f.seconds = round(time.monotonic() - started, 2)
         return self.f
-
-
-def _count_lines(path: str) -> int:
-    return len(_read_lines(path))
-
-
-def _read_lines(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return [line.rstrip("\n") for line in f if line.strip()]
-    except FileNotFoundError:
-        return []
-
-
-def _tail(path: str, n: int = 1500) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read()[-n:]
-    except OSError:
-        return "(no output)"
-
-
-def prepare_parent() -> None:
-    """Import what every life needs once, before any fork: building the first optimizer
-    imports torch._dynamo (seconds); it runs no kernel, so no thread pool exists yet."""
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
 
 
 def _retention_first() -> Callable[[], None]:

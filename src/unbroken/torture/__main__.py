@@ -1,0 +1,5 @@
+"""``python -m unbroken.torture crash|corrupt``."""
+
+from . import main
+
+raise SystemExit(main())

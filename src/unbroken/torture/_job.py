@@ -1,0 +1,115 @@
+"""The small real training run the tortures use: a model with everything a resume can get
+wrong, one update, one life of training logged as exact state digests. The crash torture forks
+it again and again; the corruption fuzz makes its base run with it and restores into it."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from .._fs import io_count
+from ..checkpointer import Checkpointer
+from ..codec import encode_tree
+from ..identity import Identity
+from ..retention import Keep
+
+STEPS = 24
+KEEP_LAST = 2
+
+
+@dataclass
+class Job:
+    """The live objects of one training process."""
+
+    ckpt: Checkpointer
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    data: torch.Generator
+
+
+def build(run: str, every: int | None, keep_last: int) -> Job:
+    """A small model with everything a resume can get wrong: AdamW moments, a warm-up
+    schedule, dropout (global torch RNG), a registered data generator, NumPy and Python
+    randomness. Deterministic given the seeds set here."""
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    data = torch.Generator().manual_seed(1)
+    ckpt = Checkpointer(run, model=model, optimizer=opt, scheduler=sched,
+                        generators={"data": data},
+                        identity=Identity(config={"torture": 1, "width": 16}),
+                        every=every, keep=Keep(last=keep_last))
+    return Job(ckpt, model, opt, sched, data)
+
+
+def state_digest(job: Job) -> str:
+    """One digest of everything that decides the next update: parameters, optimizer and
+    scheduler state, and every RNG stream (Python, NumPy, torch, the data generator). Taken
+    from the live objects directly, independent of how unbroken captures them."""
+    h = xxhash.xxh3_64()
+    tree = {"model": job.model.state_dict(), "optimizer": job.opt.state_dict(),
+            "scheduler": job.sched.state_dict(), "python": random.getstate(),
+            "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "data": job.data.get_state(), "step": job.ckpt.step}
+    skeleton, tensors = encode_tree(tree)
+    h.update(json.dumps(skeleton, sort_keys=True).encode())
+    for key in sorted(tensors):
+        t = tensors[key].contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return h.hexdigest()
+
+
+def update(job: Job) -> torch.Tensor:
+    """One training update (forward, backward, clip, optimizer and scheduler step)."""
+    x = torch.randn(16, 8, generator=job.data)
+    y = x.sum(1, keepdim=True) + float(np.random.normal(0, 1e-2)) + random.gauss(0, 1e-2)
+    loss = (job.model(x) - y).pow(2).mean()
+    job.opt.zero_grad()
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(job.model.parameters(), 1.0)
+    job.opt.step()
+    job.sched.step()
+    return loss
+
+
+def train(run: str, log: str, steps: int = STEPS, every: int = 2,
+          keep_last: int = KEEP_LAST) -> None:
+    """One life of the run: restore from disk, train to ``steps``, logging exact digests."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+
+    def emit(**record: Any) -> None:  # one write per line: a kill never tears a record
+        os.write(fd, (json.dumps({**record, "t": time.monotonic()}) + "\n").encode())
+
+    emit(e="start", pid=os.getpid())
+    job = build(run, every, keep_last)
+    start = job.ckpt.restore()
+    emit(e="restored", step=start, digest=state_digest(job),
+         rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
+    for step in range(start + 1, steps + 1):
+        loss = update(job)
+        saved = job.ckpt.step_done(step, loss=loss)
+        emit(e="step", step=step, saved=saved, digest=state_digest(job))
+    job.ckpt.close()
+    emit(e="done", step=steps, digest=state_digest(job), ops=io_count())
+    os.close(fd)
+
+
+def prepare_parent() -> None:
+    """Import what every life needs once, before any fork: building the first optimizer
+    imports torch._dynamo (seconds); it runs no kernel, so no thread pool exists yet."""
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
