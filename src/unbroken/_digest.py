@@ -28,7 +28,9 @@ def _feed(h: Any, obj: Any) -> None:
         if t.device.type != "cpu":
             t = t.cpu()
         if not t.is_contiguous():
-            t = t.contiguous()
+            # Equal values digest equally whatever the memory layout (channels_last, views).
+            _feed(h, t.contiguous())
+            return
         h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
         h.update(t.view(-1).view(torch.uint8).numpy())
     elif obj is None or kind is bool:
@@ -49,7 +51,7 @@ def _feed(h: Any, obj: Any) -> None:
         for key in keys:
             _feed(h, key)
             _feed(h, obj[key])
-    elif kind is tuple or kind is list:
+    elif kind is tuple or kind is list or kind is torch.Size:
         try:  # fast path for the 625-word Mersenne state: one packed buffer, no Python loop
             packed = array("Q", obj)
         except (TypeError, OverflowError):
@@ -110,18 +112,10 @@ def digest_optimizer(optimizer: torch.optim.Optimizer, moments: bool = True) -> 
             if not entry:
                 h.update(b"-")
                 continue
-            for key in sorted(entry):  # a few keys per parameter: inline the tensor fast path
+            for key in sorted(entry):
                 value = entry[key]
-                if type(value) is torch.Tensor:
-                    if not moments and value.dim() > 0:
-                        continue
-                    if not value.requires_grad:
-                        try:
-                            h.update(key.encode())
-                            h.update(value.numpy())
-                            continue
-                        except (RuntimeError, TypeError, BufferError, ValueError):
-                            pass
+                if not moments and isinstance(value, torch.Tensor) and value.dim() > 0:
+                    continue
                 h.update(key.encode())
                 _feed(h, value)
     return h.hexdigest()

@@ -124,6 +124,8 @@ class Checkpointer:
         self.every = every
         self.keep = keep or Keep()
         self._counters = S.Counters(data)
+        if optimizer is not None:
+            S.check_optimizer_params(model, optimizer)
         self._parts: dict[str, Any] = {S.MODEL: model}
         for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
                           (S.SCALER, scaler), (S.DATA, data)):
@@ -212,6 +214,10 @@ class Checkpointer:
             raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")
         if step == self._last_saved:
             return None
+        if step < self._counters.step:
+            raise UpdateBoundaryError(
+                f"save({step}) after {self._counters.step} completed updates: a generation holds "
+                "the state of the step it is named after; save the current step")
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")

@@ -11,6 +11,7 @@ import base64
 import json
 import math
 import struct
+from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -50,6 +51,11 @@ def _dtype_from_name(name: str, where: str) -> torch.dtype:
 
 # ---------------------------------------------------------------------------------------------
 # state tree <-> skeleton + tensors
+
+# Mapping types kept exactly (MultiStepLR's milestones are a Counter; module state_dicts are
+# OrderedDicts). Any other Mapping subclass (defaultdict: its factory is code) is refused.
+_MAPPINGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "counter"}
+_MAPPING_TYPES: dict[str, Any] = {v: k for k, v in _MAPPINGS.items()}
 
 
 class _Encoder:
@@ -104,13 +110,15 @@ class _Encoder:
         if t is tuple:
             return {TAG: "tuple", "v": [self.encode(v, f"{path}.{i}", depth + 1)
                                         for i, v in enumerate(obj)]}
-        if isinstance(obj, Mapping):
-            if all(type(k) is str for k in obj) and TAG not in obj:
-                return {k: self.encode(v, f"{path}.{k}" if path else k, depth + 1)
-                        for k, v in obj.items()}
-            return {TAG: "dict", "v": [[self.encode(k, f"{path}.<key>", depth + 1),
-                                        self.encode(v, f"{path}.{k}", depth + 1)]
-                                       for k, v in obj.items()]}
+        if t in _MAPPINGS:
+            def child(k: Any) -> str:
+                return f"{path}.{k}" if path else str(k)
+
+            if t is dict and all(type(k) is str for k in obj) and TAG not in obj:
+                return {k: self.encode(v, child(k), depth + 1) for k, v in obj.items()}
+            return {TAG: _MAPPINGS[t], "v": [[self.encode(k, child("<key>"), depth + 1),
+                                              self.encode(v, child(k), depth + 1)]
+                                             for k, v in obj.items()]}
         if t is bytes:
             return {TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}
         if isinstance(obj, np.ndarray):
@@ -184,8 +192,9 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         return tuple(dec(v, depth + 1) for v in obj["v"])
     if tag == "size":
         return torch.Size(int(v) for v in obj["v"])
-    if tag == "dict":
-        return {dec(k, depth + 1): dec(v, depth + 1) for k, v in obj["v"]}
+    if tag in _MAPPING_TYPES:
+        items = {dec(k, depth + 1): dec(v, depth + 1) for k, v in obj["v"]}
+        return items if tag == "dict" else _MAPPING_TYPES[tag](items)
     if tag == "bytes":
         return base64.b64decode(obj["v"], validate=True)
     if tag == "ndarray":

@@ -88,6 +88,13 @@ def run_demo(workdir: str | None = None, as_json: bool = False) -> int:
         torn = _tear_newest(run) if name == "torn_latest" else None
         env = {ROOT_ENV: run, TRACE_ENV: trace, **({DROP_ENV: drop} if drop else {})}
         rc = run_process(_cmd(), env, os.path.join(tmp, f"{name}.log"), 300)
+        if rc != 0 or not killed_ok or not os.path.exists(trace):
+            results[name] = {"exit_code": rc, "verdict": "error", "caught": False,
+                             "log": os.path.join(tmp, f"{name}.log"), "resumed_from": None,
+                             "state_part": None, "step": None, "also": [], "next_ids": [],
+                             "next_lr": None, "optimizer_hash": None, "rng_hash": None,
+                             "scaler_hash": None, "refused": None, "torn_generation": torn}
+            continue
         segments = [read_trace(killed_trace), read_trace(trace)]
         result = compare(reference, segments)
         d = result.first_divergence
@@ -159,6 +166,10 @@ def _report(reference: list[dict[str, Any]], results: dict[str, Any], killed_ok:
                  f"{c['resumed_from']})")
     for n in names[1:]:
         r = results[n]
+        if r["verdict"] == "error":
+            lines.append(f"  {_COLUMNS[n]}: the resumed run failed (exit {r['exit_code']}); "
+                         f"see {r['log']}")
+            continue
         if n == "torn_latest":
             lines.append(f"  torn newest: {r['torn_generation']} refused by its hashes; resumed "
                          f"from {r['resumed_from']} instead and still {r['verdict']}")

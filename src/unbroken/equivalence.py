@@ -159,8 +159,12 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
     loss_diff: list[tuple[int, float]] = []
     restore_differs: list[str] = []
     if resumes:
+        # Did the restore bring back what the interrupted process had at that step? Compared
+        # with that process's own record, so that numerical drift before the kill (on
+        # nondeterministic hardware) is not mistaken for lost state.
         r = resumes[-1]
-        ref_at = ref_updates.get(r["step"])
+        saved_at = stitch(segments[:-1])[0].get(r["step"]) if len(segments) > 1 else None
+        ref_at = saved_at or ref_updates.get(r["step"])
         if ref_at is not None:
             restore_differs = sorted({_part(n) for n in _differs(ref_at, r, True, 0, 0)
                                       if n.startswith(("rng.", "state.", "params"))}, key=_rank)
@@ -200,6 +204,10 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             kind = "irreproducible"
         first = Divergence(step, lead, part, kind, also,
                            _flat(ref).get(lead), _flat(got).get(lead))
+    extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
+    if first is None and extra:
+        first = Divergence(extra[0], "extra", "run", "jump", expected=None,
+                           found=f"{len(extra)} more update(s) than the uninterrupted run")
     if resumed_from is None or resumed_from == 0:
         verdict = "untested" if first is None else "diverged"
     else:

@@ -130,29 +130,43 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+class Timeout(UnbrokenError):
+    """A process of the check ran past its time limit (and was killed)."""
+
+
 def run_process(cmd: Sequence[str], env: Mapping[str, str], log: str,
                 timeout: float) -> int:
     """Run ``cmd`` in its own process group; afterwards SIGKILL whatever is left of the group
-    and wait until it is empty, so no worker of a killed run outlives it."""
+    and wait until it is empty, so no worker of a killed run outlives it. Raises `Timeout`
+    past ``timeout`` seconds; an interrupt (Ctrl-C) of the check takes the group down too
+    (it runs in its own session, so the terminal's signal does not reach it)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(list(cmd), env=_clean_env(env), stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         try:
             code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        except BaseException as e:
             os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
-            out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
+            proc.wait()
+            _wait_group_gone(proc.pid)
+            if isinstance(e, subprocess.TimeoutExpired):
+                out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
+                raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s (see {log})") from None
+            raise
+    _wait_group_gone(proc.pid)
+    return code
+
+
+def _wait_group_gone(pgid: int) -> None:
     deadline = time.monotonic() + 30
-    while _group_alive(proc.pid):
+    while _group_alive(pgid):
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             break
         if time.monotonic() > deadline:
-            raise UnbrokenError(f"processes of group {proc.pid} survive SIGKILL")
+            raise UnbrokenError(f"processes of group {pgid} survive SIGKILL")
         time.sleep(0.02)
-    return code
 
 
 def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), random_n: int = 0,
@@ -197,14 +211,22 @@ def _run_case(cmd: Sequence[str], case: Case, folder: str, reference: list[dict[
     root = os.path.join(folder, "run")
     first, second = os.path.join(folder, "killed.jsonl"), os.path.join(folder, "resumed.jsonl")
     log = os.path.join(folder, "output.log")
-    code = run_process(cmd, {ROOT_ENV: root, TRACE_ENV: first, **case.env()}, log, timeout)
-    if code != -signal.SIGKILL:
+    try:
+        code = run_process(cmd, {ROOT_ENV: root, TRACE_ENV: first, **case.env()}, log, timeout)
+    except Timeout as e:
+        return CaseResult(case, "error", note=f"the interrupted run hung: {e}")
+    records = read_trace(first) if os.path.exists(first) else []
+    reached = max((r["step"] for r in records if r["event"] == "update"), default=0)
+    if code != -signal.SIGKILL or reached < case.at:
         return CaseResult(case, "untested", note=f"the interrupted run exited with {code} "
-                          "before reaching the kill point")
+                          f"after update {reached}, before reaching the kill point")
     resume_env = {ROOT_ENV: root, TRACE_ENV: second}
     if drop:
         resume_env[DROP_ENV] = drop
-    code = run_process(cmd, resume_env, log, timeout)
+    try:
+        code = run_process(cmd, resume_env, log, timeout)
+    except Timeout as e:
+        return CaseResult(case, "error", note=f"the resumed run hung: {e}")
     if code != 0:
         return CaseResult(case, "error", note=f"the resumed run exited with {code}; see {log}")
     result = compare(reference, [read_trace(first), read_trace(second)], rtol=rtol, atol=atol,

@@ -182,8 +182,11 @@ def environment() -> dict[str, Any]:
     """Software, hardware and numerics settings that decide whether results are bitwise equal.
     Loader knobs such as ``num_workers`` are absent: the data order does not depend on them."""
     cuda = torch.cuda.is_available()
-    # Names only when CUDA is usable: asking initialises the driver.
     count = torch.cuda.device_count() if cuda else 0
+    # Device names only once CUDA is initialized: asking for them initializes it, which would
+    # add CUDA RNG streams to the process between a save and the next one.
+    names = ([torch.cuda.get_device_name(i) for i in range(count)]
+             if cuda and torch.cuda.is_initialized() else None)
     distributed = dist.is_available() and dist.is_initialized()
     return {
         "python": platform.python_version(),
@@ -194,7 +197,7 @@ def environment() -> dict[str, Any]:
         "cuda_available": cuda,
         "cuda_version": torch.version.cuda,
         "cuda_device_count": count,
-        "cuda_devices": [torch.cuda.get_device_name(i) for i in range(count)],
+        "cuda_devices": names,
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
         "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
@@ -291,7 +294,8 @@ def check_environment(saved: Mapping[str, Any], current: Mapping[str, Any],
     one side only (another unbroken version) and the per-process rank are not compared."""
     lines = [f"{key}: saved {_fmt(saved[key])}, now {_fmt(current[key])}"
              for key in sorted(saved.keys() & current.keys())
-             if key != "rank" and saved[key] != current[key]]
+             if key != "rank" and None not in (saved[key], current[key])
+             and saved[key] != current[key]]
     if lines:
         warnings.warn(f"{where or 'checkpoint'} was written in a different environment ("
                       + "; ".join(lines) + "); the resumed run may not be bitwise equal to an "

@@ -8,6 +8,7 @@ generation has been checked."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,7 +22,7 @@ from .codec import (
     encode_tree,
     loads_json,
 )
-from .errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError
+from .errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 
 # State keys: the part names of a generation (and the stem of their tensor files).
 MODEL = "model"
@@ -65,6 +66,20 @@ def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
              for pi, p in enumerate(g["params"])] for gi, g in enumerate(optimizer.param_groups)]
 
 
+def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that trains tensors outside the model: their moments would be
+    saved but their values not, and a resume would silently start them from scratch."""
+    names = param_names(model)
+    outside = [f"group {gi} param {pi} {tuple(p.shape)}"
+               for gi, g in enumerate(optimizer.param_groups)
+               for pi, p in enumerate(g["params"]) if id(p) not in names]
+    if outside:
+        raise UnsupportedValue(
+            f"the optimizer updates tensors that are not parameters of the model "
+            f"({', '.join(outside[:3])}); register them on the model (e.g. as an "
+            "nn.Parameter attribute) so their values are saved with it")
+
+
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state_dict with integer parameter ids replaced by parameter names."""
     sd = optimizer.state_dict()
@@ -73,6 +88,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) ->
     for saved_group, names in zip(sd["param_groups"], group_names):
         by_index.update(zip(saved_group["params"], names))
     return {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "state": {by_index[i]: s for i, s in sd["state"].items()},
         "param_groups": [{**g, "params": names}
                          for g, names in zip(sd["param_groups"], group_names)],
@@ -85,34 +101,41 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     try:
         groups, state = saved["param_groups"], saved["state"]
         saved_names = [list(g["params"]) for g in groups]
-    except (KeyError, TypeError):
+        if not isinstance(state, Mapping) or not all(isinstance(e, Mapping)
+                                                     for e in state.values()):
+            raise TypeError
+    except (KeyError, TypeError, AttributeError):
         raise CorruptCheckpoint(
             f"{where}: optimizer state lacks 'param_groups' or 'state'") from None
+    live_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if saved.get("class", live_class) != live_class:
+        raise StateMismatch(f"{where}: saved by {saved['class']}, the live optimizer is "
+                            f"{live_class}; build the optimizer of the saved run, or warm_start")
+    for gi, (saved_group, live_group) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(saved_group, Mapping) or set(saved_group) != set(live_group):
+            got = set(saved_group) if isinstance(saved_group, Mapping) else saved_group
+            raise StateMismatch(f"{where}: param group {gi} has settings {sorted(got)}, the "
+                                f"live optimizer's has {sorted(live_group)}")
     live_names = _live_group_names(model, optimizer)
     if saved_names != live_names:
         raise StateMismatch(
             f"{where}: optimizer parameter groups differ from the live optimizer: saved "
             f"{_first_diff(saved_names, live_names)}. Parameters were renamed, reordered or "
             "regrouped; build the model and optimizer as in the saved run, or warm_start")
+    # Per-parameter state shapes are the optimizer's business (Adafactor keeps factored
+    # rows, LBFGS flat vectors); the names map onto parameters whose shapes validate_model
+    # has checked against the saved model.
     index: dict[str, int] = {}
-    params: dict[str, torch.Tensor] = {}
     n = 0  # torch numbers parameters in group order, each distinct parameter once
-    for names, group in zip(live_names, optimizer.param_groups):
-        for name, p in zip(names, group["params"]):
+    for names in live_names:
+        for name in names:
             if name not in index:
-                index[name], params[name] = n, p
+                index[name] = n
                 n += 1
     unknown = set(state) - set(index)
     if unknown:
         raise StateMismatch(f"{where}: optimizer state for parameters {sorted(unknown)[:5]} "
                             "that the live optimizer does not hold")
-    for name, entry in state.items():
-        for key, value in (entry.items() if isinstance(entry, Mapping) else ()):
-            p = params[name]
-            if (isinstance(value, torch.Tensor) and value.dim() == p.dim() and value.dim() > 0
-                    and value.shape != p.shape):
-                raise StateMismatch(f"{where}: optimizer state {name}.{key} has shape "
-                                    f"{tuple(value.shape)}, parameter {name} has {tuple(p.shape)}")
     return {"state": {index[k]: v for k, v in state.items()},
             "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups]}
 
@@ -132,6 +155,8 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
 
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str) -> None:
     """Keys, shapes and dtypes of a saved model state against the live model."""
+    if not isinstance(saved, Mapping):
+        raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     live = model.state_dict()
     missing = [k for k in live if k not in saved]
     unexpected = [k for k in saved if k not in live]
@@ -228,9 +253,18 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
 
 
 def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
-    """Load validated state into the live objects: user extras first (they can still fail in
-    ways we cannot validate), the model and optimizer after."""
-    order = sorted(parts, key=lambda p: (not p.startswith(EXTRA_PREFIX), p == MODEL))
+    """Load validated state into the live objects, all or nothing.
+
+    The small parts (extras, scheduler, scaler, data, RNG, counters) go first: their
+    ``load_state_dict`` can still refuse in ways no validation foresees, and if one does, those
+    already loaded are put back from a copy. The optimizer and the model, fully validated and
+    too large to copy, go last."""
+    big = (OPTIMIZER, MODEL)
+    order = sorted((p for p in parts if p not in big),
+                   key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
+    backup = {n: copy.deepcopy(parts[n].state_dict()) for n in order
+              if n not in big and isinstance(parts[n], Stateful)}
+    done: list[str] = []
     for name in order:
         obj = parts[name]
         if not isinstance(obj, Stateful):
@@ -238,8 +272,15 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
         try:
             obj.load_state_dict(ready[name])
         except Exception as e:
+            for prev in reversed([*done, name]):
+                if prev in backup:
+                    try:
+                        parts[prev].load_state_dict(backup[prev])
+                    except Exception:  # noqa: BLE001 - best effort; the error below says why
+                        pass
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
-                                f"the saved state ({e})") from e
+                                f"the saved state ({e}); nothing was changed") from e
+        done.append(name)
 
 
 # -- a generation's files ---------------------------------------------------------------------
@@ -277,7 +318,10 @@ def decode_generation(files: Mapping[str, bytes], folder: str,
         if doc["schema"] != STATE_SCHEMA:
             raise CorruptCheckpoint(f"{where}: schema {doc['schema']!r}, expected {STATE_SCHEMA!r}")
         meta, skeletons, tensor_files = doc["meta"], doc["parts"], doc["tensor_files"]
-        dict(meta), dict(skeletons), dict(tensor_files)
+        if not all(isinstance(x, dict) for x in (meta, skeletons, tensor_files)):
+            raise TypeError
+        if not all(isinstance(v, str) for v in (*meta.values(), *tensor_files.values())):
+            raise TypeError
     except (KeyError, TypeError, ValueError):
         raise CorruptCheckpoint(f"{where}: not an unbroken state document") from None
     tree = {}

@@ -47,6 +47,12 @@ class Tracer:
         if directory:
             os.makedirs(directory, exist_ok=True)
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
+        # A writer killed mid-line left a torn record: start ours on a line of its own.
+        if self._file.tell() > 0:
+            with open(self.path, "rb") as f:
+                f.seek(-1, os.SEEK_END)
+                if f.read(1) != b"\n":
+                    self._file.write("\n")
 
     def write(self, record: Mapping[str, Any]) -> None:
         if self._file is not None:
@@ -71,8 +77,10 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         try:
             record = json.loads(line)
         except ValueError:
-            if number == len(lines):  # no newline after it: a torn final write
-                break
+            # A torn write: the writer was killed mid-line (the last line, or a line a
+            # later process of the same run followed with its own records).
+            if number == len(lines) or _next_is_restore(lines, number):
+                continue
             raise CorruptCheckpoint(f"{path}:{number}: not a JSON trace record") from None
         if not isinstance(record, dict) or "event" not in record or "step" not in record:
             raise CorruptCheckpoint(f"{path}:{number}: not a trace record (needs event, step)")
@@ -133,3 +141,8 @@ class TraceRecorder:
 
     def close(self) -> None:
         self._out.close()
+
+
+def _next_is_restore(lines: list[str], number: int) -> bool:
+    following = next((x for x in lines[number:] if x), "")
+    return following.startswith('{"event":"restore"')

@@ -10,7 +10,7 @@ state is keyed by parameter name. Nothing is pickled.
 from __future__ import annotations
 
 import os
-from typing import IO, Any
+from typing import IO
 
 import torch
 import xxhash
@@ -29,14 +29,19 @@ from ..state import optimizer_state, optimizer_state_to_torch, validate_model
 _FORMAT = "unbroken.cs336/1"
 
 
+def _hash(text: str) -> str:
+    return xxhash.xxh3_128(text.encode()).hexdigest()
+
+
 def save_checkpoint(model: torch.nn.Module, optimizer: torch.optim.Optimizer, iteration: int,
                     out: str | os.PathLike[str] | IO[bytes]) -> None:
     """Write model, optimizer and iteration to ``out`` (path or binary file object)."""
     skeleton, tensors = encode_tree({"model": model.state_dict(),
                                      "optimizer": optimizer_state(model, optimizer),
                                      "iteration": int(iteration)})
-    chunks = encode_safetensors(tensors, {"unbroken.format": _FORMAT,
-                                          "unbroken.skeleton": dumps_json(skeleton).decode()},
+    text = dumps_json(skeleton).decode()
+    chunks = encode_safetensors(tensors, {"unbroken.format": _FORMAT, "unbroken.skeleton": text,
+                                          "unbroken.skeleton_xxh3_128": _hash(text)},
                                 data_hash_key="unbroken.xxh3_128")
     if isinstance(out, (str, os.PathLike)):
         tmp = f"{os.fspath(out)}.tmp-{os.getpid()}"
@@ -71,8 +76,14 @@ def load_checkpoint(src: str | os.PathLike[str] | IO[bytes], model: torch.nn.Mod
     if digest != meta.get("unbroken.xxh3_128"):
         raise CorruptCheckpoint(f"{where}: tensor data hash {digest}, the header records "
                                 f"{meta.get('unbroken.xxh3_128')} (the file is corrupt)")
-    skeleton = loads_json(meta["unbroken.skeleton"].encode(), str(where), 1 << 30)
-    tree: dict[str, Any] = decode_tree(skeleton, tensors, str(where))
+    text = meta.get("unbroken.skeleton", "")
+    if _hash(text) != meta.get("unbroken.skeleton_xxh3_128"):
+        raise CorruptCheckpoint(f"{where}: the header's state skeleton does not match its hash "
+                                "(the file is corrupt)")
+    tree = decode_tree(loads_json(text.encode(), str(where), 1 << 30), tensors, str(where))
+    if not (isinstance(tree, dict) and {"model", "optimizer", "iteration"} <= set(tree)
+            and type(tree["iteration"]) is int):
+        raise CorruptCheckpoint(f"{where}: expected model, optimizer and an integer iteration")
     validate_model(tree["model"], model, str(where))
     ready = optimizer_state_to_torch(tree["optimizer"], model, optimizer, str(where))
     model.load_state_dict(tree["model"])

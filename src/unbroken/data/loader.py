@@ -342,11 +342,12 @@ class ResumableLoader:
                 f"save at an update boundary (after the optimizer step that ends the window)")
         epoch, consumed = self._cursor()
         if self.sampler is not None:
-            return self.sampler._state(epoch, consumed)
+            return {**self.sampler._state(epoch, consumed), "accumulation": self.accumulation}
         dataset_state = dict(self._dataset.state_dict())
         dataset_state["epoch"], dataset_state["consumed"] = epoch, consumed
         return {"version": STATE_VERSION, "kind": "iterable", "epoch": epoch,
-                "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state}
+                "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state,
+                "accumulation": self.accumulation}
 
     def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
         """Check a saved state against this loader without changing anything (the
@@ -357,6 +358,11 @@ class ResumableLoader:
             raise StateMismatch(f"{where}: {e}") from None
 
     def _check(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        saved = state.get("accumulation", self.accumulation) if isinstance(state, Mapping) else None
+        if saved != self.accumulation:
+            raise StateMismatch(f"data state: saved accumulation={saved!r}, live "
+                                f"accumulation={self.accumulation}: update windows (and so the "
+                                "learning-rate schedule per sample) would shift; keep it")
         if self.sampler is not None:
             return self.sampler.check_state(state)
         if not isinstance(state, Mapping) or state.get("kind") != "iterable":
