@@ -1,15 +1,25 @@
 """MANIFEST.json: the commit record of a generation, written last and trusted only whole.
 
 A manifest names every artifact with its size and xxh3-128 content hash, the generation and
-step, the run's id and incarnation, its lineage, identity and environment. Parsing is strict:
-unknown schema, a name that could leave the generation folder, duplicate names, or a header
-larger than the limit all raise ``CorruptCheckpoint`` naming the file and the field."""
+step, the run's id and incarnation, its lineage, identity and environment, and a ``checksum``
+of its own: the xxh3-128 of the canonical JSON of every other field. Parsing is strict: the
+checksum is checked first, so that any edit of a committed manifest (a flipped digit of a hash,
+an edited step or parent, a field that still parses) is refused as corruption of the manifest
+rather than read as a different generation; then an unknown schema, a name that could leave
+the generation folder, duplicate names, or a header larger than the limit all raise
+``CorruptCheckpoint`` naming the file and the field.
+
+The checksum detects accidents (a bad disk, a stray edit), not an attacker: anyone able to write
+the file can reseal it. What a resealed manifest names is still checked against the files."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 from .codec import dumps_json, loads_json
 from .errors import CorruptCheckpoint
@@ -17,6 +27,7 @@ from .errors import CorruptCheckpoint
 SCHEMA = "unbroken.manifest/1"
 MANIFEST = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+CHECKSUM = "checksum"  # the manifest's own field: xxh3-128 hex of every other field
 # Plain file names only: no separators, no "..", no leading dot, nothing a shell or a
 # filesystem could reinterpret. Confinement to the generation folder follows from this.
 _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -52,7 +63,8 @@ class Manifest:
     schema: str = SCHEMA
 
     def to_bytes(self) -> bytes:
-        return dumps_json(asdict(self))
+        """The committed bytes: canonical JSON of every field, sealed with its checksum."""
+        return seal(asdict(self))
 
     def artifact(self, name: str) -> Artifact | None:
         return next((a for a in self.artifacts if a.name == name), None)
@@ -60,6 +72,43 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(a.size for a in self.artifacts)
+
+
+def checksum(fields: Mapping[str, Any]) -> str:
+    """The xxh3-128 hex of the canonical JSON (sorted keys) of every field but ``checksum``."""
+    return xxhash.xxh3_128(dumps_json({k: v for k, v in fields.items() if k != CHECKSUM}))\
+        .hexdigest()
+
+
+def seal(fields: Mapping[str, Any]) -> bytes:
+    """Manifest bytes for ``fields`` with a correct ``checksum`` (any old one is replaced).
+
+    For tests and tools that write a deliberately crafted but well-formed manifest; nothing
+    here validates the fields, ``parse_manifest`` does."""
+    body = {k: v for k, v in fields.items() if k != CHECKSUM}
+    return dumps_json({**body, CHECKSUM: checksum(body)})
+
+
+def _check_seal(raw: dict[str, Any], where: str) -> None:
+    """Refuse a manifest whose checksum is absent or does not match its other fields."""
+    try:
+        expected = checksum(raw)
+    except (ValueError, TypeError, RecursionError) as e:  # e.g. 1e999 parses as inf
+        raise CorruptCheckpoint(f"{where}: manifest cannot be checksummed ({e}); the manifest "
+                                "changed after commit") from None
+    recorded = raw.get(CHECKSUM)
+    if recorded == expected:
+        return
+    if CHECKSUM not in raw:
+        listed = f"a {CHECKSUM!r} field, found none"
+    else:
+        listed = recorded if isinstance(recorded, str) and _HASH.fullmatch(recorded) \
+            else f"{recorded!r:.40}"
+    schema = raw.get("schema")
+    hint = "" if schema == SCHEMA else (
+        f"; it declares schema {schema!r:.40}, this version of unbroken reads {SCHEMA!r}")
+    raise CorruptCheckpoint(f"{where}: manifest checksum {expected}, expected {listed} (the "
+                            f"manifest changed after commit){hint}")
 
 
 def valid_artifact_name(name: object) -> bool:
@@ -71,6 +120,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     raw = loads_json(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(raw, dict):
         raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    _check_seal(raw, where)  # first: an edited field must read as corruption, not as data
     schema = raw.get("schema")
     if schema != SCHEMA:
         raise CorruptCheckpoint(f"{where}: schema {schema!r}, this version of unbroken reads "

@@ -17,6 +17,7 @@ import torch
 
 import unbroken
 from unbroken.cli import main
+from unbroken.manifest import seal
 
 NEWEST = "gen-000000005"
 
@@ -67,8 +68,10 @@ def load_manifest(gen: Path) -> dict[str, Any]:
     return doc
 
 
-def save_manifest(gen: Path, doc: dict[str, Any]) -> None:
-    (gen / "MANIFEST.json").write_text(json.dumps(doc))
+def save_manifest(gen: Path, doc: dict[str, Any], sealed: bool = False) -> None:
+    """Write an edited manifest: as a hand edit (its checksum now stale), or ``sealed`` with
+    a correct checksum so that the deeper checks are what sees the edit."""
+    (gen / "MANIFEST.json").write_bytes(seal(doc) if sealed else json.dumps(doc).encode())
 
 
 def artifact(doc: dict[str, Any], name: str) -> dict[str, Any]:
@@ -211,23 +214,33 @@ def delete_manifest(gen: Path) -> None:
     (gen / "MANIFEST.json").unlink()
 
 
-def edit_size(gen: Path) -> None:
-    doc = load_manifest(gen)
+def manifest_edit(change: Callable[[dict[str, Any]], None],
+                  sealed: bool) -> Callable[[Path], None]:
+    """A mutation editing the manifest: a plain edit fails the manifest's own checksum; a
+    resealed one reaches the size, hash, name and state checks."""
+    def mutate(gen: Path) -> None:
+        doc = load_manifest(gen)
+        change(doc)
+        save_manifest(gen, doc, sealed)
+    mutate.__name__ = change.__name__ + ("_resealed" if sealed else "")
+    return mutate
+
+
+def edit_size(doc: dict[str, Any]) -> None:
     artifact(doc, "optimizer.safetensors")["size"] += 1
-    save_manifest(gen, doc)
 
 
-def edit_hash(gen: Path) -> None:
-    doc = load_manifest(gen)
+def edit_hash(doc: dict[str, Any]) -> None:
     a = artifact(doc, "model.safetensors")
     a["xxh3_128"] = ("0" if a["xxh3_128"][0] != "0" else "1") + a["xxh3_128"][1:]
-    save_manifest(gen, doc)
 
 
-def escape_folder(gen: Path) -> None:
-    doc = load_manifest(gen)
+def escape_folder(doc: dict[str, Any]) -> None:
     artifact(doc, "model.safetensors")["name"] = "../x"
-    save_manifest(gen, doc)
+
+
+def edit_step(doc: dict[str, Any]) -> None:
+    doc["step"] = 50
 
 
 def swap_from_older(gen: Path) -> None:
@@ -240,25 +253,29 @@ def swap_from_older(gen: Path) -> None:
     doc = load_manifest(gen)
     artifact(doc, "model.safetensors").update(size=len(older),
                                               xxh3_128=xxhash.xxh3_128(older).hexdigest())
-    save_manifest(gen, doc)
+    save_manifest(gen, doc, sealed=True)
 
 
-def edit_step(gen: Path) -> None:
-    doc = load_manifest(gen)
-    doc["step"] = 50
-    save_manifest(gen, doc)
-
-
+# Any edit of a committed manifest fails its checksum, found by the cheap check (inspect too).
+CHECKSUM = ["MANIFEST.json", "manifest checksum", "changed after commit"]
 CORRUPTIONS: list[tuple[Callable[[Path], None], str, list[str], int]] = [
     # (mutation, status, words the reason must contain, inspect's exit code)
     (truncate, "corrupt", ["model.safetensors", "the manifest lists"], 1),
     (flip_tensor_byte, "corrupt", ["model.safetensors", "content hash", "the manifest lists"], 0),
     (delete_manifest, "torn", ["MANIFEST.json", "missing"], 1),
-    (edit_size, "corrupt", ["optimizer.safetensors", "bytes, the manifest lists"], 1),
-    (edit_hash, "corrupt", ["model.safetensors", "content hash", "the manifest lists"], 0),
-    (escape_folder, "corrupt", ["MANIFEST.json", "'../x'", "not a plain file name"], 1),
+    (manifest_edit(edit_size, False), "corrupt", CHECKSUM, 1),
+    (manifest_edit(edit_hash, False), "corrupt", CHECKSUM, 1),
+    (manifest_edit(escape_folder, False), "corrupt", CHECKSUM, 1),
+    (manifest_edit(edit_step, False), "corrupt", CHECKSUM, 1),
+    # resealed (a tool, or someone covering their tracks): the deeper checks still refuse it
+    (manifest_edit(edit_size, True), "corrupt", ["optimizer.safetensors",
+                                                 "bytes, the manifest lists"], 1),
+    (manifest_edit(edit_hash, True), "corrupt", ["model.safetensors", "content hash",
+                                                 "the manifest lists"], 0),
+    (manifest_edit(escape_folder, True), "corrupt", ["MANIFEST.json", "'../x'",
+                                                     "not a plain file name"], 1),
     (swap_from_older, "corrupt", ["model.safetensors", "stamped", "another generation"], 0),
-    (edit_step, "corrupt", ["state.json", "step 5", "step 50"], 0),
+    (manifest_edit(edit_step, True), "corrupt", ["state.json", "step 5", "step 50"], 0),
 ]
 
 
@@ -313,9 +330,30 @@ def test_control_characters_from_files_are_escaped(run: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     doc = load_manifest(run / NEWEST)
     doc["identity"]["data"]["summary"] = "evil\x1b[2Jsummary"
-    save_manifest(run / NEWEST, doc)
+    save_manifest(run / NEWEST, doc, sealed=True)
     code, out, _ = cli(capsys, "inspect", str(run))
     assert code == 0 and "\x1b" not in out and "evil\\x1b[2Jsummary" in out
+
+
+def test_a_one_digit_edit_of_the_identity_is_corruption_not_a_mismatch(
+        run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The review's case: a flipped hex digit in an identity hash still parses; the
+    manifest's checksum makes it corruption, so inspect and verify report the generation as
+    corrupt (naming MANIFEST.json and why) and the previous one as the newest complete."""
+    doc = load_manifest(run / NEWEST)
+    h = doc["identity"]["data"]["hash"]
+    doc["identity"]["data"]["hash"] = ("0" if h[0] != "0" else "1") + h[1:]
+    save_manifest(run / NEWEST, doc)
+    for command in ("inspect", "verify"):
+        code, report = cli_json(capsys, command, str(run))
+        assert code == 1, command
+        bad = report["generations"][-1]
+        assert (bad["generation"], bad["status"]) == (5, "corrupt")
+        for word in CHECKSUM:
+            assert word in bad["reason"], (word, bad["reason"])
+    assert report["generations"][-2]["status"] == "ok"
+    code, out, _ = cli(capsys, "inspect", str(run))
+    assert code == 1 and "newest complete: gen-000000004" in out and "manifest checksum" in out
 
 
 def test_every_generation_corrupt_still_reports_each(run: Path,

@@ -126,15 +126,17 @@ def test_missing_rng_field_is_refused_without_touching_live_state(tmp_path):
 
 
 def reseal(gen, name, data: bytes):
-    """Replace one artifact and update the manifest consistently (a well-formed but
-    incomplete generation, not a corrupt one)."""
+    """Replace one artifact and update the manifest consistently, checksum included (a
+    well-formed but incomplete generation, not a corrupt one)."""
     import xxhash
+
+    from unbroken.manifest import seal
     (gen / name).write_bytes(data)
     manifest = json.loads((gen / "MANIFEST.json").read_text())
     for a in manifest["artifacts"]:
         if a["name"] == name:
             a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-    (gen / "MANIFEST.json").write_text(json.dumps(manifest))
+    (gen / "MANIFEST.json").write_bytes(seal(manifest))
 
 
 def test_missing_scheduler_part_is_refused(tmp_path):
@@ -386,17 +388,21 @@ def _no_manifest(g):
 
 
 def _edit_manifest(field, value):
+    """Edit an artifact's entry and reseal the manifest, so that the size or hash check
+    refuses it (an unsealed edit fails the manifest's own checksum first)."""
     def edit(g):
+        from unbroken.manifest import seal
         m = json.loads((g / "MANIFEST.json").read_text())
         m["artifacts"][0][field] = value
-        (g / "MANIFEST.json").write_text(json.dumps(m))
+        (g / "MANIFEST.json").write_bytes(seal(m))
     return edit
 
 
 def _outside(g):
+    from unbroken.manifest import seal
     m = json.loads((g / "MANIFEST.json").read_text())
     m["artifacts"][0]["name"] = "../gen-000000002/" + m["artifacts"][0]["name"]
-    (g / "MANIFEST.json").write_text(json.dumps(m))
+    (g / "MANIFEST.json").write_bytes(seal(m))  # resealed: the name check refuses it
 
 
 @pytest.mark.parametrize("corrupt", [

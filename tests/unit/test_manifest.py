@@ -1,4 +1,5 @@
-"""MANIFEST.json: strict parsing; every bad field raises CorruptCheckpoint naming it."""
+"""MANIFEST.json: sealed by its own checksum, checked first; strict parsing, every bad field
+raises CorruptCheckpoint naming it."""
 
 from __future__ import annotations
 
@@ -8,12 +9,15 @@ import pytest
 
 from unbroken.errors import CorruptCheckpoint
 from unbroken.manifest import (
+    CHECKSUM,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     SCHEMA,
     Artifact,
     Manifest,
+    checksum,
     parse_manifest,
+    seal,
     valid_artifact_name,
 )
 
@@ -34,6 +38,8 @@ def make(**overrides) -> Manifest:
 
 
 def raw(**changes) -> dict:
+    """The fields of a valid manifest, changed; ``parse`` reseals them, so that the field
+    checks, not the checksum, are what a test reaches."""
     doc = json.loads(make().to_bytes())
     for k, v in changes.items():
         if v is _DELETE:
@@ -46,14 +52,19 @@ def raw(**changes) -> dict:
 _DELETE = object()
 
 
-def parse(doc) -> Manifest:
-    data = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+def parse(doc, sealed: bool = True) -> Manifest:
+    """Parse bytes as they are, or a dict sealed with a correct checksum (``sealed``) or
+    written as it is."""
+    if isinstance(doc, bytes):
+        data = doc
+    else:
+        data = seal(doc) if sealed else json.dumps(doc).encode()
     return parse_manifest(data, WHERE)
 
 
-def refuse(doc, *words: str) -> str:
+def refuse(doc, *words: str, sealed: bool = True) -> str:
     with pytest.raises(CorruptCheckpoint) as e:
-        parse(doc)
+        parse(doc, sealed)
     msg = str(e.value)
     assert WHERE in msg
     for w in words:
@@ -203,3 +214,122 @@ def test_oversized_manifest_is_refused_before_parsing():
     assert len(padded) == MAX_MANIFEST_BYTES
     assert parse_manifest(padded, WHERE) == m
     refuse(padded + b" ", "limit")
+
+
+# -- the checksum -------------------------------------------------------------------------------
+
+
+def test_to_bytes_is_sealed_with_the_checksum_of_the_other_fields():
+    m = make()
+    doc = json.loads(m.to_bytes())
+    recorded = doc.pop(CHECKSUM)
+    assert len(recorded) == 32 and recorded == checksum(doc)
+    assert seal(doc) == m.to_bytes()
+    assert seal({**doc, CHECKSUM: "f" * 32}) == m.to_bytes()  # seal replaces a stale one
+
+
+def test_the_checksum_covers_content_not_formatting():
+    doc = json.loads(make().to_bytes())
+    pretty = json.dumps(dict(reversed(doc.items())), indent=2).encode()
+    assert parse_manifest(pretty, WHERE) == make()
+
+
+def _flip_hex(s: str) -> str:
+    return ("1" if s[0] == "0" else "0") + s[1:]
+
+
+EDITS = {
+    "step": lambda d: d.update(step=d["step"] + 1),
+    "generation": lambda d: d.update(generation=4),
+    "incarnation": lambda d: d.update(incarnation=1),
+    "run_id": lambda d: d.update(run_id="run-abd"),
+    "size": lambda d: d["artifacts"][0].update(size=1025),
+    "hash-digit": lambda d: d["artifacts"][1].update(xxh3_128=_flip_hex(H2)),
+    "artifact-name": lambda d: d["artifacts"][0].update(name="optimizer.safetensors"),
+    "dropped-artifact": lambda d: d["artifacts"].pop(),
+    "parent": lambda d: d["parent"].update(generation=2),
+    "no-parent": lambda d: d.update(parent=None),
+    "identity-digit": lambda d: d["identity"].update(config="ceadbeef"),
+    "environment": lambda d: d["environment"].update(torch="2.5"),
+    "metric": lambda d: d["metrics"].update(val_loss=1.0),
+    "parts": lambda d: d["parts"].reverse(),
+    "created": lambda d: d.update(created="2024-01-01T00:00:01Z"),
+    "extra-field": lambda d: d.update(note="hello"),
+    "schema": lambda d: d.update(schema="unbroken.manifest/2"),
+    "bad-name": lambda d: d["artifacts"][0].update(name="../x"),
+    "bad-step": lambda d: d.update(step="500"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS.values(), ids=EDITS.keys())
+def test_any_edit_of_a_sealed_manifest_is_a_checksum_mismatch(edit):
+    doc = json.loads(make().to_bytes())
+    recorded = doc[CHECKSUM]
+    edit(doc)
+    msg = refuse(doc, f"manifest checksum {checksum(doc)}, expected {recorded} (the manifest "
+                 "changed after commit)", sealed=False)
+    assert "field" not in msg and "artifact name" not in msg  # reported before the fields
+
+
+def test_a_sealed_manifest_of_another_schema_says_so_on_a_mismatch():
+    doc = json.loads(make().to_bytes())
+    doc["schema"] = "unbroken.manifest/2"
+    refuse(doc, "manifest checksum", "'unbroken.manifest/2'", SCHEMA, sealed=False)
+
+
+def test_a_missing_checksum_is_refused():
+    doc = json.loads(make().to_bytes())
+    del doc[CHECKSUM]
+    refuse(doc, f"manifest checksum {checksum(doc)}, expected a 'checksum' field, found none",
+           sealed=False)
+
+
+@pytest.mark.parametrize("value", [None, "", 5, "F" * 32, "0" * 32, ["x"]], ids=repr)
+def test_a_malformed_checksum_is_refused(value):
+    doc = json.loads(make().to_bytes())
+    doc[CHECKSUM] = value
+    refuse(doc, "manifest checksum", "changed after commit", sealed=False)
+
+
+def test_a_value_that_cannot_be_checksummed_is_corruption_not_a_crash():
+    data = make().to_bytes()[:-1] + b',"metrics":{"x":1e999}}'  # parses as inf
+    refuse(data, "cannot be checksummed")
+
+
+def test_a_one_character_corruption_anywhere_in_the_bytes_is_refused():
+    data = make().to_bytes()
+    for i in range(len(data)):
+        for c in b"0a9z\"\x01":
+            if data[i] == c:
+                continue
+            mutated = data[:i] + bytes([c]) + data[i + 1:]
+            with pytest.raises(CorruptCheckpoint):
+                parse_manifest(mutated, WHERE)
+
+
+def test_restore_falls_back_past_a_manifest_edited_after_commit(tmp_path):
+    """The review's case, end to end: one hex digit of an identity hash flipped in the newest
+    manifest. Without the checksum it parses and restore raises IdentityMismatch; with it the
+    generation is refused as corrupt and the previous verified one is restored."""
+    import torch
+
+    import unbroken
+
+    def run():
+        model = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        return unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, every=1,
+                                     identity=unbroken.Identity(config={"d": 4}, data="rev-a"))
+
+    with run() as ckpt:
+        ckpt.step_done(1)
+        ckpt.step_done(2)
+    path = tmp_path / "run" / "gen-000000002" / MANIFEST
+    doc = json.loads(path.read_bytes())
+    h = doc["identity"]["config"]["hash"]
+    doc["identity"]["config"]["hash"] = ("0" if h[0] != "0" else "1") + h[1:]
+    path.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")))
+    with run() as ckpt:
+        assert ckpt.restore() == 1
+        [(where, why)] = ckpt.rejected
+        assert "gen-000000002" in where and MANIFEST in why and "manifest checksum" in why

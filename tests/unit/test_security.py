@@ -2,7 +2,8 @@
 `verify`; headers and manifests have size limits; artifact paths stay inside their
 generation; the writer never follows a symlink out of the run folder.
 
-The trust model (RELIABILITY.md, README): content hashes detect corruption, not malice. A
+The trust model (RELIABILITY.md, README): content hashes and the manifest's own checksum detect
+corruption, not malice (the tests below reseal manifests as an attacker would). A
 checkpoint from someone you do not trust can hold weights you do not want, but loading it
 never executes code and never reads or writes outside the run folder."""
 
@@ -31,7 +32,7 @@ from unbroken.codec import (
     read_safetensors_header,
 )
 from unbroken.errors import CorruptCheckpoint, UnbrokenError
-from unbroken.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest
+from unbroken.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, seal
 from unbroken.store import GenerationStore
 
 SRC = Path(unbroken.__file__).parent
@@ -133,14 +134,15 @@ def restore(root: Path) -> int:
 
 
 def replace(gen: Path, name: str, data: bytes, restamp: bool = True) -> None:
-    """Put ``data`` in place of an artifact and (as an attacker would) fix the manifest."""
+    """Put ``data`` in place of an artifact and (as an attacker would) fix the manifest and
+    reseal it."""
     (gen / name).write_bytes(data)
     if restamp:
         doc = json.loads((gen / MANIFEST).read_bytes())
         for a in doc["artifacts"]:
             if a["name"] == name:
                 a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-        (gen / MANIFEST).write_text(json.dumps(doc))
+        (gen / MANIFEST).write_bytes(seal(doc))
 
 
 def cli(*argv: str) -> tuple[int, str]:
@@ -262,7 +264,7 @@ def test_an_artifact_larger_than_memory_is_not_read(run):
     for a in doc["artifacts"]:
         if a["name"] == "state.json":
             a["size"] = size
-    (gen / MANIFEST).write_text(json.dumps(doc))
+    (gen / MANIFEST).write_bytes(seal(doc))
     with pytest.raises(CorruptCheckpoint, match="memory"):
         restore(run)
 
@@ -278,7 +280,7 @@ def test_artifact_names_are_confined(name):
            "metrics": {}, "created": "",
            "artifacts": [{"name": name, "size": 1, "xxh3_128": "0" * 32}]}
     with pytest.raises(CorruptCheckpoint, match="not a plain file name"):
-        parse_manifest(json.dumps(doc).encode(), "MANIFEST.json")
+        parse_manifest(seal(doc), "MANIFEST.json")
 
 
 def test_a_manifest_cannot_point_at_a_real_file_outside(run, tmp_path):
@@ -289,7 +291,7 @@ def test_a_manifest_cannot_point_at_a_real_file_outside(run, tmp_path):
     doc = json.loads((gen / MANIFEST).read_bytes())
     doc["artifacts"].append({"name": os.path.relpath(secret, gen), "size": 9,
                              "xxh3_128": xxhash.xxh3_128(b"not yours").hexdigest()})
-    (gen / MANIFEST).write_text(json.dumps(doc))
+    (gen / MANIFEST).write_bytes(seal(doc))
     [info] = GenerationStore(run).scan()
     assert info.status == "corrupt" and "plain file name" in info.reason
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import select
 import signal
@@ -18,7 +19,7 @@ import xxhash
 import unbroken
 from unbroken._fs import LocalFS
 from unbroken.errors import CorruptCheckpoint, StoreLocked
-from unbroken.manifest import MANIFEST, Artifact, Manifest
+from unbroken.manifest import MANIFEST, Artifact, Manifest, seal
 from unbroken.store import ASIDE, LOCK, GenerationStore, generation_name
 
 FILES = {"model.safetensors": b"\x01" * 1000, "state.json": b'{"step": 1}', "empty.bin": b""}
@@ -188,6 +189,32 @@ def test_corrupt_missing_artifact(root, stores):
 def test_corrupt_unparseable_manifest(root, stores):
     reason = _corrupt(root, stores(root), lambda p: (p / MANIFEST).write_bytes(b"{garbage"))
     assert MANIFEST in reason
+
+
+def _edit_manifest(p: Path, change, sealed: bool = False) -> None:
+    doc = json.loads((p / MANIFEST).read_bytes())
+    change(doc)
+    (p / MANIFEST).write_bytes(seal(doc) if sealed else json.dumps(doc).encode())
+
+
+@pytest.mark.parametrize("change", [
+    lambda d: d.update(step=d["step"] + 1),
+    lambda d: d.update(parent={"run_id": "run-1", "generation": 2, "incarnation": 0}),
+    lambda d: d["artifacts"][0].update(xxh3_128="f" + d["artifacts"][0]["xxh3_128"][1:]),
+    lambda d: d.update(identity={"config": {"hash": "0" * 32}}),
+    lambda d: d.pop("checksum"),
+], ids=["step", "parent", "hash-digit", "identity", "no-checksum"])
+def test_corrupt_manifest_edited_after_commit(root, stores, change):
+    """A manifest field edited in place still parses; its checksum makes it corruption."""
+    reason = _corrupt(root, stores(root), lambda p: _edit_manifest(p, change))
+    assert MANIFEST in reason and "manifest checksum" in reason
+
+
+def test_a_resealed_manifest_edit_reaches_the_deeper_checks(root, stores):
+    def grow(doc):
+        doc["artifacts"][0]["size"] += 1
+    reason = _corrupt(root, stores(root), lambda p: _edit_manifest(p, grow, sealed=True))
+    assert "checksum" not in reason and "bytes, the manifest lists" in reason
 
 
 def test_corrupt_manifest_names_another_generation(root, stores):

@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from ..manifest import MANIFEST
+from ..manifest import MANIFEST, seal
 
 
 @dataclass
@@ -59,13 +59,17 @@ class Case:
     def manifest(self, gen: str) -> dict[str, Any]:
         return json.loads(self.read(gen, MANIFEST))
 
-    def save_manifest(self, gen: str, doc: Any) -> None:
-        self.write(gen, MANIFEST, json.dumps(doc, sort_keys=True, separators=(",", ":"))
-                   .encode())
+    def save_manifest(self, gen: str, doc: Any, sealed: bool = True) -> None:
+        """Write an edited manifest: ``sealed`` with a correct checksum (as a tool or an
+        attacker would), so that the edit reaches the checks behind the manifest's own
+        checksum; or as a plain edit, which that checksum refuses."""
+        data = seal(doc) if sealed and isinstance(doc, dict) else json.dumps(
+            doc, sort_keys=True, separators=(",", ":")).encode()
+        self.write(gen, MANIFEST, data)
 
     def restamp(self, gen: str, name: str) -> None:
-        """Make the manifest agree with a mutated file (size and hash), so that the mutation
-        reaches the decoders behind the hash check."""
+        """Make the manifest agree with a mutated file (size and hash) and reseal it, so that
+        the mutation reaches the decoders behind the hash check."""
         doc = self.manifest(gen)
         data = self.read(gen, name)
         for entry in doc["artifacts"]:

@@ -12,7 +12,10 @@ import struct
 import zipfile
 from typing import Any
 
-from ..manifest import MANIFEST
+import xxhash
+
+from ..codec import dumps_json
+from ..manifest import CHECKSUM, MANIFEST
 from ._case import Case, Catalogue, header_end, registrar
 
 STATE = "state.json"
@@ -104,9 +107,13 @@ _FIELD_EDITS: list[tuple[str, Any]] = [
 
 @mutation("manifest-field", 5)
 def _manifest_field(c: Case) -> str:
+    """An edited field. Resealed (three times in five) the edit reaches the field checks and
+    what lies behind them (sizes, hashes, stamps, identity); left as a plain edit, the
+    manifest's own checksum refuses it."""
     g = c.pick_target()
     doc = c.manifest(g)
     key, value = c.rng.choice(_FIELD_EDITS)
+    sealed = c.rng.random() < 0.6
     arts = doc["artifacts"]
     entry = c.rng.choice(arts)
     if key == "size":
@@ -137,8 +144,10 @@ def _manifest_field(c: Case) -> str:
         doc.pop(key, None)
     else:
         doc[key] = value
-    c.save_manifest(g, doc)
-    return f"{os.path.basename(g)}/{MANIFEST}: {key} -> {value!r:.40}"
+    c.save_manifest(g, doc, sealed)
+    how = ("" if not isinstance(doc, dict) else ", resealed" if sealed
+           else ", checksum left stale")
+    return f"{os.path.basename(g)}/{MANIFEST}: {key} -> {value!r:.40}{how}"
 
 
 @mutation("oversized", 2)
@@ -172,7 +181,8 @@ def _oversized(c: Case) -> str:
             if entry["name"] == name:
                 entry["size"] = size
         c.save_manifest(g, doc)
-        return f"{os.path.basename(g)}/{name} is a sparse {size}-byte file listed as such"
+        return (f"{os.path.basename(g)}/{name} is a sparse {size}-byte file listed as such, "
+                "manifest resealed")
     return f"{os.path.basename(g)}/{MANIFEST} oversized ({how})"
 
 
@@ -186,11 +196,15 @@ def _deep(c: Case) -> str:
         c.write(g, MANIFEST, _nested(depth, kind))
     elif where == "manifest-field":
         doc = c.manifest(g)
+        doc.pop(CHECKSUM, None)
         key = c.rng.choice(["parent", "origin", "identity", "environment", "metrics"])
-        raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
-        field_json = json.dumps({key: doc[key]}, sort_keys=True, separators=(",", ":"))[1:-1]
+        raw = dumps_json(doc)
+        field_json = dumps_json({key: doc[key]})[1:-1]
         deep = b'{"x":' * depth + b"1" + b"}" * depth
-        raw = raw.replace(field_json.encode(), f'"{key}":'.encode() + deep, 1)
+        raw = raw.replace(field_json, f'"{key}":'.encode() + deep, 1)
+        if c.rng.random() < 0.5:  # resealed: the body is canonical JSON, its hash the checksum
+            raw = raw[:-1] + f',"{CHECKSUM}":"{xxhash.xxh3_128(raw).hexdigest()}"}}'.encode()
+            where += " (resealed)"
         c.write(g, MANIFEST, raw)
     elif where in ("state", "state-part"):
         if where == "state":
@@ -307,7 +321,12 @@ def _state_edits(doc: dict[str, Any], rng: random.Random) -> str:
     elif edit == "bad-base64":
         parts["scheduler"]["blob"] = {"$t": "bytes", "v": "!!not base64!!"}
     elif edit == "missing-tensor":
-        parts["model"]["0.weight"] = {"$t": "tensor", "key": "no.such.key"}
+        missing = {"$t": "tensor", "key": "no.such.key"}
+        model = parts["model"]
+        if model.get("$t") == "odict":  # a state_dict is an OrderedDict: [[key, value], ...]
+            model["v"][0][1] = missing
+        else:
+            model["0.weight"] = missing
     elif edit == "schema":
         doc["schema"] = "unbroken.state/99"
     elif edit == "tensor-file-escape":

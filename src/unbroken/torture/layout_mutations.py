@@ -28,7 +28,7 @@ def _delete(c: Case) -> str:
         doc = c.manifest(g)
         doc["artifacts"] = [a for a in doc["artifacts"] if a["name"] != name]
         c.save_manifest(g, doc)
-        desc += " and dropped from the manifest"
+        desc += " and dropped from the manifest (resealed)"
     return desc
 
 
@@ -76,7 +76,8 @@ def _swap_generation(c: Case) -> str:
     doc = c.manifest(g)
     number = int(os.path.basename(g).split("-")[1])
     doc["generation"] = number
-    desc = f"{os.path.basename(g)} replaced by a copy of {os.path.basename(o)}, manifest renumbered"
+    desc = (f"{os.path.basename(g)} replaced by a copy of {os.path.basename(o)}, manifest "
+            "renumbered and resealed")
     if c.rng.random() < 0.6:
         doc["step"] = number
         desc += " (generation and step)"
@@ -105,8 +106,8 @@ def _path_escape(c: Case) -> str:
             data = f.read()
         entry["size"], entry["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
     entry["name"] = new
-    c.save_manifest(g, doc)
-    return f"artifact name {new!r:.60} in {os.path.basename(g)}/{MANIFEST}"
+    c.save_manifest(g, doc)  # resealed: the name check, not the checksum, must refuse it
+    return f"artifact name {new!r:.60} in {os.path.basename(g)}/{MANIFEST} (resealed)"
 
 
 @mutation("symlink", 3)
@@ -147,7 +148,7 @@ def _special(c: Case) -> str:
     name = MANIFEST if c.rng.random() < 0.25 else c.rng.choice(c.names(g, manifest=False))
     path = os.path.join(g, name)
     if name != MANIFEST and c.rng.random() < 0.7:
-        doc = c.manifest(g)  # list it with the size a special file reports, 0
+        doc = c.manifest(g)  # list it with the size a special file reports, 0 (resealed)
         for entry in doc["artifacts"]:
             if entry["name"] == name:
                 entry["size"] = 0
