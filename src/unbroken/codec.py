@@ -168,8 +168,18 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
     return dec(skeleton, 0)
 
 
+# The keys each tagged entry may have: anything else means the skeleton was edited.
+_TAG_KEYS: dict[str, tuple[frozenset[str], ...]] = {
+    "tensor": (frozenset({TAG, "key"}), frozenset({TAG, "key", "dtype", "shape"})),
+    "ndarray": (frozenset({TAG, "dtype", "shape", "v"}),),
+    "npscalar": (frozenset({TAG, "dtype", "v"}),),
+}
+
+
 def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
                    tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor]) -> Any:
+    if frozenset(obj) not in _TAG_KEYS.get(tag, (frozenset({TAG, "v"}),)):
+        raise ValueError(f"unexpected keys {sorted(obj)}")
     if tag == "tensor":
         key = obj["key"]
         if key in cache:

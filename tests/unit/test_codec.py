@@ -612,3 +612,21 @@ def test_skeleton_nested_too_deep():
 def test_malformed_entries_raise_corrupt_checkpoint(skeleton, tensors):
     with pytest.raises(CorruptCheckpoint):
         decode_tree(skeleton, tensors, "gen/state.json")
+
+
+def test_tagged_entries_with_unexpected_keys_are_refused():
+    for skeleton in ({TAG: "tuple", "v": [1], "extra": 2}, {TAG: "tensor", "key": "k", "v": 1},
+                     {TAG: "bytes", "v": "", "x": None}):
+        with pytest.raises(CorruptCheckpoint, match="unexpected keys"):
+            decode_tree(skeleton, {"k": torch.zeros(1)}, "gen/state.json")
+
+
+def test_counter_and_ordered_dict_keep_their_type_and_defaultdict_is_refused():
+    from collections import Counter, OrderedDict, defaultdict
+    tree = {"c": Counter({2: 1, 4: 2}), "o": OrderedDict([("b", 1), ("a", 2)])}
+    skeleton, tensors = encode_tree(tree)
+    out = decode_tree(loads_json(dumps_json(skeleton), "s", 1 << 20), tensors)
+    assert type(out["c"]) is Counter and out["c"] == tree["c"]
+    assert type(out["o"]) is OrderedDict and list(out["o"]) == ["b", "a"]
+    with pytest.raises(UnsupportedValue, match="defaultdict"):
+        encode_tree({"d": defaultdict(int)})
