@@ -1,4 +1,5 @@
-"""Content digests of state trees, for traces: fast, stable, and never via repr or pickle."""
+"""Content digests of state trees, for traces: fast, stable, and never via repr or any
+serializer."""
 
 from __future__ import annotations
 

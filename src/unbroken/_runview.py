@@ -8,7 +8,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ._table import human_size, table
-from .errors import CorruptCheckpoint, UnbrokenError
+from .errors import UnbrokenError
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 
@@ -137,28 +137,8 @@ def aside_entries(root: str) -> list[str]:
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
 
 
-def _consistency(info: GenerationInfo, tree: dict[str, Any], meta: dict[str, str]) -> None:
-    """What decode_generation cannot know: state.json must agree with the manifest."""
-    m = info.manifest
-    assert m is not None
-    where = os.path.join(info.path, "state.json")
-    expected = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
-                "unbroken.incarnation": str(m.incarnation)}
-    found = {k: meta.get(k) for k in expected}
-    if found != expected:
-        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
-                                "state belongs to another generation")
-    if sorted(tree) != sorted(m.parts):
-        raise CorruptCheckpoint(f"{where}: holds parts {sorted(tree)}, the manifest lists "
-                                f"{sorted(m.parts)}")
-    counters = tree.get("counters")
-    if isinstance(counters, dict) and "step" in counters and counters["step"] != m.step:
-        raise CorruptCheckpoint(f"{where}: counters say step {counters['step']!r}, the manifest "
-                                f"says step {m.step}")
-
-
 def verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
-    from .state import decode_generation  # torch-heavy; only verify needs it
+    from .state import check_stamps, decode_generation  # torch-heavy; only verify needs it
 
     rec = record(store, info)
     if not info.ok:
@@ -166,7 +146,8 @@ def verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
     try:
         files = store.read_verified(info)  # every byte re-hashed against the manifest
         tree, meta = decode_generation(files, info.path)  # headers, references, stamps
-        _consistency(info, tree, meta)
+        assert info.manifest is not None
+        check_stamps(info.manifest, info.path, tree, meta)
     except UnbrokenError as e:
         rec.update(status="corrupt", reason=str(e))
     except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results

@@ -68,26 +68,6 @@ def _errno_name(e: OSError) -> str:
     return f" [{name}]" if name else ""
 
 
-def _check_stamps(info: GenerationInfo, tree: Mapping[str, Any],
-                  meta: Mapping[str, Any]) -> None:
-    """state.json (and, through its stamps, every tensor file) must belong to the generation
-    the manifest describes: a file or a whole generation copied into another folder, or a
-    manifest whose step was edited, is refused like any other corruption."""
-    m = info.manifest
-    assert m is not None
-    where = os.path.join(info.path, S.STATE_FILE)
-    expected = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
-                "unbroken.incarnation": str(m.incarnation)}
-    found = {k: meta.get(k) for k in expected}
-    if found != expected:
-        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
-                                "state belongs to another generation")
-    counters = tree.get(S.COUNTERS)
-    if isinstance(counters, Mapping) and counters.get("step") != m.step:
-        raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r}, the "
-                                f"manifest says step {m.step}")
-
-
 class Checkpointer:
     """Saves complete continuation state at update boundaries and restores it by intent.
 
@@ -355,7 +335,8 @@ class Checkpointer:
                     info.manifest.total_bytes if info.manifest else 0))
                 tree, meta = S.decode_generation(
                     files, info.path, None if intent == "continue" else {S.MODEL})
-                _check_stamps(info, tree, meta)
+                S.check_stamps(info.manifest, info.path, tree, meta,
+                               all_parts=intent == "continue")
             except CorruptCheckpoint as e:
                 self.rejected.append((info.path, str(e)))
                 log.warning("rejected %s: %s", info.path, e)

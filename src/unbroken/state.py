@@ -341,3 +341,26 @@ def decode_generation(files: Mapping[str, bytes], folder: str,
                     "belongs to another generation or part")
         tree[part] = decode_tree(skeleton, tensors, f"{where} [{part}]")
     return tree, meta
+
+
+def check_stamps(manifest: Any, folder: str, tree: Mapping[str, Any], meta: Mapping[str, Any],
+                 all_parts: bool = True) -> None:
+    """What decoding alone cannot know: state.json (and, through its stamps, every tensor
+    file) belongs to the generation ``manifest`` describes. A file or a whole generation
+    copied into another folder, or a manifest whose step was edited, is refused like any other
+    corruption. ``all_parts=False`` when only some parts were decoded (a warm start)."""
+    where = f"{folder}/{STATE_FILE}"
+    expected = {"unbroken.run_id": manifest.run_id,
+                "unbroken.generation": str(manifest.generation),
+                "unbroken.incarnation": str(manifest.incarnation)}
+    found = {k: meta.get(k) for k in expected}
+    if found != expected:
+        raise CorruptCheckpoint(f"{where}: stamped {found}, the manifest says {expected}: the "
+                                "state belongs to another generation")
+    if all_parts and sorted(tree) != sorted(manifest.parts):
+        raise CorruptCheckpoint(f"{where}: holds parts {sorted(tree)}, the manifest lists "
+                                f"{sorted(manifest.parts)}")
+    counters = tree.get(COUNTERS)
+    if isinstance(counters, Mapping) and counters.get("step") != manifest.step:
+        raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r}, the "
+                                f"manifest says step {manifest.step}")
