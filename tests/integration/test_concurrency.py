@@ -20,10 +20,8 @@ import fcntl
 import io
 import json
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -39,14 +37,6 @@ from unbroken.store import GenerationStore
 LOCKED_EXIT = 3
 
 
-@pytest.fixture
-def fast_tmp(tmp_path):
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        d = tempfile.mkdtemp(prefix="unbroken-conc-", dir="/dev/shm")
-        yield Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 def fork(fn, *args) -> int:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +21,6 @@ import unbroken
 from unbroken._fs import MUTATING, FaultyFS, LocalFS
 from unbroken.errors import SaveFailed, UnbrokenWarning
 from unbroken.store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
-
-
-@pytest.fixture
-def fast_tmp(tmp_path):
-    """Faults are injected, not waited for: a memory-backed folder where one exists."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        d = tempfile.mkdtemp(prefix="unbroken-iofault-", dir="/dev/shm")
-        yield Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 def make(root):
