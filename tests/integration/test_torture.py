@@ -21,8 +21,19 @@ def _run(*args: str, timeout: float = 240) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout)
 
 
-def test_crash_torture_30_kills():
+def _show(capsys, title: str, figures: dict) -> None:
+    """Print the suite's figures into the CI log, captured or not."""
+    with capsys.disabled():
+        print(f"\n{title}: " + ", ".join(f"{k} {v}" for k, v in figures.items()))
+
+
+def test_crash_torture_30_kills(capsys):
     code, f = _run("crash", "--kills", "30", "--seed", "1")
+    _show(capsys, "crash torture (seed 1)", {
+        k: f.get(k) for k in ("kills", "recoveries", "torn_seen", "torn_refused",
+                              "corrupt_seen", "corrupt_refused", "generations_lost",
+                              "torn_or_corrupt_loaded", "wrong_state_restored", "episodes",
+                              "episodes_equal", "final_equal", "kills_by_kind")})
     summary = {k: v for k, v in f.items() if k != "kills_log"}
     assert code == 0 and f["ok"], json.dumps(summary, indent=1)
     assert f["failures"] == []
@@ -56,8 +67,10 @@ def test_crash_torture_catches_retention_before_commit():
     assert f["generations_lost"] > 0, f["failures"]
 
 
-def test_corruption_fuzz_300_cases():
+def test_corruption_fuzz_300_cases(capsys):
     code, r = _run("corrupt", "--cases", "300", "--seed", "1")
+    _show(capsys, "corruption fuzz (seed 1)", {
+        k: r.get(k) for k in ("cases", "refused", "fell_back", "loaded", "failed")})
     failures = "\n".join(f"case {x['case']} {x['kind']}: {x['mutation']}: {x['failures']}"
                          for x in r["failures"])
     assert code == 0 and r["ok"], failures
