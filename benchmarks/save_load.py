@@ -80,6 +80,19 @@ def pick_root(requested: str | None) -> str:
     return tempfile.mkdtemp(prefix="unbroken-bench-")
 
 
+def direct_io_works(root: str) -> bool:
+    """Whether the filesystem under ``root`` accepts O_DIRECT (tmpfs, for one, does not)."""
+    probe = os.path.join(root, ".o_direct_probe")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
 def machine_info(root: str) -> dict[str, Any]:
     cpu = "unknown"
     with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -111,6 +124,7 @@ def machine_info(root: str) -> dict[str, Any]:
         "python": platform.python_version(), "torch": torch.__version__,
         "safetensors": safetensors.__version__, "xxhash": xxhash.VERSION,
         "unbroken": getattr(unbroken, "__version__", "editable"),
+        "unbroken_path": os.path.dirname(unbroken.__file__),  # tells a PYTHONPATH run apart
         "target": {"dir": root, **mnt, "rotational": rotational, "scheduler": scheduler,
                    "free_gb": round(st.free / GB, 1)},
     }
@@ -161,7 +175,6 @@ class PeakRSS:
 @contextlib.contextmanager
 def peak_rss() -> Iterator[PeakRSS]:
     out = PeakRSS()
-    gc.collect()
     try:
         with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
             f.write("5")  # resets VmHWM to the current RSS
@@ -363,7 +376,8 @@ class DiskBuffered(DiskDirect):
 
 class TorchSave(Method):
     name = "torch.save"
-    note = "torch.save({model, optimizer}) + fsync / torch.load(weights_only=True) + load_state_dict"
+    note = ("torch.save({model, optimizer}) + fsync / torch.load(weights_only=True) + "
+            "load_state_dict")
 
     def save(self) -> None:
         with open(self.where, "wb") as f:
@@ -550,8 +564,8 @@ METHODS: dict[str, type[Method]] = {
 # cases and the run
 
 
-DEFAULT_SIZES = "64M,512M,1G"  # 1.5G adds ~2 min (unbroken alone takes ~20 s a round today)
-DEFAULT_SMALL = 20000
+DEFAULT_SIZES = "64M,512M,1G"  # 1.5G adds ~2 min (unbroken alone: ~20 s a round today)
+DEFAULT_SMALL = 10000  # 20000 adds ~70 s (DCP and torch.load take 4-14 s per round there)
 
 
 def parse_size(text: str) -> int:
@@ -591,8 +605,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
     folder = os.path.join(root, case["name"].replace(" ", "_"))
     os.makedirs(folder, exist_ok=True)
     ms = [METHODS[m](os.path.join(folder, m), model, opt, payload) for m in methods]
-    gc.collect()
-    gc.freeze()  # keeps the per-measurement gc.collect() cheap (torch holds ~10^6 objects)
+    gc.collect()  # once per case; during measurements the collector runs as in any process
     times: dict[str, dict[str, list[float]]] = {m.name: {"save": [], "load": []} for m in ms}
     peaks: dict[str, dict[str, list[float]]] = {m.name: {"save": [], "load": []} for m in ms}
     file_bytes: dict[str, int] = {}
@@ -644,7 +657,6 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
             results.append(r)
     n_tensors = len(tensors)
     del model, opt, tensors, ms
-    gc.unfreeze()
     gc.collect()
     return {"case": case["name"], "layers": case["layers"], "width": case["width"],
             "n_tensors": n_tensors, "payload_mb": payload / MB, "disk_gbps": disk_gbps,
@@ -749,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"warning: {root} is on {info['target']['fstype']}: that measures memory")
         log(f"target {root} on {info['target']['device']} ({info['target']['fstype']}), "
             f"{info['cpu_count']} CPUs")
+        if "disk" in methods and not direct_io_works(root):
+            log(f"warning: {root} refuses O_DIRECT: no disk baseline, no x disk ratios")
+            methods.remove("disk")
         info["memory_rates"] = memory_rates(128 << 20 if args.quick else 256 << 20)
         cases = []
         load_before = os.getloadavg()
