@@ -26,11 +26,14 @@ import os
 import signal
 import stat
 from collections.abc import Callable, Iterable
+from typing import Any
 
+import numpy as np
 import xxhash
 
 from .errors import CorruptCheckpoint
 
+ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 KILL_ENV = "UNBROKEN_KILL_AT"
 KILL_OP_ENV = "UNBROKEN_KILL_AT_OP"
 KILL_NOTE_ENV = "UNBROKEN_KILL_NOTE"
@@ -163,8 +166,44 @@ class LocalFS:
             os.close(fd)
         return size, h.hexdigest()
 
-    def read_file(self, path: str, limit: int) -> bytes:
-        """Read a regular file of at most ``limit`` bytes.
+    def hash_file(self, path: str, limit: int, drop_cache: bool = False,
+                  chunk: int = 8 << 20) -> tuple[int, str]:
+        """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through one
+        small reused buffer (no copy of the file is held). ``drop_cache`` first evicts the
+        file's pages (clean once fsynced) so that the bytes come from the disk, not from the
+        page cache that the write just filled."""
+        self._op(READ, path)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpoint(f"{path}: is a symbolic link; artifacts must be "
+                                        "regular files inside their generation") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpoint(f"{path}: not a regular file (mode {oct(st.st_mode)})")
+            if st.st_size > limit:
+                raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
+            if drop_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            view = memoryview(bytearray(min(chunk, max(st.st_size, 1))))
+            h = xxhash.xxh3_128()
+            size = 0
+            while n := os.readv(fd, [view]):
+                h.update(view[:n])
+                size += n
+            if drop_cache:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return size, h.hexdigest()
+        finally:
+            os.close(fd)
+
+    def read_file(self, path: str, limit: int, aligned: bool = False) -> Any:
+        """Read a regular file of at most ``limit`` bytes: ``bytes``, or with ``aligned`` a
+        writable memoryview whose first byte is 64-byte aligned (tensors are then decoded as
+        views into it, aligned as torch aligns a fresh tensor: no copy).
 
         O_NOFOLLOW | O_NONBLOCK + fstat: a symlink, FIFO or device in place of an artifact is
         refused without following it or hanging on it."""
@@ -183,8 +222,13 @@ class LocalFS:
             if st.st_size > limit:
                 raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
             try:
-                buf = bytearray(st.st_size)
-            except (MemoryError, OverflowError):
+                if aligned:
+                    raw = np.empty(st.st_size + ALIGN, dtype=np.uint8)  # not zero-filled
+                    skip = -raw.ctypes.data % ALIGN
+                    buf = raw[skip:skip + st.st_size]
+                else:
+                    buf = bytearray(st.st_size)
+            except (MemoryError, OverflowError, ValueError):
                 raise CorruptCheckpoint(
                     f"{path}: {st.st_size} bytes do not fit in memory") from None
             view = memoryview(buf)
@@ -196,7 +240,7 @@ class LocalFS:
                 got += n
             if got != st.st_size:
                 raise CorruptCheckpoint(f"{path}: shrank while being read ({got} of {st.st_size})")
-            return bytes(buf)
+            return memoryview(buf) if aligned else bytes(buf)
         finally:
             os.close(fd)
 

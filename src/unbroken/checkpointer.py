@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import functools
+import gc
 import logging
 import os
 import re
@@ -66,6 +68,24 @@ def _read(store: GenerationStore, info: GenerationInfo, names: list[str] | None,
 def _errno_name(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0)
     return f" [{name}]" if name else ""
+
+
+def _gc_paused(fn: Any) -> Any:
+    """Pause the cyclic garbage collector during a save or restore: encoding or decoding
+    thousands of tensors allocates enough containers to trigger full collections, and each
+    one walks every object of the process (importing torch alone makes ~10^6)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return wrapper
 
 
 class Checkpointer:
@@ -185,6 +205,7 @@ class Checkpointer:
         fault_point("step-done", step)  # the harness's deterministic "kill after update K"
         return saved
 
+    @_gc_paused
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:
         """Write generation ``step`` (default: the current count) synchronously, read it back,
@@ -232,7 +253,10 @@ class Checkpointer:
                 "untouched and training may continue; free space or fix the disk before the "
                 "next save") from e
         try:
-            _read(self.store, self.store.scan_one(step), None, progress)  # read back
+            try:  # read back, streaming: hashes every byte, holds none of them
+                self.store.verify(self.store.scan_one(step), advance=progress.advance)
+            finally:
+                progress.close()
         except CorruptCheckpoint as e:
             try:
                 self.store.move_aside(info, "corrupt")
@@ -272,6 +296,7 @@ class Checkpointer:
 
     # -- restoring -----------------------------------------------------------------------------
 
+    @_gc_paused
     def restore(self, intent: str = "continue", *, generation: int | None = None,
                 source: str | os.PathLike[str] | None = None,
                 allow: Iterable[str] = ()) -> int:

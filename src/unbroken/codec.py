@@ -264,7 +264,11 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
     (a single file that carries its own checksum)."""
     # Largest element size first keeps every tensor aligned to its element size.
-    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
+    # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
+    # size first, which keeps every tensor aligned to its element size.
+    order = sorted(tensors, key=lambda k: (tensors[k].numel() * tensors[k].element_size() % 64
+                                           != 0, -tensors[k].element_size(), k))
     header: dict[str, Any] = {}
     chunks: list[memoryview] = []
     offset = 0
@@ -288,7 +292,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     if meta:
         header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-len(raw) % 8)
+    raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
 
 
@@ -341,13 +345,39 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
     return header, metadata
 
 
-def decode_safetensors(data: bytes, where: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse a safetensors buffer (validated first) into CPU tensors and its metadata."""
+def decode_safetensors(data: bytes | memoryview, where: str
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a safetensors buffer (validated first) into CPU tensors and its metadata.
+
+    From a writable memoryview (``LocalFS.read_file(..., aligned=True)``) each tensor is a
+    view into it, without a copy, when it sits 64-byte aligned, and an aligned copy
+    otherwise: vectorized reductions (``dot``) round differently at other alignments, and a
+    restored run must compute exactly as the uninterrupted one did."""
     from safetensors.torch import load
 
     header, metadata = read_safetensors_header(data, where)
     if not header:
         return {}, metadata
+    if isinstance(data, memoryview) and not data.readonly:
+        # The header check proved every span in bounds, tiling the data exactly, and sized
+        # for its dtype and shape.
+        base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
+        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        out = {}
+        for key, e in header.items():
+            dtype, (begin, end) = _ST_BY_NAME[e["dtype"]], e["data_offsets"]
+            count = (end - begin) // _ITEMSIZE[e["dtype"]]
+            if end == begin:
+                t = torch.empty(0, dtype=dtype)
+            elif (address + base + begin) % 64 == 0:
+                # its own storage object (APIs such as set_rng_state assume offset 0)
+                t = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin)
+            else:
+                t = torch.empty(count, dtype=dtype)
+                t.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8,
+                                                           count=end - begin, offset=base + begin))
+            out[key] = t.reshape(e["shape"])
+        return out, metadata
     try:
         return load(data), metadata
     except Exception as e:  # the parser's own error type; we already validated the header

@@ -233,7 +233,7 @@ class GenerationStore:
             raise CorruptCheckpoint(f"{path}: the manifest lists {a.size} bytes, more than this "
                                     f"machine's memory ({_memory_bytes()}); refusing to read it")
         try:
-            data = self.fs.read_file(path, a.size)
+            data = self.fs.read_file(path, a.size, aligned=a.name.endswith(".safetensors"))
         except OSError as e:
             raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
         if len(data) != a.size:
@@ -244,10 +244,26 @@ class GenerationStore:
                                     f"{a.xxh3_128} (the file changed after commit)")
         return data
 
-    def verify(self, info: GenerationInfo) -> None:
-        """Re-hash every artifact of a generation; raise ``CorruptCheckpoint`` on the first bad
-        one."""
-        self.read_verified(info)
+    def verify(self, info: GenerationInfo, from_disk: bool = False,
+               advance: Callable[[int], None] | None = None) -> None:
+        """Re-hash every artifact of a generation, streaming (no file is held in memory);
+        raise ``CorruptCheckpoint`` on the first bad one. ``from_disk``: evict each file's
+        cached pages first, so a just-written generation is read from the disk itself."""
+        if not info.ok or info.manifest is None:
+            raise CorruptCheckpoint(info.reason)
+        for a in info.manifest.artifacts:
+            path = os.path.join(info.path, a.name)
+            try:
+                size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)
+            except OSError as e:
+                raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+            if size != a.size:
+                raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest lists {a.size}")
+            if digest != a.xxh3_128:
+                raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
+                                        f"{a.xxh3_128} (the file changed after commit)")
+            if advance is not None:
+                advance(a.size)
 
     # -- changing the folder (writer only) -----------------------------------------------------
 
