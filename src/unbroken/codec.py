@@ -263,7 +263,6 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
     (a single file that carries its own checksum)."""
-    # Largest element size first keeps every tensor aligned to its element size.
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size.
