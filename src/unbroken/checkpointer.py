@@ -372,7 +372,7 @@ class Checkpointer:
                            allow=allow, where=where)
             check_environment(info.manifest.environment, environment(), where=where)
             parts = self._parts if intent == "continue" else {S.MODEL: self.model}
-            ready = S.validate_parts(tree, parts, self.model, info.path)
+            ready = S.validate_parts(tree, parts, self.model, info.path, intent)
             for name, obj in parts.items():
                 check = getattr(obj, "validate_state_dict", None)
                 if check is not None:

@@ -153,8 +153,11 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
     return "same names"
 
 
-def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str) -> None:
-    """Keys, shapes and dtypes of a saved model state against the live model."""
+def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
+                   dtypes: bool = True) -> None:
+    """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
+    model. A warm start may change precision (fp32 weights into a bf16 model): load_state_dict
+    converts."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     live = model.state_dict()
@@ -166,7 +169,8 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str)
                             "definition")
     for k, t in live.items():
         s = saved[k]
-        if not isinstance(s, torch.Tensor) or s.shape != t.shape or s.dtype != t.dtype:
+        if (not isinstance(s, torch.Tensor) or s.shape != t.shape
+                or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
@@ -222,7 +226,7 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
 
 
 def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: torch.nn.Module,
-                   where: str) -> dict[str, Any]:
+                   where: str, intent: str = "continue") -> dict[str, Any]:
     """Check every part the run has against the saved tree; return what ``apply`` needs
     (the optimizer state already mapped to torch's positional form). Reads only."""
     missing = [p for p in parts if p not in saved]
@@ -239,7 +243,7 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
     ready = dict(saved)
     for name, obj in parts.items():
         if name == MODEL:
-            validate_model(saved[name], obj, f"{where} [{name}]")
+            validate_model(saved[name], obj, f"{where} [{name}]", dtypes=intent == "continue")
         elif name == OPTIMIZER:
             ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]")
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):

@@ -449,3 +449,19 @@ def test_progress_bar_for_slow_saves_and_loads(tmp_path, monkeypatch, capsys):
     ckpt.save(2)
     ckpt.close()
     assert capsys.readouterr().err == ""
+
+
+def test_warm_start_may_change_precision_but_continue_may_not(tmp_path):
+    model, opt, sched, ckpt = small_run(tmp_path / "run")
+    ckpt.save(1)
+    ckpt.close()
+    half = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    with unbroken.Checkpointer(tmp_path / "warm", model=half) as ckpt2:
+        assert ckpt2.restore(intent="warm_start", source=tmp_path / "run") == 0
+    assert torch.equal(half[0].weight, model[0].weight.to(torch.bfloat16))
+    opt3 = torch.optim.AdamW(half.parameters(), lr=1e-2)
+    sched3 = torch.optim.lr_scheduler.StepLR(opt3, step_size=2)
+    with unbroken.Checkpointer(tmp_path / "run", model=half, optimizer=opt3,
+                               scheduler=sched3) as ckpt3:
+        with pytest.raises(StateMismatch, match="bfloat16"):
+            ckpt3.restore()
