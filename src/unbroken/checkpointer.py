@@ -49,22 +49,6 @@ def _steps_from_env(name: str) -> frozenset[int]:
 _EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 
 
-def _read(store: GenerationStore, info: GenerationInfo, names: list[str] | None,
-          progress: Progress) -> dict[str, bytes]:
-    """Read and verify a generation's artifacts one by one, advancing the progress bar."""
-    if info.manifest is None:
-        return store.read_verified(info, names)  # raises with the scan's reason
-    files = {}
-    try:
-        for a in info.manifest.artifacts:
-            if names is None or a.name in names:
-                files.update(store.read_verified(info, [a.name]))
-                progress.advance(a.size)
-    finally:
-        progress.close()
-    return files
-
-
 def _errno_name(e: OSError) -> str:
     name = errno.errorcode.get(e.errno or 0)
     return f" [{name}]" if name else ""
@@ -355,9 +339,12 @@ class Checkpointer:
         for info in candidates:
             try:
                 names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
-                files = _read(store, info, names, Progress(
-                    f"loading {os.path.basename(info.path)}",
-                    info.manifest.total_bytes if info.manifest else 0))
+                progress = Progress(f"loading {os.path.basename(info.path)}",
+                                    info.manifest.total_bytes if info.manifest else 0)
+                try:
+                    files = store.read_verified(info, names, advance=progress.advance)
+                finally:
+                    progress.close()
                 tree, meta = S.decode_generation(
                     files, info.path, None if intent == "continue" else {S.MODEL})
                 S.check_stamps(info.manifest, info.path, tree, meta,

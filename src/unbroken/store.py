@@ -214,9 +214,10 @@ class GenerationStore:
             return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
         return GenerationInfo(generation, path, "complete", "", manifest)
 
-    def read_verified(self, info: GenerationInfo,
-                      names: Iterable[str] | None = None) -> dict[str, bytes]:
-        """Read artifacts (all by default) and check each one's size and content hash."""
+    def read_verified(self, info: GenerationInfo, names: Iterable[str] | None = None,
+                      advance: Callable[[int], None] | None = None) -> dict[str, bytes]:
+        """Read artifacts (all by default) and check each one's size and content hash;
+        ``advance(nbytes)`` is called after each (a progress bar)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
         wanted = set(names) if names is not None else None
@@ -225,6 +226,8 @@ class GenerationStore:
             if wanted is not None and a.name not in wanted:
                 continue
             out[a.name] = self._read_artifact(info.path, a)
+            if advance is not None:
+                advance(a.size)
         return out
 
     def _read_artifact(self, folder: str, a: Artifact) -> bytes:
