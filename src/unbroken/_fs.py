@@ -136,6 +136,25 @@ def _write_half(fd: int, view: memoryview) -> None:
     os.write(fd, view[: len(view) // 2])
 
 
+def _open_regular(path: str, limit: int) -> tuple[int, os.stat_result]:
+    """Open an artifact for reading: O_NOFOLLOW | O_NONBLOCK + fstat, so a symlink, FIFO or
+    device in its place is refused without following it or hanging on it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpoint(f"{path}: is a symbolic link; artifacts must be "
+                                    "regular files inside their generation") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+        os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpoint(f"{path}: not a regular file (mode {oct(st.st_mode)})")
+        raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
+    return fd, st
+
+
 class LocalFS:
     """POSIX file operations with the durability steps the commit protocol needs.
 
@@ -173,19 +192,8 @@ class LocalFS:
         file's pages (clean once fsynced) so that the bytes come from the disk, not from the
         page cache that the write just filled."""
         self._op(READ, path)
+        fd, st = _open_regular(path, limit)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpoint(f"{path}: is a symbolic link; artifacts must be "
-                                        "regular files inside their generation") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpoint(f"{path}: not a regular file (mode {oct(st.st_mode)})")
-            if st.st_size > limit:
-                raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
             if drop_cache:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             view = memoryview(bytearray(min(chunk, max(st.st_size, 1))))
@@ -203,24 +211,11 @@ class LocalFS:
     def read_file(self, path: str, limit: int, aligned: bool = False) -> Any:
         """Read a regular file of at most ``limit`` bytes: ``bytes``, or with ``aligned`` a
         writable memoryview whose first byte is 64-byte aligned (tensors are then decoded as
-        views into it, aligned as torch aligns a fresh tensor: no copy).
-
-        O_NOFOLLOW | O_NONBLOCK + fstat: a symlink, FIFO or device in place of an artifact is
-        refused without following it or hanging on it."""
+        views into it, aligned as torch aligns a fresh tensor: no copy). Only a regular file
+        is read (see `_open_regular`)."""
         self._op(READ, path)
+        fd, st = _open_regular(path, limit)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpoint(f"{path}: is a symbolic link; artifacts must be "
-                                        "regular files inside their generation") from None
-            raise
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpoint(f"{path}: not a regular file (mode {oct(st.st_mode)})")
-            if st.st_size > limit:
-                raise CorruptCheckpoint(f"{path}: {st.st_size} bytes, over the {limit}-byte limit")
             try:
                 if aligned:
                     raw = np.empty(st.st_size + ALIGN, dtype=np.uint8)  # not zero-filled
