@@ -89,12 +89,12 @@ def digest_modules(modules: list[torch.nn.Module]) -> str:
     once by the caller: walking the module tree costs more than hashing a small model)."""
     h = xxhash.xxh3_64()
     for m in modules:
-        for t in m._parameters.values():
-            if t is not None:
-                _feed(h, t.data)
-        for t in m._buffers.values():
-            if t is not None:
-                _feed(h, t.data)
+        for p in m._parameters.values():
+            if p is not None:
+                _feed(h, p.data)
+        for b in m._buffers.values():
+            if b is not None:
+                _feed(h, b.data)
     return h.hexdigest()
 
 

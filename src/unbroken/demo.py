@@ -15,6 +15,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ._fs import KILL_ENV
@@ -143,7 +144,7 @@ def _report(reference: list[dict[str, Any]], results: dict[str, Any], killed_ok:
     lr = lambda v: "-" if v is None else f"{float.fromhex(v):.3e}"  # noqa: E731
     ids = lambda v: ",".join(map(str, v[:3])) if v else "-"  # noqa: E731
     names = list(results)
-    rows = [
+    rows: list[Sequence[object]] = [
         ["completed updates", k] + [short(results[n]["resumed_from"]) for n in names],
         ["next batch ids", ids(nxt.get("ids"))] + [ids(results[n]["next_ids"]) for n in names],
         ["learning rate", lr((nxt.get("lr") or [None])[0])] +

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 # Which state part explains a difference in each trace field.
@@ -42,7 +43,8 @@ class Divergence:
     # from tiny differences; "irreproducible": the runs differ before the interruption, so
     # the script itself is not deterministic (an unseeded stream, a nondeterministic kernel).
     kind: str
-    also: list[str] = field(default_factory=list)  # other differing fields/parts at that step
+    # other differing fields/parts at that step
+    also: list[str] = dataclass_field(default_factory=list)
     expected: Any = None
     found: Any = None
 

@@ -50,7 +50,8 @@ def capture_rng(generators: Generators | None = None) -> dict[str, Any]:
         state["cuda"] = list(torch.cuda.get_rng_state_all())
     state["cuda_device_count"] = len(state.get("cuda", ()))
     for name, gen in (generators or {}).items():
-        if _kind(gen, name) == "torch":
+        _kind(gen, name)  # rejects anything but a torch or numpy generator
+        if isinstance(gen, torch.Generator):
             entry = {"kind": "torch", "device": str(gen.device), "state": gen.get_state()}
         else:
             bit_gen = gen.bit_generator
@@ -136,7 +137,7 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
         if not isinstance(entry, Mapping) or entry.get("kind") != kind or "state" not in entry:
             found = entry.get("kind") if isinstance(entry, Mapping) else type(entry).__name__
             raise StateMismatch(f"{where}: {key} must be a {kind} generator state, found {found}")
-        if kind == "torch":
+        if isinstance(gen, torch.Generator):  # kind == "torch"
             if entry.get("device") != str(gen.device):
                 raise StateMismatch(f"{where}: {key} was saved for device {entry.get('device')}"
                                     f", the registered generator is on {gen.device}")

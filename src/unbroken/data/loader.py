@@ -183,7 +183,8 @@ class ResumableLoader:
             wrapped = collate_fn is not None
             self._dl = torch.utils.data.DataLoader(
                 _RecordKeys(dataset) if wrapped else dataset, batch_sampler=sampler,
-                collate_fn=_SeededCollate(collate_fn, self._seed) if wrapped else None,
+                collate_fn=(_SeededCollate(collate_fn, self._seed)
+                            if collate_fn is not None else None),
                 **common)
 
     # -- cursor ----------------------------------------------------------------------------

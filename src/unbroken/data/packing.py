@@ -90,7 +90,8 @@ class Packer:
         epoch, number, offset = cursor
         need = self.batch_size * self.seq_len
         out = np.empty(need, dtype=np.int64)
-        filled, ids, empty_run = 0, [], 0
+        ids: list[int] = []
+        filled, empty_run = 0, 0
         while filled < need:
             index, tokens = self._document(epoch, number)
             take = min(len(tokens) - offset, need - filled)

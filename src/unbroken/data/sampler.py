@@ -79,7 +79,7 @@ class SampleKey(int):
         return f"SampleKey({int(self)}, epoch={self.epoch}, position={self.position})"
 
 
-class ResumableSampler(torch.utils.data.Sampler[list[int]]):
+class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
     """Batch sampler whose order is a pure function of (seed, epoch, position).
 
     Use as ``batch_sampler=`` of a DataLoader (or, better, through `ResumableLoader`, which

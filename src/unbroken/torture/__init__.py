@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from .._table import table
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
+    text: Callable[[dict[str, Any]], str]
     if args.mode == "crash":
         from .crash import KINDS, crash
 

@@ -70,7 +70,7 @@ def state_digest(job: Job) -> str:
         t = tensors[key].contiguous()
         h.update(f"{key}:{t.dtype}:{tuple(t.shape)}".encode())
         if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

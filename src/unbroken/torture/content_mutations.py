@@ -165,10 +165,10 @@ def _oversized(c: Case) -> str:
         c.write(g, MANIFEST, data + b" " * (MAX_MANIFEST_BYTES + 1 - len(data)))
     elif how in ("header-length", "header-claim"):
         name = c.rng.choice(c.tensor_files(g))
-        data = bytearray(c.read(g, name))
+        raw = bytearray(c.read(g, name))
         n = 2 ** 63 - 1 if how == "header-length" else MAX_HEADER_BYTES + 8
-        data[:8] = struct.pack("<Q", n)
-        c.write(g, name, bytes(data))
+        raw[:8] = struct.pack("<Q", n)
+        c.write(g, name, bytes(raw))
         c.restamp(g, name)
         return f"{os.path.basename(g)}/{name} header length {n}, manifest re-stamped"
     else:
