@@ -22,6 +22,8 @@ at a chosen operation instead of killing."""
 from __future__ import annotations
 
 import errno
+import functools
+import mmap
 import os
 import signal
 import stat
@@ -175,7 +177,7 @@ class LocalFS:
                 h.update(chunk)
                 view = memoryview(chunk).cast("B")
                 while view:
-                    self._op("write", path, lambda v=view: _write_half(fd, v))
+                    self._op("write", path, functools.partial(_write_half, fd, view))
                     n = os.write(fd, view)
                     view = view[n:]
                     size += n
@@ -209,7 +211,7 @@ class LocalFS:
             os.close(fd)
 
     def read_file(self, path: str, limit: int, aligned: bool = False) -> Any:
-        """Read a regular file of at most ``limit`` bytes: ``bytes``, or with ``aligned`` a
+        """Read a regular file of at most ``limit`` bytes: a ``bytearray``, or with ``aligned`` a
         writable memoryview whose first byte is 64-byte aligned (tensors are then decoded as
         views into it, aligned as torch aligns a fresh tensor: no copy). Only a regular file
         is read (see `_open_regular`)."""
@@ -220,13 +222,12 @@ class LocalFS:
                 if aligned:
                     raw = np.empty(st.st_size + ALIGN, dtype=np.uint8)  # not zero-filled
                     skip = -raw.ctypes.data % ALIGN
-                    buf = raw[skip:skip + st.st_size]
+                    view = raw[skip:skip + st.st_size].data
                 else:
-                    buf = bytearray(st.st_size)
+                    view = memoryview(bytearray(st.st_size))
             except (MemoryError, OverflowError, ValueError):
                 raise CorruptCheckpoint(
                     f"{path}: {st.st_size} bytes do not fit in memory") from None
-            view = memoryview(buf)
             got = 0
             while got < st.st_size:
                 n = os.readv(fd, [view[got:]])
@@ -235,7 +236,20 @@ class LocalFS:
                 got += n
             if got != st.st_size:
                 raise CorruptCheckpoint(f"{path}: shrank while being read ({got} of {st.st_size})")
-            return memoryview(buf) if aligned else bytes(buf)
+            return view if aligned else view.obj
+        finally:
+            os.close(fd)
+
+    def map_file(self, path: str, limit: int) -> memoryview:
+        """A regular file of at most ``limit`` bytes mapped copy-on-write: a writable view
+        (tensors decode as views into it) whose pages are read only when touched, so
+        decoding a generation's structure costs its headers, not its size."""
+        self._op(READ, path)
+        fd, st = _open_regular(path, limit)
+        try:
+            if st.st_size == 0:
+                return memoryview(bytearray())
+            return memoryview(mmap.mmap(fd, st.st_size, access=mmap.ACCESS_COPY))
         finally:
             os.close(fd)
 
@@ -257,6 +271,11 @@ class LocalFS:
             raise FileExistsError(errno.EEXIST, "refusing to replace", dst)
         self._op("rename", src)
         os.rename(src, dst)
+
+    def replace(self, src: str, dst: str) -> None:
+        """Rename a file over another (atomic on POSIX): for small records, never artifacts."""
+        self._op("rename", src)
+        os.replace(src, dst)
 
     def unlink(self, path: str) -> None:
         self._op("unlink", path)

@@ -3,14 +3,19 @@ verification, without taking the lock, and hashing only when asked (verify)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import asdict
 from typing import Any
 
 from ._table import human_size, table
 from .errors import UnbrokenError
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
+from .runrecord import RunRecord, folder_run
+from .store import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
+
+_GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)
 
 _DEBRIS = {STAGING_PREFIX: "in-progress or interrupted save, ignored",
            TRASH_PREFIX: "interrupted deletion, ignored"}
@@ -52,12 +57,27 @@ def _disk_bytes(folder: str) -> int | None:
         return None
 
 
-def record(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
-    """A generation as JSON: what scan found, plus what its manifest says (if it parses)."""
+def folder_run_record(store: GenerationStore, scanned: list[GenerationInfo]
+                      ) -> RunRecord | None:
+    """The run the folder holds (RUN.json, or its oldest complete generation's run)."""
+    record, _, _ = folder_run(store.root, store.fs, (g.manifest.run_id for g in scanned
+                                                    if g.ok and g.manifest is not None))
+    return record
+
+
+def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None
+           ) -> dict[str, Any]:
+    """A generation as JSON: what scan found, plus what its manifest says (if it parses).
+    A complete generation of another run than ``run`` has status "foreign"."""
     m = _peek_manifest(store, info)
+    status, reason = info.status, info.reason or None
+    if info.ok and m is not None and run is not None and not run.accepts(m.run_id):
+        status, reason = "foreign", (f"{info.path}: written by run {m.run_id}; this folder "
+                                     f"holds run {run.run_id}: restore refuses it unless "
+                                     "adopted (restore(adopt=True))")
     return {
-        "generation": info.generation, "path": info.path, "status": info.status,
-        "reason": info.reason or None,
+        "generation": info.generation, "path": info.path, "status": status,
+        "reason": reason,
         "step": m.step if m else None,
         "bytes": info.manifest.total_bytes if info.manifest else _disk_bytes(info.path),
         "run_id": m.run_id if m else None, "incarnation": m.incarnation if m else None,
@@ -94,36 +114,56 @@ def newest_summary(info: GenerationInfo) -> dict[str, Any]:
             "metrics": m.metrics, "retention": m.retention}
 
 
+def _d(value: object) -> dict[str, Any]:
+    """A manifest field that should be an object; a hand-edited one may be anything."""
+    return value if isinstance(value, dict) else {}
+
+
+def _s(value: object, width: int = 80) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+def _identity_line(entry: object) -> str:
+    if not isinstance(entry, dict):
+        return "not recorded"
+    value = entry.get("value")
+    shown = (", ".join(f"{k}={_s(v, 24)}" for k, v in value.items()) if isinstance(value, dict)
+             else _s(entry.get("summary") or entry.get("kind", "?")))
+    return f"{_s(shown, 100)} [{_s(entry.get('hash', ''))[:12]}]"
+
+
 def newest_summary_lines(n: dict[str, Any]) -> list[str]:
     lines = [f"newest complete: gen-{n['generation']:09d} (step {n['step']})",
              f"  run          {n['run_id']} (incarnation {n['incarnation']})"]
+    identity = _d(n["identity"])
     for field in ("config", "tokenizer", "data"):
-        e = n["identity"].get(field)
-        desc = "not recorded" if not isinstance(e, dict) else (
-            f"{e.get('summary') or e.get('kind', '?')} [{str(e.get('hash', ''))[:12]}]")
-        lines.append(f"  {field:<12} {desc}")
+        lines.append(f"  {field:<12} {_identity_line(identity.get(field))}")
     p = n["parent"]
     if isinstance(p, dict):
-        same = "this run" if p.get("run_id") == n["run_id"] else f"run {p.get('run_id')}"
-        parent = f"gen {p.get('generation')} of {same}, incarnation {p.get('incarnation')}"
+        same = "this run" if p.get("run_id") == n["run_id"] else f"run {_s(p.get('run_id'))}"
+        parent = (f"gen {_s(p.get('generation'))} of {same}, incarnation "
+                  f"{_s(p.get('incarnation'))}")
     else:
         parent = "none (first generation of the run)"
     lines.append(f"  parent       {parent}")
     o = n["origin"]
     origin = "fresh run" if not isinstance(o, dict) else (
-        f"{o.get('operation', '?')} from {o.get('source', '?')} gen {o.get('generation')} "
-        f"(run {o.get('run_id')})")
+        f"{_s(o.get('operation', '?'))} from {_s(o.get('source', '?'))} gen "
+        f"{_s(o.get('generation'))} (run {_s(o.get('run_id'))})")
     lines.append(f"  origin       {origin}")
-    env = n["environment"]
-    cuda = ", ".join(map(str, env.get("cuda_devices") or [])) or "none"
-    lines.append(f"  environment  torch {env.get('torch', '?')}, python {env.get('python', '?')}, "
-                 f"{env.get('num_threads', '?')} threads, deterministic algorithms "
-                 f"{'on' if env.get('deterministic_algorithms') else 'off'}, cuda {cuda}, "
-                 f"world size {env.get('world_size', '?')}, "
-                 f"filesystem {env.get('filesystem', '?')}")
+    env = _d(n["environment"])
+    devices = env.get("cuda_devices")
+    cuda = (", ".join(_s(d) for d in devices) if isinstance(devices, list) else
+            _s(devices) if devices else "") or "none"
+    deterministic = "on" if env.get("deterministic_algorithms") is True else "off"
+    lines.append(f"  environment  torch {_s(env.get('torch', '?'))}, python "
+                 f"{_s(env.get('python', '?'))}, {_s(env.get('num_threads', '?'))} threads, "
+                 f"deterministic algorithms {deterministic}, "
+                 f"cuda {cuda}, world size {_s(env.get('world_size', '?'))}, "
+                 f"filesystem {_s(env.get('filesystem', '?'))}")
     if n["metrics"]:
-        lines.append("  metrics      " + ", ".join(f"{k}={v:g}" if isinstance(v, (int, float))
-                                                  else f"{k}={v}" for k, v in n["metrics"].items()))
+        lines.append("  metrics      " + ", ".join(f"{k}={v:g}" for k, v in n["metrics"].items()))
     return lines
 
 
@@ -132,22 +172,46 @@ def list_debris(root: str) -> list[dict[str, str]]:
             for prefix, note in _DEBRIS.items() if name.startswith(prefix)]
 
 
-def aside_entries(root: str) -> list[str]:
-    folder = os.path.join(root, ASIDE)
-    return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
+def aside_entries(store: GenerationStore) -> list[dict[str, Any]]:
+    """What ``aside/`` holds, oldest first: name, why it was moved there, when, and size."""
+    out = []
+    for e in store.aside():
+        m = _GEN_OF_ASIDE.match(e.name)
+        out.append({"name": e.name, "generation": int(m.group(1)) if m else None,
+                    "reason": e.reason, "moved": e.moved or None,
+                    "bytes": _disk_bytes(e.path)})
+    return out
 
 
-def verify_one(store: GenerationStore, info: GenerationInfo) -> dict[str, Any]:
-    from .state import check_stamps, decode_generation  # torch-heavy; only verify needs it
+def aside_lines(entries: list[dict[str, Any]]) -> list[str]:
+    if not entries:
+        return []
+    rows = [[e["name"], e["reason"], e["moved"] or "-", human_size(e["bytes"])] for e in entries]
+    return ["aside/ (moved aside, never loaded; the oldest are removed beyond Keep(aside=N)):",
+            table(["folder", "reason", "moved", "size"], rows, right=(3,), indent="  ")]
 
-    rec = record(store, info)
-    if not info.ok:
+
+def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None
+               ) -> dict[str, Any]:
+    """Re-hash every artifact (streaming), then decode the generation's structure (headers,
+    references, stamps) from copy-on-write mappings: memory stays bounded by the headers
+    and ``state.json``, whatever the size of the tensors."""
+    from .state import STATE_FILE, check_sizes, check_stamps, decode_generation
+
+    rec = record(store, info, run)
+    if rec["status"] != "complete":
         return rec
+    m = info.manifest
+    assert m is not None
     try:
-        files = store.read_verified(info)  # every byte re-hashed against the manifest
+        check_sizes(m, info.path)  # before reading a byte
+        store.verify(info)  # every byte re-hashed against the manifest, one buffer at a time
+        files = {a.name: (store.fs.read_file(os.path.join(info.path, a.name), a.size)
+                          if a.name == STATE_FILE else
+                          store.fs.map_file(os.path.join(info.path, a.name), a.size))
+                 for a in m.artifacts}
         tree, meta = decode_generation(files, info.path)  # headers, references, stamps
-        assert info.manifest is not None
-        check_stamps(info.manifest, info.path, tree, meta)
+        check_stamps(m, info.path, tree, meta)
     except UnbrokenError as e:
         rec.update(status="corrupt", reason=str(e))
     except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results

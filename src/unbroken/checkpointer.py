@@ -9,11 +9,11 @@ import logging
 import os
 import re
 import time
-import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import state as S
@@ -21,10 +21,14 @@ from ._fs import fault_point, filesystem_type, rename_is_atomic
 from ._progress import Progress
 from .errors import (
     CorruptCheckpoint,
+    ForeignGeneration,
     NoCheckpoint,
+    ReadOnlyRun,
+    RunNotRestored,
     SaveFailed,
     UnbrokenError,
     UnbrokenWarning,
+    UnsupportedValue,
     UpdateBoundaryError,
 )
 from .faults import DROP_ENV, drop_parts
@@ -32,6 +36,7 @@ from .identity import Identity, check_environment, check_identity, environment
 from .manifest import Artifact, Manifest
 from .retention import Keep, select_kept
 from .rng import RNGStreams
+from .runrecord import RunRecord, folder_run, new_run_id, write_run_record
 from .store import GenerationInfo, GenerationStore, generation_name
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 
@@ -46,7 +51,24 @@ def _steps_from_env(name: str) -> frozenset[int]:
         return frozenset(int(v) for v in value.split(",") if v.strip())
     except ValueError:
         raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
-_EXTRA_NAME = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_EXTRA_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}", re.ASCII)  # used with fullmatch
+
+
+def _metric(name: str, value: object) -> float:
+    """A metric as a float (NaN and inf are kept: an AMP overflow step has a NaN loss), or
+    ``UnsupportedValue`` naming it: checked before anything is written."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise UnsupportedValue(f"metric {name!r}: a tensor of {value.numel()} elements; "
+                                   "pass one number")
+        value = value.detach().item()
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
+        raise UnsupportedValue(f"metric {name!r}: {type(value).__name__} {value!r:.40}; "
+                               "metrics are numbers")
+    try:
+        return float(value)
+    except (OverflowError, TypeError, ValueError):
+        raise UnsupportedValue(f"metric {name!r}: {value!r:.40} is not a float") from None
 
 
 def _errno_name(e: OSError) -> str:
@@ -116,7 +138,7 @@ class Checkpointer:
             if obj is not None:
                 self._parts[name] = obj
         for name, obj in (extras or {}).items():
-            if not _EXTRA_NAME.match(name):
+            if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
                 raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
             if not isinstance(obj, S.Stateful):
                 raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
@@ -129,22 +151,48 @@ class Checkpointer:
 
         self._save_at = _steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
-        self.store.lock()
+        # Why this Checkpointer cannot write (None: it holds the writer lock). Restoring needs
+        # no lock, so read-only media still restore; a save raises this.
+        self.read_only: ReadOnlyRun | None = None
+        try:
+            self.store.lock()
+        except ReadOnlyRun as e:
+            self.read_only = e
+            warnings.warn(f"opened read-only: {e}", UnbrokenWarning, stacklevel=2)
         self.fstype = filesystem_type(self.store.root)
         if not rename_is_atomic(self.fstype):
             warnings.warn(f"{self.store.root} is on {self.fstype}: directory rename may not be "
                           "atomic there, so a crash during commit may leave a torn generation "
                           "(it is still detected and refused on load)", UnbrokenWarning,
                           stacklevel=2)
-        self.run_id = uuid.uuid4().hex
+        self._run, self._run_written = self._run_record()
         self.incarnation = 0
         self._parent: dict[str, Any] | None = None
         self._origin: dict[str, Any] | None = None
         self._last_saved: int | None = None
+        self._restored = False  # restore() ran: saving into a used folder is then a continuation
+        self._pending_aside: list[tuple[GenerationInfo, str]] = []  # awaiting the writer lock
+        self._labels: dict[str, str] = {}  # generation path -> why restore refused it
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
         hash_every = int(os.environ.get(TRACE_HASH_ENV) or trace_hash_every)
         self._trace = TraceRecorder(trace, self._parts, hash_every) if trace else None
+
+    @property
+    def run_id(self) -> str:
+        """The id of the run this folder holds (``RUN.json``); every generation carries it."""
+        return self._run.run_id
+
+    def _run_record(self) -> tuple[RunRecord, bool]:
+        """The folder's run record and whether it is on disk as it stands."""
+        record, on_disk, problem = folder_run(
+            self.store.root, self.store.fs,
+            (g.manifest.run_id for g in self.store.scan() if g.ok and g.manifest is not None))
+        if problem is not None:
+            warnings.warn(f"{problem}; the run is taken from the oldest complete generation and "
+                          "the record is rewritten at the next save", UnbrokenWarning,
+                          stacklevel=3)
+        return record or RunRecord(new_run_id()), on_disk
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -206,15 +254,19 @@ class Checkpointer:
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
+        values = {name: _metric(name, v) for name, v in (metrics or {}).items()}
+        self._become_writer()
+        self._check_first_save()
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
         meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
                 "unbroken.incarnation": str(self.incarnation)}
-        artifacts = S.encode_generation(tree, meta)
-        total = sum(memoryview(c).nbytes for chunks in artifacts.values() for c in chunks)
+        encoded = S.encode_generation(tree, meta)  # refuses what restore could not read
+        self._clear_the_way(step)
+        total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
-        artifacts = {name: progress.wrap(chunks) for name, chunks in artifacts.items()}
+        artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
         fingerprint = self.identity.fingerprint()
         env = {**environment(), "filesystem": self.fstype}
 
@@ -223,10 +275,12 @@ class Checkpointer:
                 generation=step, step=step, run_id=self.run_id, incarnation=self.incarnation,
                 artifacts=written, parts=sorted(tree), parent=self._parent, origin=self._origin,
                 identity=fingerprint, environment=env, retention=self.keep.to_json(),
-                metrics={k: float(v) for k, v in (metrics or {}).items()},
-                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                metrics=values, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
         try:
+            if not self._run_written:  # before the first generation that names the run
+                write_run_record(self.store.root, self.store.fs, self._run)
+                self._run_written = True
             info = self.store.commit(step, artifacts, make_manifest)
         except OSError as e:
             progress.close()
@@ -243,7 +297,7 @@ class Checkpointer:
                 progress.close()
         except CorruptCheckpoint as e:
             try:
-                self.store.move_aside(info, "corrupt")
+                self.store.move_aside(info, "corrupt", keep=self.keep.aside)
             except OSError as moving:
                 raise SaveFailed(f"generation {step} did not read back as written ({e}) and "
                                  f"could not be moved aside ({moving}); restore refuses it, "
@@ -254,7 +308,7 @@ class Checkpointer:
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
         try:
-            self._apply_retention()
+            self._apply_retention(step)
         except OSError as e:  # the generation is committed; deleting old ones can wait
             warnings.warn(f"{self.store.root}: retention could not delete an old generation "
                           f"({e}); generation {step} is committed and verified, and retention "
@@ -265,17 +319,94 @@ class Checkpointer:
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
 
-    def _apply_retention(self) -> None:
-        gens = self.store.scan()
-        good = [g for g in gens if g.ok and g.manifest is not None]
-        if not good:
+    def _become_writer(self) -> None:
+        """Take the writer lock if this Checkpointer opened read-only (the disk may have been
+        freed since), then do what restore had to leave for a writer; else ``ReadOnlyRun``."""
+        if not self.store.locked:
+            try:
+                self.store.lock()
+            except ReadOnlyRun as e:
+                self.read_only = e
+                raise ReadOnlyRun(f"cannot save: {e}") from None
+            self.read_only = None
+        pending, self._pending_aside = self._pending_aside, []
+        for info, why in pending:
+            self._set_aside(info, why)
+
+    def _check_first_save(self) -> None:
+        """The first save of a Checkpointer that never restored must start a new run: into a
+        folder that holds generations it would branch from, or be pruned against, a history
+        it never loaded."""
+        if self._restored or self._last_saved is not None:
             return
+        found = self.store.scan()
+        if not found:
+            return
+        good = [g for g in found if g.ok and g.manifest is not None]
+        newest = (f"the newest complete one is {os.path.basename(good[-1].path)} (step "
+                  f"{good[-1].manifest.step}) of run {good[-1].manifest.run_id}"  # type: ignore[union-attr]
+                  if good else "none of them is complete")
+        raise RunNotRestored(
+            f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer did not "
+            f"call restore(); {newest}. Call ckpt.restore() before training to continue that "
+            "run, or point this run at another (empty) folder")
+
+    def _clear_the_way(self, step: int) -> None:
+        """A folder named like the generation about to be written can only be a leftover that
+        restore could not move aside (abandoned or corrupt): move it now, never overwrite."""
+        existing = self.store.scan_one(step)
+        if not os.path.lexists(existing.path):
+            return
+        why = "abandoned" if existing.ok else existing.status
+        try:
+            self.store.move_aside(existing, why, keep=self.keep.aside)
+        except (OSError, CorruptCheckpoint) as e:
+            raise SaveFailed(f"{existing.path}: a leftover generation ({why}) is in the way of "
+                             f"generation {step} and could not be moved aside ({e}); move it "
+                             "out of the run folder by hand") from e
+
+    def _set_aside(self, info: GenerationInfo, why: str) -> None:
+        """Move a refused or abandoned generation aside; if that fails (a read-only folder, an
+        I/O error) leave it where it is and say so: restore never depends on it."""
+        if not self.store.locked:
+            self._pending_aside.append((info, why))  # a writer moves it (_become_writer)
+            return
+        if not os.path.lexists(info.path):
+            return
+        try:
+            self.store.move_aside(info, why, keep=self.keep.aside)
+        except (OSError, CorruptCheckpoint) as e:
+            self._pending_aside.append((info, why))  # tried again at the next save
+            warnings.warn(f"{info.path}: {why}; could not be moved aside ({e}), left in place "
+                          "(restore refuses it; moving it is retried at the next save)",
+                          UnbrokenWarning, stacklevel=3)
+
+    def _apply_retention(self, just_saved: int) -> None:
+        """Delete what the policy does not keep, deciding on verified generations only: the
+        one just saved and the newest that verifies are never deleted, and a generation that
+        fails verification is reported and moved aside, never counted as a kept copy."""
+        gens = self.store.scan()
+        complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
+        failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}
+
+        def good(n: int) -> bool:
+            why = self.store.verified(complete[n])
+            if why is not None:
+                failed[n] = why
+            return why is None
+
         kept = select_kept([(g.generation, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
-                            for g in good], self.keep)
+                            for g in complete.values()], self.keep, {just_saved}, good)
+        by_number = {g.generation: g for g in gens}
+        for n, why in failed.items():
+            warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
+                          UnbrokenWarning, stacklevel=4)
+            self._set_aside(by_number[n], "corrupt")
         oldest_kept = min(kept)
         for g in gens:
             # Torn leftovers older than everything kept are remains of an interrupted deletion.
-            if g.generation not in kept and (g.ok or g.generation < oldest_kept):
+            if g.generation not in kept and g.generation not in failed and (
+                    g.ok or g.generation < oldest_kept):
                 self.store.delete(g)
 
     # -- restoring -----------------------------------------------------------------------------
@@ -283,16 +414,18 @@ class Checkpointer:
     @_gc_paused
     def restore(self, intent: str = "continue", *, generation: int | None = None,
                 source: str | os.PathLike[str] | None = None,
-                allow: Iterable[str] = ()) -> int:
+                allow: Iterable[str] = (), adopt: bool = False) -> int:
         """Restore by intent and return the completed-update count to continue from.
 
-        ``"continue"`` (default): everything, from the newest generation that verifies (or
-        ``generation``); 0 only when the run folder holds no generation at all. A torn or
-        corrupt newer generation is reported and moved aside, and the previous verified one is
-        used. Any missing part, identity change or shape mismatch raises before any live object
-        changes. ``"warm_start"``: model weights only, from another run folder ``source``; this
-        run starts at 0 with a lineage naming its parent. Config or tokenizer changes must be
-        named in ``allow``."""
+        ``"continue"`` (default): everything, from the newest generation of this run that
+        verifies (or ``generation``); 0 only when the run folder holds no generation at all. A
+        torn, corrupt or foreign newer generation is reported and moved aside, and the previous
+        verified one is used. A generation written by another run (copied into this folder) is
+        foreign: ``adopt=True`` continues from it deliberately and records that run in this
+        run's lineage. Any missing part, identity change or shape mismatch raises before any
+        live object changes. ``"warm_start"``: model weights only, from another run folder
+        ``source``; this run starts at 0 with a lineage naming its parent. Config or tokenizer
+        changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
         if intent == "warm_start":
@@ -301,18 +434,24 @@ class Checkpointer:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
         scanned = self.store.scan()
         if not scanned:
+            self._restored = True
             self._after_restore(0, None)
             return 0
-        info, ready, tree = self._newest_loadable(self.store, scanned, generation, "continue",
-                                                  allow)
+        info, ready, _ = self._newest_loadable(self.store, scanned, generation, "continue",
+                                               allow, adopt)
         manifest = info.manifest
         assert manifest is not None
-        parts = drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""))
+        S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, "")))
+        self._restored = True
+        labels = dict(self._labels)
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
-                self.store.move_aside(g, "abandoned" if g.ok else g.status)
-        S.apply(ready, parts)
-        self.run_id = manifest.run_id
+                self._set_aside(g, labels.get(g.path, "abandoned"))
+        if not self._run.accepts(manifest.run_id):  # adopted: now part of this run's lineage
+            self._run.lineage.append(manifest.run_id)
+            self._run_written = False
+            log.warning("adopted %s of run %s into run %s", info.path, manifest.run_id,
+                        self.run_id)
         self.incarnation = 1 + max(g.manifest.incarnation for g in scanned if g.manifest)
         self._origin = manifest.origin
         self._parent = {"run_id": manifest.run_id, "generation": manifest.generation,
@@ -329,8 +468,13 @@ class Checkpointer:
 
     def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
                          generation: int | None, intent: str, allow: Iterable[str],
+                         adopt: bool = False,
                          ) -> tuple[GenerationInfo, dict[str, Any], dict[str, Any]]:
+        """The newest candidate that verifies, decodes and fits the live objects, with its
+        state ready to apply. Corrupt, torn and foreign candidates are recorded in
+        ``rejected`` (and labelled for ``aside/``); a mismatch with the live run raises."""
         self.rejected = []
+        self._labels = {}
         candidates = [g for g in reversed(scanned)
                       if generation is None or g.generation == generation]
         if not candidates:
@@ -338,40 +482,62 @@ class Checkpointer:
                                f"{[g.generation for g in scanned]}")
         for info in candidates:
             try:
-                names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
-                progress = Progress(f"loading {os.path.basename(info.path)}",
-                                    info.manifest.total_bytes if info.manifest else 0)
-                try:
-                    files = store.read_verified(info, names, advance=progress.advance)
-                finally:
-                    progress.close()
-                tree, meta = S.decode_generation(
-                    files, info.path, None if intent == "continue" else {S.MODEL})
-                S.check_stamps(info.manifest, info.path, tree, meta,
-                               all_parts=intent == "continue")
+                return info, *self._load_candidate(store, info, intent, allow, adopt)
             except CorruptCheckpoint as e:
                 self.rejected.append((info.path, str(e)))
+                self._labels[info.path] = ("foreign" if isinstance(e, ForeignGeneration) else
+                                           "torn" if info.status == "torn" else "corrupt")
                 log.warning("rejected %s: %s", info.path, e)
-                continue
-            assert info.manifest is not None
-            where = os.path.join(info.path, "MANIFEST.json")
-            check_identity(info.manifest.identity, self.identity.fingerprint(), intent=intent,
+        foreign = any(label == "foreign" for label in self._labels.values())
+        raise CorruptCheckpoint(
+            f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
+            "\n".join(f"  {path}: {why}" for path, why in self.rejected) +
+            ("\nrestore(adopt=True) continues from a generation of another run deliberately"
+             if foreign else "") +
+            "\nInspect with `unbroken inspect`; move the folder away to start a new run")
+
+    def _load_candidate(self, store: GenerationStore, info: GenerationInfo, intent: str,
+                        allow: Iterable[str], adopt: bool
+                        ) -> tuple[dict[str, Any], dict[str, Any]]:
+        if not info.ok or info.manifest is None:
+            raise CorruptCheckpoint(info.reason)
+        manifest = info.manifest
+        if intent == "continue" and not adopt and not self._run.accepts(manifest.run_id):
+            raise ForeignGeneration(
+                f"{info.path}: written by run {manifest.run_id}, but this folder holds run "
+                f"{self.run_id} (RUN.json) and its lineage {self._run.lineage or 'is empty'}: "
+                "a generation copied from another run is never continued silently; "
+                "restore(adopt=True) continues from it deliberately")
+        S.check_sizes(manifest, info.path)  # before reading a byte
+        names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
+        progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
+        try:
+            files = store.read_verified(info, names, advance=progress.advance)
+        finally:
+            progress.close()
+        tree, meta = S.decode_generation(files, info.path,
+                                         None if intent == "continue" else {S.MODEL})
+        S.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
+        where = os.path.join(info.path, "MANIFEST.json")
+        parts = self._parts if intent == "continue" else {S.MODEL: self.model}
+        try:
+            check_identity(manifest.identity, self.identity.fingerprint(), intent=intent,
                            allow=allow, where=where)
-            check_environment(info.manifest.environment, environment(), where=where)
-            parts = self._parts if intent == "continue" else {S.MODEL: self.model}
+            check_environment(manifest.environment, environment(), where=where)
             ready = S.validate_parts(tree, parts, self.model, info.path, intent)
             for name, obj in parts.items():
                 check = getattr(obj, "validate_state_dict", None)
                 if check is not None:
                     check(tree[name], f"{info.path} [{name}]")
-            if self.rejected:
-                log.warning("using %s after rejecting %d newer generation(s)", info.path,
-                            len(self.rejected))
-            return info, ready, tree
-        raise CorruptCheckpoint(
-            f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
-            "\n".join(f"  {path}: {why}" for path, why in self.rejected) +
-            "\nInspect with `unbroken inspect`; move the folder away to start a new run")
+        except UnbrokenError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- verified bytes that decode to nonsense
+            raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
+                                    f"({type(e).__name__}: {e!s:.200})") from None
+        if self.rejected:
+            log.warning("using %s after rejecting %d newer generation(s)", info.path,
+                        len(self.rejected))
+        return ready, tree
 
     def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
                     allow: Iterable[str]) -> int:
@@ -389,6 +555,7 @@ class Checkpointer:
         info, ready, _ = self._newest_loadable(src, scanned, generation, "warm_start", allow)
         assert info.manifest is not None
         S.apply(ready, {S.MODEL: self.model})
+        self._restored = True
         self._after_restore(0, None)
         self._origin = {"operation": "warm_start", "source": src.root,
                         "run_id": info.manifest.run_id, "generation": info.generation,

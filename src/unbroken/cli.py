@@ -26,6 +26,8 @@ from typing import Any
 from ._runview import (
     UsageError,
     aside_entries,
+    aside_lines,
+    folder_run_record,
     list_debris,
     newest_summary,
     newest_summary_lines,
@@ -124,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+    except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
+        _error(f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please report it "
+               "with this message)")
+        return EXIT_USAGE
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -156,14 +162,16 @@ def _inspect(args: argparse.Namespace) -> int:
     (use `unbroken verify` for that). Exit 1 when any generation is torn or corrupt."""
     store = open_run(args.run)
     scanned = store.scan()
-    records = [record(store, g) for g in scanned]
-    complete = [g for g in scanned if g.ok]
+    run = folder_run_record(store, scanned)
+    records = [record(store, g, run) for g in scanned]
+    complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
     newest = newest_summary(complete[-1]) if complete else None
-    debris, aside = list_debris(store.root), aside_entries(store.root)
+    debris, aside = list_debris(store.root), aside_entries(store)
     ok = len(complete) == len(scanned)
-    payload = {"run": store.root, "generations": records, "newest_complete": newest,
-               "debris": debris, "aside": aside, "ok": ok}
-    lines = [f"run {store.root}"]
+    payload = {"run": store.root, "run_id": run.run_id if run else None,
+               "lineage": run.lineage if run else [], "generations": records,
+               "newest_complete": newest, "debris": debris, "aside": aside, "ok": ok}
+    lines = [f"run {store.root}" + (f" (run {run.run_id})" if run else "")]
     if not scanned:
         lines.append("no generations")
         if os.path.basename(store.root).startswith("gen-"):
@@ -172,14 +180,12 @@ def _inspect(args: argparse.Namespace) -> int:
         bad = len(scanned) - len(complete)
         lines += [f"{len(scanned)} generation{'s' * (len(scanned) != 1)}: "
                   f"{len(complete)} complete"
-                  + (f", {bad} torn or corrupt" if bad else ""), "",
+                  + (f", {bad} torn, corrupt or foreign" if bad else ""), "",
                   rows(store.root, records), ""]
         lines += newest_summary_lines(newest) if newest else ["no complete generation"]
     for d in debris:
         lines.append(f"debris: {d['name']} ({d['note']})")
-    if aside:
-        lines.append(f"aside/ (moved aside, abandoned or corrupt; never loaded): "
-                     f"{', '.join(aside)}")
+    lines += aside_lines(aside)
     return emit(args, payload, "\n".join(lines), ok)
 
 
@@ -202,7 +208,8 @@ def _verify(args: argparse.Namespace) -> int:
             found = [g.generation for g in store.scan()]
             raise UsageError(f"{store.root}: no generation {args.generation} (found "
                              f"{found or 'none'})")
-    records = [verify_one(store, g) for g in scanned]
+    run = folder_run_record(store, store.scan())
+    records = [verify_one(store, g, run) for g in scanned]
     ok = all(r["status"] == "ok" for r in records)
     payload = {"run": store.root, "generations": records, "ok": ok}
     if not records:

@@ -19,11 +19,12 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import CorruptCheckpoint, UnsupportedValue
+from .errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
 
 TAG = "$t"
 MAX_DEPTH = 200
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+_INLINE_BYTES = 4096  # ``bytes`` values this large go to the tensor file, not into JSON
 
 # safetensors dtype names; dtypes outside this table are stored as raw bytes (U8) with
 # the real dtype and shape kept in the skeleton reference.
@@ -38,15 +39,52 @@ _ST_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+# Every dtype a skeleton may name, resolved from this fixed list once: a name read from a file
+# is only ever looked up here, never with getattr(torch, name) (which can import modules).
+_DTYPE_NAMES = (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2", "bits8", "bits16", "bits1x8", "bits2x4", "bits4x2",
+)
+_DTYPES: dict[str, torch.dtype] = {
+    n: d for n in _DTYPE_NAMES if isinstance(d := getattr(torch, n, None), torch.dtype)}
+_DTYPE_NAME_OF = {d: n for n, d in _DTYPES.items()}
 
 
-def _dtype_from_name(name: str, where: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise CorruptCheckpoint(f"{where}: unknown torch dtype {name!r}")
+def _dtype_name(dtype: torch.dtype, path: str = "") -> str:
+    name = _DTYPE_NAME_OF.get(dtype)
+    if name is None:
+        raise UnsupportedValue(f"{path}: tensors of dtype {dtype} cannot be stored (quantized "
+                               "and sub-byte dtypes are not supported); convert them in "
+                               "state_dict()")
+    return name
+
+
+def _dtype_from_name(name: object, where: str) -> torch.dtype:
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CorruptCheckpoint(f"{where}: unknown torch dtype {name!r:.60}")
     return dtype
+
+
+def _shape(value: object, count: int, where: str) -> list[int]:
+    """A stored shape: a list of non-negative ints whose product is ``count``."""
+    if (not isinstance(value, list) or len(value) > 64
+            or not all(type(d) is int and 0 <= d < 1 << 62 for d in value)
+            or math.prod(value) != count):
+        raise CorruptCheckpoint(f"{where}: shape {value!r:.80} does not hold {count} elements")
+    return value
+
+
+def _utf8_key(path: str) -> str:
+    """A tensor key any safetensors reader accepts: lone surrogates (from undecodable file
+    names) are escaped; the skeleton's reference keeps the mapping."""
+    try:
+        path.encode("utf-8")
+        return path
+    except UnicodeEncodeError:
+        return path.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,22 +111,36 @@ class _Encoder:
                  t.stride(), t.dtype, t.device)
         if t.untyped_storage().data_ptr() != 0 and ident in self._alias:
             return self._alias[ident]
-        key = path
-        n = 1
-        while key in self.tensors or key == "__metadata__":  # reserved by the file format
-            key = f"{path}#{n}"
-            n += 1
         data = t.detach()
         if data.device.type != "cpu":
             data = data.cpu()
-        ref: dict[str, Any] = {TAG: "tensor", "key": key}
+        ref: dict[str, Any] = {TAG: "tensor", "key": self._key(path)}
         if data.dtype not in _ST_DTYPES:
-            ref["dtype"] = _dtype_name(data.dtype)
+            ref["dtype"] = _dtype_name(data.dtype, path)
             ref["shape"] = list(data.shape)
             data = data.contiguous().reshape(-1).view(torch.uint8)
-        self.tensors[key] = data
+        self.tensors[ref["key"]] = data
         self._alias[ident] = ref
         return ref
+
+    def _key(self, path: str) -> str:
+        """A unique tensor key for ``path``."""
+        base = key = _utf8_key(path)
+        n = 1
+        while key in self.tensors or key == "__metadata__":  # reserved by the file format
+            key = f"{base}#{n}"
+            n += 1
+        return key
+
+    def raw(self, tag: str, data: np.ndarray[Any, Any], path: str, **fields: Any
+            ) -> dict[str, Any]:
+        """Bulk bytes (a NumPy array, a large ``bytes``) go to the tensor file as raw uint8,
+        never into the JSON skeleton: JSON would hold them as base64, a third larger, parsed
+        whole, and limited to ``MAX_STATE_BYTES``."""
+        key = self._key(path)
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        self.tensors[key] = torch.from_numpy(flat)
+        return {TAG: tag, **fields, "key": key}
 
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -120,17 +172,21 @@ class _Encoder:
                                               self.encode(v, child(k), depth + 1)]
                                              for k, v in obj.items()]}
         if t is bytes:
+            if len(obj) >= _INLINE_BYTES:
+                return self.raw("bytes", np.frombuffer(obj, dtype=np.uint8), path)
             return {TAG: "bytes", "v": base64.b64encode(obj).decode("ascii")}
+        if isinstance(obj, (np.ndarray, np.generic)) and (
+                obj.dtype.hasobject or obj.dtype.fields is not None or obj.dtype.itemsize == 0):
+            raise UnsupportedValue(f"{path}: NumPy value of dtype {obj.dtype} cannot be stored "
+                                   "(object, structured or zero-size elements); store each "
+                                   "field as its own array")
         if isinstance(obj, np.ndarray):
-            if obj.dtype.hasobject:
-                raise UnsupportedValue(f"{path}: NumPy array of dtype object cannot be stored")
-            return {TAG: "ndarray", "dtype": obj.dtype.str, "shape": list(obj.shape),
-                    "v": base64.b64encode(np.ascontiguousarray(obj).tobytes()).decode("ascii")}
+            return self.raw("ndarray", obj, path, dtype=obj.dtype.str, shape=list(obj.shape))
         if isinstance(obj, np.generic):
             return {TAG: "npscalar", "dtype": obj.dtype.str,
                     "v": base64.b64encode(obj.tobytes()).decode("ascii")}
         if t is torch.dtype:
-            return {TAG: "dtype", "v": _dtype_name(obj)}
+            return {TAG: "dtype", "v": _dtype_name(obj, path)}
         if t is torch.device:
             return {TAG: "device", "v": str(obj)}
         raise UnsupportedValue(
@@ -162,8 +218,11 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
             return {k: dec(v, depth + 1) for k, v in obj.items()}
         try:
             return _decode_tagged(tag, obj, dec, depth, tensors, cache)
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, struct.error) as e:
-            raise CorruptCheckpoint(f"{where}: malformed {tag!r} entry ({e!r})") from None
+        except UnbrokenError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- any failure on untrusted input is corruption
+            raise CorruptCheckpoint(f"{where}: malformed {tag!r:.40} entry "
+                                    f"({type(e).__name__}: {e!s:.200})") from None
 
     return dec(skeleton, 0)
 
@@ -171,9 +230,34 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
 # The keys each tagged entry may have: anything else means the skeleton was edited.
 _TAG_KEYS: dict[str, tuple[frozenset[str], ...]] = {
     "tensor": (frozenset({TAG, "key"}), frozenset({TAG, "key", "dtype", "shape"})),
-    "ndarray": (frozenset({TAG, "dtype", "shape", "v"}),),
+    # "v": base64 inline (as written before 0.2); "key": raw bytes in the part's tensor file
+    "ndarray": (frozenset({TAG, "dtype", "shape", "v"}), frozenset({TAG, "dtype", "shape",
+                                                                     "key"})),
+    "bytes": (frozenset({TAG, "v"}), frozenset({TAG, "key"})),
     "npscalar": (frozenset({TAG, "dtype", "v"}),),
 }
+
+
+def _numpy_dtype(name: object) -> np.dtype[Any]:
+    if not isinstance(name, str) or len(name) > 256:
+        raise ValueError(f"NumPy dtype {name!r:.60}")
+    dtype = np.dtype(name)
+    if dtype.hasobject:
+        raise ValueError("object arrays are never loaded")
+    return dtype
+
+
+def _raw_bytes(obj: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> memoryview:
+    """The bytes of a ``raw`` entry: a 1-D uint8 tensor in the tensor file, or base64."""
+    if "v" in obj:
+        return memoryview(base64.b64decode(obj["v"], validate=True))
+    key = obj["key"]
+    t = tensors.get(key) if isinstance(key, str) else None
+    if t is None:
+        raise CorruptCheckpoint(f"raw bytes {key!r:.60} are referenced but not stored")
+    if t.dtype != torch.uint8 or t.dim() != 1:
+        raise ValueError(f"raw bytes stored as {t.dtype} {tuple(t.shape)}, expected 1-D uint8")
+    return t.numpy().data
 
 
 def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
@@ -182,13 +266,21 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         raise ValueError(f"unexpected keys {sorted(obj)}")
     if tag == "tensor":
         key = obj["key"]
+        if not isinstance(key, str):
+            raise ValueError(f"tensor key {key!r:.60}")
         if key in cache:
             return cache[key]
         if key not in tensors:
             raise CorruptCheckpoint(f"tensor {key!r} is referenced but not stored")
         t = tensors[key]
         if "dtype" in obj:
-            t = t.view(_dtype_from_name(obj["dtype"], key)).reshape(obj["shape"])
+            dtype = _dtype_from_name(obj["dtype"], key)
+            if t.dtype != torch.uint8 or t.dim() != 1:
+                raise ValueError(f"raw tensor stored as {t.dtype} {tuple(t.shape)}")
+            size = torch.empty(0, dtype=dtype).element_size()
+            if t.numel() % size:
+                raise ValueError(f"{t.numel()} bytes do not hold whole {dtype} elements")
+            t = t.view(dtype).reshape(_shape(obj["shape"], t.numel() // size, key))
         cache[key] = t
         return t
     if tag == "int":
@@ -201,23 +293,32 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
     if tag == "tuple":
         return tuple(dec(v, depth + 1) for v in obj["v"])
     if tag == "size":
-        return torch.Size(int(v) for v in obj["v"])
+        dims = obj["v"]
+        if not isinstance(dims, list) or not all(type(d) is int and 0 <= d < 1 << 62
+                                                 for d in dims):
+            raise ValueError(f"torch.Size dimensions {dims!r:.60}")
+        return torch.Size(dims)
     if tag in _MAPPING_TYPES:
         items = {dec(k, depth + 1): dec(v, depth + 1) for k, v in obj["v"]}
         return items if tag == "dict" else _MAPPING_TYPES[tag](items)
     if tag == "bytes":
-        return base64.b64decode(obj["v"], validate=True)
+        return bytes(_raw_bytes(obj, tensors))
     if tag == "ndarray":
-        dtype = np.dtype(obj["dtype"])
-        if dtype.hasobject:
-            raise ValueError("object arrays are never loaded")
-        return np.frombuffer(base64.b64decode(obj["v"], validate=True),
-                             dtype=dtype).reshape(obj["shape"]).copy()
+        np_dtype = _numpy_dtype(obj["dtype"])
+        raw = _raw_bytes(obj, tensors)
+        if np_dtype.itemsize == 0 or raw.nbytes % np_dtype.itemsize:
+            raise ValueError(f"{raw.nbytes} bytes do not hold whole {np_dtype} elements")
+        shape = _shape(obj["shape"], raw.nbytes // np_dtype.itemsize, "ndarray")
+        array = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+        # A view into the tensor file's buffer, which the restored tree owns; base64 bytes
+        # are immutable and an unaligned view is slow: those are copied.
+        return array.copy() if "v" in obj or not array.flags.aligned else array
     if tag == "npscalar":
-        dtype = np.dtype(obj["dtype"])
-        if dtype.hasobject:
-            raise ValueError("object scalars are never loaded")
-        return np.frombuffer(base64.b64decode(obj["v"], validate=True), dtype=dtype)[0]
+        np_dtype = _numpy_dtype(obj["dtype"])
+        scalar = base64.b64decode(obj["v"], validate=True)
+        if len(scalar) != np_dtype.itemsize:
+            raise ValueError(f"{len(scalar)} bytes for a {np_dtype} scalar")
+        return np.frombuffer(scalar, dtype=np_dtype)[0]
     if tag == "dtype":
         return _dtype_from_name(obj["v"], "skeleton")
     if tag == "device":
@@ -231,25 +332,43 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
 
 def dumps_json(obj: Any, sort_keys: bool = True) -> bytes:
     """Compact JSON bytes, canonical by default (sorted keys; no NaN: the skeleton tags them).
-    State documents pass ``sort_keys=False`` so that dicts keep their insertion order."""
-    return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
-                      ensure_ascii=False).encode("utf-8")
+    State documents pass ``sort_keys=False`` so that dicts keep their insertion order.
+
+    UTF-8 text; a string that UTF-8 cannot encode (a lone surrogate, which ``os.fsdecode``
+    makes of an undecodable file name) switches the whole document to ASCII with ``\\u``
+    escapes, which JSON readers turn back into the same string: nothing is lost."""
+    text = json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=True).encode("ascii")
 
 
-def loads_json(data: bytes, where: str, limit: int) -> Any:
-    """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``."""
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf: never written, so never read
+        raise ValueError(f"number {text[:40]} is out of the float range")
+    return value
+
+
+def loads_json(data: bytes | memoryview, where: str, limit: int) -> Any:
+    """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``.
+    Callers check a file's size against ``limit`` before reading it; this checks again."""
     if len(data) > limit:
         raise CorruptCheckpoint(f"{where}: {len(data)} bytes, over the {limit}-byte limit")
-
-    def no_constants(name: str) -> Any:
-        raise ValueError(f"non-standard JSON constant {name}")
-
     try:
-        return json.loads(data.decode("utf-8"), parse_constant=no_constants)
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float)
     except RecursionError:
         raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e})") from None
+        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e!s:.200})") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,7 +400,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
         if nbytes:
-            chunks.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            chunks.append(t.reshape(-1).view(torch.uint8).numpy().data)
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -292,6 +411,10 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
+    if len(raw) > MAX_HEADER_BYTES:  # what read_safetensors_header refuses is never written
+        raise UnsupportedValue(
+            f"{len(tensors)} tensors need a {len(raw)}-byte safetensors header, over the "
+            f"{MAX_HEADER_BYTES}-byte limit readers apply; store fewer, larger tensors")
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
 
 
@@ -378,6 +501,6 @@ def decode_safetensors(data: bytes | memoryview, where: str
             out[key] = t.reshape(e["shape"])
         return out, metadata
     try:
-        return load(data), metadata
+        return load(bytes(data)), metadata
     except Exception as e:  # the parser's own error type; we already validated the header
         raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None

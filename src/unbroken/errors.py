@@ -41,6 +41,21 @@ class SaveFailed(UnbrokenError):
     the next save may succeed."""
 
 
+class ReadOnlyRun(SaveFailed):
+    """The run folder cannot be written (read-only media, no permission, a full disk, a
+    filesystem without locks): restore works, saving raises this, naming the cause."""
+
+
+class RunNotRestored(UnbrokenError):
+    """A first save into a run folder that already holds generations, without ``restore()``:
+    it would branch from, or silently overwrite the history of, the run that is there."""
+
+
+class ForeignGeneration(CorruptCheckpoint):
+    """A generation written by another run than the one this folder holds (copied in):
+    refused unless adopted explicitly with ``restore(adopt=True)``."""
+
+
 class UpdateBoundaryError(UnbrokenError):
     """A save or step marker arrived somewhere other than a completed-update boundary."""
 

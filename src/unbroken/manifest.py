@@ -14,6 +14,7 @@ the file can reseal it. What a resealed manifest names is still checked against 
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
@@ -30,8 +31,10 @@ MAX_MANIFEST_BYTES = 16 * 1024 * 1024
 CHECKSUM = "checksum"  # the manifest's own field: xxh3-128 hex of every other field
 # Plain file names only: no separators, no "..", no leading dot, nothing a shell or a
 # filesystem could reinterpret. Confinement to the generation folder follows from this.
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
-_HASH = re.compile(r"^[0-9a-f]{32}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}", re.ASCII)  # used with fullmatch
+_HASH = re.compile(r"[0-9a-f]{32}", re.ASCII)
+_NON_FINITE = ("nan", "inf", "-inf")
+_FLOAT_MAX = 1.7976931348623157e308
 
 
 @dataclass(frozen=True)
@@ -63,8 +66,13 @@ class Manifest:
     schema: str = SCHEMA
 
     def to_bytes(self) -> bytes:
-        """The committed bytes: canonical JSON of every field, sealed with its checksum."""
-        return seal(asdict(self))
+        """The committed bytes: canonical JSON of every field, sealed with its checksum.
+        A non-finite metric (the NaN loss of an overflowing AMP step) is written as the
+        string "nan", "inf" or "-inf": JSON has no such numbers."""
+        fields = asdict(self)
+        fields["metrics"] = {k: v if math.isfinite(v) else repr(v)
+                             for k, v in self.metrics.items()}
+        return seal(fields)
 
     def artifact(self, name: str) -> Artifact | None:
         return next((a for a in self.artifacts if a.name == name), None)
@@ -89,7 +97,7 @@ def seal(fields: Mapping[str, Any]) -> bytes:
     return dumps_json({**body, CHECKSUM: checksum(body)})
 
 
-def _check_seal(raw: dict[str, Any], where: str) -> None:
+def check_seal(raw: dict[str, Any], where: str) -> None:
     """Refuse a manifest whose checksum is absent or does not match its other fields."""
     try:
         expected = checksum(raw)
@@ -120,7 +128,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     raw = loads_json(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(raw, dict):
         raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
-    _check_seal(raw, where)  # first: an edited field must read as corruption, not as data
+    check_seal(raw, where)  # first: an edited field must read as corruption, not as data
     schema = raw.get("schema")
     if schema != SCHEMA:
         raise CorruptCheckpoint(f"{where}: schema {schema!r}, this version of unbroken reads "
@@ -145,7 +153,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         if not isinstance(entry, dict):
             raise CorruptCheckpoint(f"{where}: artifact entry {entry!r:.80} is not an object")
         name, size, digest = entry.get("name"), entry.get("size"), entry.get("xxh3_128")
-        if not valid_artifact_name(name):
+        if not isinstance(name, str) or not valid_artifact_name(name):
             raise CorruptCheckpoint(
                 f"{where}: artifact name {name!r:.80} is not a plain file name inside the "
                 "generation folder (no '/', '..' or leading '.'); refusing the generation")
@@ -159,12 +167,21 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     parts = need("parts", list)
     if not all(isinstance(p, str) for p in parts):
         raise CorruptCheckpoint(f"{where}: field 'parts' should list strings")
+    metrics = {}
+    for k, v in need("metrics", dict).items():
+        if isinstance(v, str) and v in _NON_FINITE:
+            metrics[k] = float(v)
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) <= _FLOAT_MAX:
+            metrics[k] = float(v)
+        else:
+            raise CorruptCheckpoint(f"{where}: metric {k!r:.60} should be a number, found "
+                                    f"{v!r:.60}")
     return Manifest(
         generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
         artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
         origin=need("origin", dict, optional=True), identity=need("identity", dict),
         environment=need("environment", dict), retention=need("retention", dict),
-        metrics=need("metrics", dict), created=need("created", str), schema=schema)
+        metrics=metrics, created=need("created", str), schema=schema)
 
 
 def _kind(kind: type | tuple[type, ...]) -> str:

@@ -1,9 +1,14 @@
 """Which committed generations to keep: the last N, every K-th step, the best by a declared
-dev metric. Pure selection; the store does the deleting, newest-verified first excluded."""
+dev metric. Pure selection over *verified* generations; the store does the deleting.
+
+Two generations are never deleted whatever the policy says: the one just committed, and the
+newest one that verifies. A generation that fails verification never counts as kept: keeping
+it in place of a good one would leave nothing restorable once the good ones are gone."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,14 +17,16 @@ from typing import Any
 class Keep:
     """Retention policy, validated up front.
 
-    ``last``: keep the newest N generations (at least 1). ``every``: also keep every generation
-    whose step is a multiple of K. ``best``: also keep the generation with the best value of a
-    metric declared before training, as ``("val_loss", "min")``; pick it on a dev set, never on
-    the test set."""
+    ``last``: keep the newest N verified generations (at least 1). ``every``: also keep every
+    generation whose step is a multiple of K. ``best``: also keep the verified generation with
+    the best value of a metric declared before training, as ``("val_loss", "min")``; pick it
+    on a dev set, never on the test set (NaN ranks last). ``aside``: how many refused or
+    abandoned generations to keep in ``aside/`` for inspection (oldest removed first)."""
 
     last: int = 3
     every: int | None = None
     best: tuple[str, str] | None = None
+    aside: int = 2
 
     def __post_init__(self) -> None:
         if type(self.last) is not int or self.last < 1:
@@ -30,26 +37,45 @@ class Keep:
             if (not isinstance(self.best, tuple) or len(self.best) != 2
                     or not isinstance(self.best[0], str) or self.best[1] not in ("min", "max")):
                 raise ValueError(f"Keep(best={self.best!r}) must be (metric_name, 'min'|'max')")
+        if type(self.aside) is not int or self.aside < 0:
+            raise ValueError(f"Keep(aside={self.aside!r}) must be an integer >= 0")
 
     def to_json(self) -> dict[str, Any]:
         return {"last": self.last, "every": self.every,
-                "best": list(self.best) if self.best else None}
+                "best": list(self.best) if self.best else None, "aside": self.aside}
 
 
-def select_kept(generations: list[tuple[int, int, dict[str, float]]], policy: Keep) -> set[int]:
-    """Return the generation numbers to keep from ``(generation, step, metrics)`` of every
-    verified generation. The newest is always kept, whatever the policy says."""
-    if not generations:
-        return set()
+def _score(value: object, mode: str) -> float | None:
+    """Sort key of a metric, smaller is better; ``None`` when it cannot rank (NaN, missing)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return None
+    return float(value) if mode == "min" else -float(value)
+
+
+def select_kept(generations: Iterable[tuple[int, int, dict[str, Any]]], policy: Keep,
+                protect: Iterable[int] = (), good: Callable[[int], bool] | None = None
+                ) -> set[int]:
+    """The generation numbers to keep from ``(generation, step, metrics)`` of every complete
+    generation. ``good(g)`` verifies generation ``g`` (called lazily, newest first, only for
+    the generations whose keeping depends on it); ``protect`` is kept unconditionally."""
     ordered = sorted(generations, key=lambda g: (g[0], g[1]))
-    kept = {g for g, _, _ in ordered[-policy.last:]}
+    is_good = good or (lambda g: True)
+    kept = set(protect)
+    counted = 0
+    for g, _, _ in reversed(ordered):  # the newest verified one comes first: always kept
+        if counted == policy.last:
+            break
+        if is_good(g):
+            kept.add(g)
+            counted += 1
     if policy.every:
         kept |= {g for g, step, _ in ordered if step % policy.every == 0}
     if policy.best:
         name, mode = policy.best
-        scored = [(m[name], g) for g, _, m in ordered
-                  if isinstance(m.get(name), (int, float)) and not math.isnan(m[name])]
-        if scored:
-            kept.add((min if mode == "min" else max)(scored)[1])
-    kept.add(ordered[-1][0])
+        ranked = sorted((score, -g) for g, _, m in ordered
+                        if (score := _score(m.get(name), mode)) is not None)
+        for _, neg in ranked:  # ties: the newest
+            if is_good(-neg):
+                kept.add(-neg)
+                break
     return kept

@@ -198,7 +198,8 @@ class Counters:
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step, "epoch": self.epoch}
 
-    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+    @staticmethod
+    def validate_state_dict(saved: Mapping[str, Any], where: str) -> None:
         if type(saved.get("step")) is not int or type(saved.get("epoch")) is not int:
             raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch'")
 
@@ -299,21 +300,55 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
     files: dict[str, str] = {}
     artifacts: dict[str, list[memoryview]] = {}
     for part, value in tree.items():
-        skeleton, tensors = encode_tree(value, "")
-        skeletons[part] = skeleton
-        if tensors:
-            files[part] = f"{part}.safetensors"
-            artifacts[files[part]] = encode_safetensors(
-                tensors, {**meta, "unbroken.part": part})
+        try:
+            skeleton, tensors = encode_tree(value, "")
+            skeletons[part] = skeleton
+            if tensors:
+                files[part] = f"{part}.safetensors"
+                artifacts[files[part]] = encode_safetensors(
+                    tensors, {**meta, "unbroken.part": part})
+        except UnsupportedValue as e:
+            raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
-    artifacts[STATE_FILE] = [memoryview(dumps_json(doc, sort_keys=False))]
+    text = dumps_json(doc, sort_keys=False)
+    if len(text) > MAX_STATE_BYTES:  # what decode_generation refuses is never written
+        sizes = sorted(((len(dumps_json(v, sort_keys=False)), k) for k, v in skeletons.items()),
+                       reverse=True)
+        raise UnsupportedValue(
+            f"{STATE_FILE} would be {len(text)} bytes, over the {MAX_STATE_BYTES}-byte limit "
+            "that restore applies; largest parts: " +
+            ", ".join(f"{k!r} {n} bytes" for n, k in sizes[:3]) +
+            ". Return bulk data from state_dict() as tensors or NumPy arrays (they go to "
+            "safetensors), not as lists, strings or dicts")
+    artifacts[STATE_FILE] = [memoryview(text)]
     return artifacts
 
 
-def decode_generation(files: Mapping[str, bytes], folder: str,
+def check_sizes(manifest: Any, folder: str) -> None:
+    """Refuse, before reading a byte, a generation whose manifest lists a ``state.json``
+    larger than restore parses: reading it first would cost its whole size in memory."""
+    a = manifest.artifact(STATE_FILE)
+    if a is not None and a.size > MAX_STATE_BYTES:
+        raise CorruptCheckpoint(f"{folder}/{STATE_FILE}: {a.size} bytes, over the "
+                                f"{MAX_STATE_BYTES}-byte limit; refusing to read it")
+
+
+def decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
                       parts: set[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Inverse of ``encode_generation`` over verified file contents; returns (tree, meta).
     ``parts`` limits decoding to some parts (a warm start reads only the model)."""
+    try:
+        return _decode_generation(files, folder, parts)
+    except UnbrokenError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- any failure on untrusted input is corruption
+        raise CorruptCheckpoint(f"{folder}: cannot be decoded ({type(e).__name__}: "
+                                f"{e!s:.200})") from None
+
+
+def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
+                       parts: set[str] | None
+                       ) -> tuple[dict[str, Any], dict[str, str]]:
     where = f"{folder}/{STATE_FILE}"
     if STATE_FILE not in files:
         raise CorruptCheckpoint(f"{where}: missing from the generation")
@@ -365,6 +400,10 @@ def check_stamps(manifest: Any, folder: str, tree: Mapping[str, Any], meta: Mapp
         raise CorruptCheckpoint(f"{where}: holds parts {sorted(tree)}, the manifest lists "
                                 f"{sorted(manifest.parts)}")
     counters = tree.get(COUNTERS)
-    if isinstance(counters, Mapping) and counters.get("step") != manifest.step:
-        raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r}, the "
-                                f"manifest says step {manifest.step}")
+    if COUNTERS in tree and not isinstance(counters, Mapping):
+        raise CorruptCheckpoint(f"{where}: no counters part (a mapping of 'step' and 'epoch')")
+    if isinstance(counters, Mapping):
+        if counters.get("step") != manifest.step:
+            raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r:.40}, "
+                                    f"the manifest says step {manifest.step}")
+        Counters.validate_state_dict(counters, f"{where} [{COUNTERS}]")

@@ -21,6 +21,7 @@ vanishes from the listing; it is never reported ``corrupt`` for that reason.
 
 from __future__ import annotations
 
+import datetime
 import errno
 import fcntl
 import os
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ._fs import LocalFS, fault_point
-from .errors import CorruptCheckpoint, StoreLocked
+from .errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -45,11 +46,16 @@ from .manifest import (
     valid_artifact_name,
 )
 
-_GEN = re.compile(r"^gen-(\d{9,})$")
+_GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"
+# gen-N-<reason>-<YYYYmmddTHHMMSS>-<id> (versions before 0.2 wrote no time)
+_ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0-9a-f]{8}",
+                         re.ASCII)
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 ASIDE = "aside"
 LOCK = "LOCK"
+# Why a generation was moved aside: the label in its name under aside/.
+ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned")
 _LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
 
 
@@ -63,6 +69,28 @@ def _memory_bytes() -> int:
 
 def generation_name(generation: int) -> str:
     return f"gen-{generation:09d}"
+
+
+def _errno_text(e: OSError) -> str:
+    name = errno.errorcode.get(e.errno or 0)
+    return f"{e.strerror or e}" + (f" [{name}]" if name else "")
+
+
+def _unwritable(path: str, e: OSError, what: str) -> ReadOnlyRun:
+    return ReadOnlyRun(f"{path}: {what}: {_errno_text(e)}. Restoring from this folder works; "
+                       "saving needs a writable folder with POSIX locks (use another folder, "
+                       "or fix the mount or the disk)")
+
+
+@dataclass(frozen=True)
+class AsideEntry:
+    """One folder under ``aside/``: why it was moved there and when (``YYYYmmddTHHMMSSffffff``,
+    local time)."""
+
+    name: str
+    path: str
+    reason: str
+    moved: str
 
 
 @dataclass
@@ -87,39 +115,56 @@ class GenerationStore:
         self.root = os.path.abspath(os.fspath(root))
         self.fs = fs or LocalFS()
         self._lock_fd: int | None = None
+        # path -> identity of its files when every byte last verified (see verified())
+        self._verified: dict[str, tuple[tuple[int, ...], ...]] = {}
 
     # -- the single-writer lock ---------------------------------------------------------------
 
+    @property
+    def locked(self) -> bool:
+        return self._lock_fd is not None
+
     def lock(self) -> None:
-        """Become the only writer, or raise ``StoreLocked`` naming the holder."""
-        os.makedirs(self.root, exist_ok=True)
+        """Become the only writer. Raises ``StoreLocked`` naming the holder when another live
+        process writes the run, and ``ReadOnlyRun`` naming the cause when this folder cannot
+        be written or locked here (read-only media, no permission, a full disk, a filesystem
+        without POSIX locks): reading needs no lock, so a caller may go on read-only."""
         path = os.path.join(self.root, LOCK)
         key = os.path.realpath(path)
         if key in _LOCKED_HERE:
             raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
                               "close() it before opening the run folder again")
         try:  # never follow a symlink: a planted LOCK -> ~/.bashrc would be truncated below
+            os.makedirs(self.root, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
                          os.O_NONBLOCK, 0o644)
         except OSError as e:
-            if e.errno != errno.ELOOP:
-                raise
-            raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
-                                    "regular file inside the run folder (remove it)") from None
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
+                                        "regular file inside the run folder (remove it)") from None
+            raise _unwritable(path, e, "cannot be created or opened for writing") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
             raise CorruptCheckpoint(f"{path}: not a regular file; the lock file must be a "
                                     "regular file inside the run folder (remove it)")
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                os.close(fd)
+                raise _unwritable(path, e, "cannot be locked (the filesystem offers no POSIX "
+                                  "locks, e.g. NFS without a lock daemon or a FUSE mount)",
+                                  ) from None
             holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
             os.close(fd)
             raise StoreLocked(f"{path}: another live process writes this run ({holder}); stop "
                               "it, or point this run at another folder") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                          f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+        except OSError:
+            pass  # the holder note is for people; the lock itself is held
         self._lock_fd = fd
         _LOCKED_HERE.add(key)
         self._clean_debris()
@@ -135,12 +180,17 @@ class GenerationStore:
             raise RuntimeError("the run folder must be locked before it is changed")
 
     def _clean_debris(self) -> None:
-        """Staging and trash folders belong to a dead writer: nothing in them was committed."""
-        for name in sorted(os.listdir(self.root)):
+        """Staging and trash folders belong to a dead writer: nothing in them was committed.
+        Best effort: debris is never read, and the next writer tries again."""
+        try:
+            names = sorted(os.listdir(self.root))
+        except OSError:
+            return
+        for name in names:
             if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
                 try:
                     self.fs.rmtree(os.path.join(self.root, name))
-                except FileNotFoundError:
+                except OSError:
                     pass
 
     # -- listing and verification -------------------------------------------------------------
@@ -151,7 +201,7 @@ class GenerationStore:
             return []
         found = []
         for name in os.listdir(self.root):
-            m = _GEN.match(name)
+            m = _GEN.fullmatch(name)
             if m:
                 info = self._check(int(m.group(1)), os.path.join(self.root, name))
                 if info is not None:  # None: deleted while we looked at it
@@ -214,12 +264,41 @@ class GenerationStore:
             return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
         return GenerationInfo(generation, path, "complete", "", manifest)
 
+    def _file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
+        """Device, inode, size, mtime and ctime of the manifest and every artifact: any write,
+        replacement or truncation of a file changes it. ``None`` if a file is missing."""
+        assert info.manifest is not None
+        try:
+            return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                         for st in (os.lstat(os.path.join(info.path, n)) for n in
+                                    (MANIFEST, *(a.name for a in info.manifest.artifacts))))
+        except OSError:
+            return None
+
+    def verified(self, info: GenerationInfo) -> str | None:
+        """``None`` when every byte of the generation matches its manifest, else the reason.
+
+        The verdict is remembered by file identity (see ``_file_identity``): a generation
+        verified since it was committed or restored by this store costs a few ``lstat`` calls;
+        one whose files changed since is re-hashed."""
+        if not info.ok or info.manifest is None:
+            return info.reason or f"{info.path}: {info.status}"
+        ident = self._file_identity(info)
+        if ident is not None and self._verified.get(info.path) == ident:
+            return None
+        try:
+            self.verify(info)
+        except CorruptCheckpoint as e:
+            return str(e)
+        return None
+
     def read_verified(self, info: GenerationInfo, names: Iterable[str] | None = None,
                       advance: Callable[[int], None] | None = None) -> dict[str, bytes]:
         """Read artifacts (all by default) and check each one's size and content hash;
         ``advance(nbytes)`` is called after each (a progress bar)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
+        ident = self._file_identity(info) if names is None else None
         wanted = set(names) if names is not None else None
         out = {}
         for a in info.manifest.artifacts:
@@ -228,13 +307,21 @@ class GenerationStore:
             out[a.name] = self._read_artifact(info.path, a)
             if advance is not None:
                 advance(a.size)
+        if ident is not None:
+            self._verified[info.path] = ident
         return out
 
-    def _read_artifact(self, folder: str, a: Artifact) -> bytes:
-        path = os.path.join(folder, a.name)
+    @staticmethod
+    def _check_loadable(path: str, a: Artifact) -> None:
+        """An artifact larger than this machine's memory could never be restored here: refuse
+        it before reading (a sparse 8 TiB file would take hours to hash)."""
         if a.size > _memory_bytes():
             raise CorruptCheckpoint(f"{path}: the manifest lists {a.size} bytes, more than this "
                                     f"machine's memory ({_memory_bytes()}); refusing to read it")
+
+    def _read_artifact(self, folder: str, a: Artifact) -> bytes:
+        path = os.path.join(folder, a.name)
+        self._check_loadable(path, a)
         try:
             data = self.fs.read_file(path, a.size, aligned=a.name.endswith(".safetensors"))
         except OSError as e:
@@ -254,6 +341,9 @@ class GenerationStore:
         cached pages first, so a just-written generation is read from the disk itself."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
+        ident = self._file_identity(info)
+        for a in info.manifest.artifacts:
+            self._check_loadable(os.path.join(info.path, a.name), a)
         for a in info.manifest.artifacts:
             path = os.path.join(info.path, a.name)
             try:
@@ -267,6 +357,8 @@ class GenerationStore:
                                         f"{a.xxh3_128} (the file changed after commit)")
             if advance is not None:
                 advance(a.size)
+        if ident is not None:
+            self._verified[info.path] = ident
 
     # -- changing the folder (writer only) -----------------------------------------------------
 
@@ -323,19 +415,50 @@ class GenerationStore:
         except OSError:
             pass  # the next writer removes staging debris on lock()
 
-    def move_aside(self, info: GenerationInfo, why: str) -> str:
-        """Move a generation to ``aside/`` under a unique name; it is kept for inspection."""
+    def move_aside(self, info: GenerationInfo, why: str, keep: int | None = None) -> str:
+        """Move a generation to ``aside/`` under a unique name labelled with the reason (one of
+        ``ASIDE_REASONS``) and the time; it is kept for inspection, never loaded. With
+        ``keep``, the oldest entries beyond that many are then deleted."""
         self._need_lock()
+        if why not in ASIDE_REASONS:
+            raise ValueError(f"why={why!r}: one of {ASIDE_REASONS}")
         aside = os.path.join(self.root, ASIDE)
         if not os.path.lexists(aside):
             self.fs.mkdir(aside)
         elif not stat.S_ISDIR(os.lstat(aside).st_mode):
             raise CorruptCheckpoint(f"{aside}: not a folder (a symbolic link or file); "
                                     "generations are moved aside only inside the run folder")
-        dest = os.path.join(aside, f"{os.path.basename(info.path)}-{why}-{uuid.uuid4().hex[:8]}")
+        moved = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")  # sorts oldest first
+        dest = os.path.join(aside, f"{generation_name(info.generation)}-{why}-{moved}-"
+                                   f"{uuid.uuid4().hex[:8]}")
         self.fs.rename(info.path, dest)
         self.fs.fsync_dir(self.root)
+        self._verified.pop(info.path, None)
+        if keep is not None:
+            self.prune_aside(keep)
         return dest
+
+    def aside(self) -> list[AsideEntry]:
+        """What ``aside/`` holds, oldest first (entries named by an older version sort first,
+        with reason "unknown")."""
+        folder = os.path.join(self.root, ASIDE)
+        try:
+            names = os.listdir(folder) if stat.S_ISDIR(os.lstat(folder).st_mode) else []
+        except OSError:
+            names = []
+        out = []
+        for name in names:
+            m = _ASIDE_NAME.fullmatch(name)
+            out.append(AsideEntry(name, os.path.join(folder, name),
+                                  m.group(2) if m else "unknown", m and m.group(3) or ""))
+        return sorted(out, key=lambda e: (e.moved, e.name))
+
+    def prune_aside(self, keep: int) -> None:
+        """Delete the oldest entries of ``aside/`` beyond the newest ``keep``."""
+        self._need_lock()
+        entries = self.aside()
+        for e in entries[:max(0, len(entries) - keep)]:
+            self._remove(e.path)
 
     def delete(self, info: GenerationInfo) -> None:
         """Delete a generation: manifest first (so a half-deleted folder can never verify),
@@ -347,8 +470,13 @@ class GenerationStore:
             self.fs.unlink(manifest)
             self.fs.fsync_dir(info.path)
         fault_point("retention-unlinked", info.generation)
+        self._verified.pop(info.path, None)
+        self._remove(info.path)
+
+    def _remove(self, path: str) -> None:
+        """Rename out of the listing (one atomic step), then remove the files."""
         trash = os.path.join(self.root, f"{TRASH_PREFIX}{uuid.uuid4().hex[:12]}")
-        self.fs.rename(info.path, trash)
+        self.fs.rename(path, trash)
         self.fs.fsync_dir(self.root)
         self.fs.rmtree(trash)
         # Trash an earlier deletion left behind (it failed midway, e.g. on an I/O error).

@@ -90,7 +90,7 @@ def test_inspect_lists_three_complete_generations(run: Path, capsys: pytest.Capt
     assert [r[:2] for r in rows] == [["3", "3"], ["4", "4"], ["5", "5"]]
     assert "3 generations: 3 complete" in out
     assert "newest complete: gen-000000005 (step 5)" in out
-    assert "config with 1 keys" in out and "revision 'v1'" in out
+    assert "config       lr=0.01 [" in out and "revision 'v1'" in out
     assert "parent       gen 4 of this run" in out and "fresh run" in out
     assert f"torch {torch.__version__}" in out and "threads" in out and "deterministic" in out
     assert "KiB" in out and err == ""
@@ -151,7 +151,8 @@ def test_debris_and_aside_are_listed(run: Path, capsys: pytest.CaptureFixture[st
     assert "gen-000000007-abandoned-deadbeef" in out
     code, doc = cli_json(capsys, "inspect", str(run))
     assert doc["debris"][0]["name"].startswith(".staging-")
-    assert doc["aside"] == ["gen-000000007-abandoned-deadbeef"]
+    assert [(e["name"], e["reason"], e["generation"]) for e in doc["aside"]] == [
+        ("gen-000000007-abandoned-deadbeef", "abandoned", 7)]
     assert cli(capsys, "verify", str(run))[0] == 0  # debris is never read
 
 
@@ -364,3 +365,131 @@ def test_every_generation_corrupt_still_reports_each(run: Path,
     code, doc = cli_json(capsys, "verify", str(run))
     assert code == 1 and [g["status"] for g in doc["generations"]] == ["corrupt"] * 3
 
+
+
+# -- issue 8: every command exits 0, 1 or 2; verify in bounded memory --------------------------
+
+
+@pytest.mark.parametrize("field, value", [
+    ("environment", {"cuda_devices": 5, "torch": ["x"], "num_threads": {"a": 1}}),
+    ("environment", {"filesystem": "\udcff", "deterministic_algorithms": "yes"}),
+    ("identity", {"config": 3, "data": {"value": "x", "hash": 7}}),
+    ("parent", {"generation": [1], "run_id": None}),
+    ("origin", {"operation": 5}),
+], ids=lambda v: str(v)[:30])
+def test_inspect_survives_odd_manifest_fields(run: Path, capsys: pytest.CaptureFixture[str],
+                                              field: str, value: Any) -> None:
+    gen = run / NEWEST
+    doc = load_manifest(gen)
+    doc[field] = value
+    save_manifest(gen, doc, sealed=True)
+    for args in (["inspect", str(run)], ["inspect", str(run), "--json"]):
+        code, out, err = cli(capsys, *args)
+        assert code == 0, err
+        assert "Traceback" not in err
+    code, doc2 = cli_json(capsys, "inspect", str(run))
+    assert code == 0 and doc2["newest_complete"][field] == value
+
+
+def test_an_unexpected_error_still_exits_2_without_a_traceback(
+        run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import unbroken.cli as cli_module
+
+    def boom(*a: Any, **k: Any) -> None:
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(cli_module, "newest_summary_lines", boom)
+    code, out, err = cli(capsys, "inspect", str(run))
+    assert code == 2 and "unexpected RuntimeError: simulated bug" in err
+    assert "Traceback" not in err
+
+
+def test_inspect_shows_the_run_and_aside_with_reasons(run: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    code, doc = cli_json(capsys, "inspect", str(run))
+    assert code == 0 and len(doc["run_id"]) == 32 and doc["lineage"] == []
+    gen = run / NEWEST / "model.safetensors"
+    data = bytearray(gen.read_bytes())
+    data[-1] ^= 1
+    gen.write_bytes(bytes(data))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt,
+                               identity=unbroken.Identity(config={"lr": 1e-2}, data="v1")) as c:
+        assert c.restore() == 4
+    code, out, _ = cli(capsys, "inspect", str(run))
+    assert code == 0 and "aside/" in out and "corrupt" in out and "gen-000000005-corrupt-" in out
+
+
+def _sparse_state(run: Path, size: int) -> Path:
+    gen = run / NEWEST
+    with open(gen / "state.json", "r+b") as f:
+        f.truncate(size)
+    doc = load_manifest(gen)
+    artifact(doc, "state.json")["size"] = size
+    save_manifest(gen, doc, sealed=True)
+    return gen
+
+
+def test_an_over_limit_state_file_is_refused_without_reading_it(
+        run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from unbroken._fs import LocalFS
+
+    _sparse_state(run, 1 << 30)
+    touched: list[str] = []
+    for method in ("read_file", "hash_file", "map_file"):
+        real = getattr(LocalFS, method)
+
+        def spy(self: LocalFS, path: str, *a: Any, _real: Any = real, **k: Any) -> Any:
+            touched.append(path)
+            return _real(self, path, *a, **k)
+
+        monkeypatch.setattr(LocalFS, method, spy)
+    code, doc = cli_json(capsys, "verify", str(run), "--generation", "5")
+    assert code == 1 and "over the 268435456-byte limit" in doc["generations"][0]["reason"]
+    assert not [p for p in touched if p.endswith("state.json")]
+    touched.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt,
+                               identity=unbroken.Identity(config={"lr": 1e-2}, data="v1")) as c:
+        assert c.restore() == 4
+    assert not [p for p in touched if NEWEST in p and p.endswith("state.json")]
+
+
+_RSS_PROBE = """
+import json, sys
+from unbroken.cli import main
+import unbroken._runview, unbroken.state  # imported before the baseline
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":"))
+
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the peak (VmHWM) to the current resident size
+base = status("VmRSS")
+code = main(["verify", sys.argv[1], "--json"])
+print(json.dumps({"code": code, "grew_kib": status("VmHWM") - base}), file=sys.stderr)
+"""
+
+
+def test_verify_of_a_1_gib_generation_stays_within_128_mib(tmp_path: Path) -> None:
+    root = tmp_path / "big"
+    model = torch.nn.Linear(1 << 14, 1 << 14, bias=False)  # 2^28 float32 = 1 GiB
+    with torch.no_grad():
+        model.weight.normal_()
+    with unbroken.Checkpointer(root, model=model, keep=unbroken.Keep(last=1)) as c:
+        c.restore()
+        c.save(1)
+    del model
+    size = (root / "gen-000000001" / "model.safetensors").stat().st_size
+    assert size >= 1 << 30
+    r = subprocess.run([sys.executable, "-c", _RSS_PROBE, str(root)], capture_output=True,
+                       text=True, timeout=300, check=False)
+    result = json.loads(r.stderr.strip().splitlines()[-1])
+    assert result["code"] == 0, r.stdout
+    assert result["grew_kib"] < 128 * 1024, result
+    print(f"verify of {size} bytes: peak RSS +{result['grew_kib'] / 1024:.1f} MiB")

@@ -57,4 +57,4 @@ def test_kill_inside_save(tmp_path, ref, point, armed, expect):
     assert final[STEPS] == ref[STEPS]
     # No staging debris and no torn generation survive the finished run.
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["LOCK", "gen-000000008", "gen-000000010"], names
+    assert names == ["LOCK", "RUN.json", "gen-000000008", "gen-000000010"], names

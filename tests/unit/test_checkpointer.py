@@ -446,6 +446,8 @@ def test_progress_bar_for_slow_saves_and_loads(tmp_path, monkeypatch, capsys):
     assert "loading gen-000000001" in capsys.readouterr().err
     monkeypatch.setenv("UNBROKEN_PROGRESS", "0")
     model, opt, sched, ckpt = small_run(tmp_path / "run")
+    ckpt.restore()
+    ckpt.step_done(2)
     ckpt.save(2)
     ckpt.close()
     assert capsys.readouterr().err == ""

@@ -630,3 +630,91 @@ def test_counter_and_ordered_dict_keep_their_type_and_defaultdict_is_refused():
     assert type(out["o"]) is OrderedDict and list(out["o"]) == ["b", "a"]
     with pytest.raises(UnsupportedValue, match="defaultdict"):
         encode_tree({"d": defaultdict(int)})
+
+
+# -- issue 8: what the writer writes the reader reads; hostile names and numbers -----------------
+
+
+def test_numpy_arrays_and_large_bytes_go_to_the_tensor_file_not_into_json():
+    ids = np.arange(100_000, dtype=np.int64)
+    odd = np.array([[1.5, 2.5]], dtype=">f8")  # big-endian, kept exactly
+    record = np.array([b"abc", b"de"], dtype="S3")
+    blob = bytes(range(256)) * 64
+    tree = {"ids": ids, "odd": odd, "rec": record, "blob": blob, "small": b"\x00\x01",
+            "empty": np.zeros((0, 4), dtype=np.float32), "scalar": np.array(7, dtype=np.uint16)}
+    skeleton, tensors = encode_tree(tree)
+    text = dumps_json(skeleton)
+    assert len(text) < 2000 and set(tensors) == {"ids", "odd", "rec", "blob", "empty", "scalar"}
+    back, _ = full_roundtrip(tree)
+    for k in ("ids", "odd", "rec", "empty", "scalar"):
+        assert back[k].dtype == tree[k].dtype and back[k].shape == tree[k].shape
+        assert back[k].tobytes() == tree[k].tobytes()
+    assert back["blob"] == blob and back["small"] == b"\x00\x01"
+    back["ids"][0] = 5  # a writable array
+    with pytest.raises(UnsupportedValue, match="structured"):
+        encode_tree({"rec": np.zeros(3, dtype=[("a", "<i4"), ("b", "S3")])})
+
+
+def test_inline_base64_arrays_written_before_still_decode():
+    import base64
+
+    arr = np.arange(6, dtype="<u4").reshape(2, 3)
+    skeleton = {TAG: "ndarray", "dtype": "<u4", "shape": [2, 3],
+                "v": base64.b64encode(arr.tobytes()).decode()}
+    assert np.array_equal(decode_tree(skeleton, {}), arr)
+
+
+def test_surrogate_strings_round_trip_in_json_and_tensor_keys():
+    name = "shard-\udcff.bin"  # what os.fsdecode makes of an undecodable file name
+    tree = {name: torch.ones(2), "path": name, "nested": {name: [name]}}
+    skeleton, tensors = encode_tree(tree)
+    for key in tensors:
+        key.encode("utf-8")  # every tensor key is valid UTF-8 for any safetensors reader
+    data = dumps_json(skeleton)
+    assert decode_tree(loads_json(data, "x", 1 << 20), tensors) is not None
+    back, _ = full_roundtrip(tree)
+    assert back["path"] == name and back["nested"] == {name: [name]}
+    assert torch.equal(back[name], torch.ones(2))
+
+
+@pytest.mark.parametrize("name", ["nn", "testing", "distributed", "Tensor", "float128",
+                                  "__class__", "qint8", ["float32"], 5], ids=repr)
+def test_dtype_names_come_from_a_fixed_table_never_getattr(name):
+    import sys
+
+    before = set(sys.modules)
+    skeleton = {TAG: "dtype", "v": name}
+    with pytest.raises(CorruptCheckpoint, match="unknown torch dtype"):
+        decode_tree(skeleton, {})
+    assert set(sys.modules) == before  # no module imported by a name read from a file
+
+
+@pytest.mark.parametrize("skeleton", [
+    {TAG: "size", "v": [2 ** 70]}, {TAG: "size", "v": [-1]}, {TAG: "size", "v": [1.5]},
+    {TAG: "ndarray", "dtype": "<f4", "shape": [-1], "v": ""},
+    {TAG: "ndarray", "dtype": "<f4", "shape": [3], "v": "AAAA"},
+    {TAG: "ndarray", "dtype": "O", "shape": [1], "v": "AAAAAAAAAAA="},
+    {TAG: "ndarray", "dtype": "<f4", "shape": [1], "key": "absent"},
+    {TAG: "npscalar", "dtype": "<f8", "v": "AAAA"},
+    {TAG: "tensor", "key": "t", "dtype": "float32", "shape": [-1]},
+    {TAG: "tensor", "key": "t", "dtype": "float32", "shape": [3]},
+    {TAG: "tensor", "key": ["t"]},
+], ids=repr)
+def test_out_of_range_shapes_and_sizes_are_corruption(skeleton):
+    with pytest.raises(CorruptCheckpoint):
+        decode_tree(skeleton, {"t": torch.zeros(8, dtype=torch.uint8)})
+
+
+@pytest.mark.parametrize("text", [b"1e999", b"[-1e999]", b'{"a": 1e400}', b"1" + b"0" * 5000])
+def test_numbers_out_of_range_are_corruption(text):
+    with pytest.raises(CorruptCheckpoint):
+        loads_json(text, "state.json", 1 << 20)
+
+
+def test_the_writer_refuses_a_header_the_reader_would_refuse(monkeypatch):
+    import unbroken.codec as codec
+
+    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", 4096)
+    tensors = {f"t{i:04d}": torch.zeros(1) for i in range(200)}
+    with pytest.raises(UnsupportedValue, match="safetensors header, over the 4096-byte limit"):
+        encode_safetensors(tensors)

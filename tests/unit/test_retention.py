@@ -24,9 +24,9 @@ def gens(n: int, every_step: int = 100, metrics=None):
 def test_defaults_and_to_json():
     k = Keep()
     assert (k.last, k.every, k.best) == (3, None, None)
-    assert k.to_json() == {"last": 3, "every": None, "best": None}
-    k = Keep(last=2, every=1000, best=("val_loss", "min"))
-    assert k.to_json() == {"last": 2, "every": 1000, "best": ["val_loss", "min"]}
+    assert k.to_json() == {"last": 3, "every": None, "best": None, "aside": 2}
+    k = Keep(last=2, every=1000, best=("val_loss", "min"), aside=0)
+    assert k.to_json() == {"last": 2, "every": 1000, "best": ["val_loss", "min"], "aside": 0}
 
 
 @pytest.mark.parametrize("last", [0, -1, 1.0, "3", True, None])

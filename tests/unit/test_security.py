@@ -255,17 +255,19 @@ def test_safetensors_header_over_the_limit(claimed):
         decode_safetensors(data, "t.safetensors")
 
 
-def test_an_artifact_larger_than_memory_is_not_read(run):
+@pytest.mark.parametrize("name, why", [("model.safetensors", "more than this machine's memory"),
+                                       ("state.json", "over the 268435456-byte limit")])
+def test_an_artifact_larger_than_memory_is_not_read(run, name, why):
     gen = run / "gen-000000001"
     size = 1 << 43  # 8 TiB, sparse
-    with open(gen / "state.json", "r+b") as f:
+    with open(gen / name, "r+b") as f:
         f.truncate(size)
     doc = json.loads((gen / MANIFEST).read_bytes())
     for a in doc["artifacts"]:
-        if a["name"] == "state.json":
+        if a["name"] == name:
             a["size"] = size
     (gen / MANIFEST).write_bytes(seal(doc))
-    with pytest.raises(CorruptCheckpoint, match="memory"):
+    with pytest.raises(CorruptCheckpoint, match=why):
         restore(run)
 
 

@@ -579,3 +579,43 @@ def test_changing_the_folder_needs_the_lock(root, stores):
 
 def store_ok(root: Path) -> list[int]:
     return [i.generation for i in GenerationStore(root).scan() if i.ok]
+
+
+@pytest.mark.parametrize("name", ["gen-000000001\n", "gen-\u0660\u0660\u0660\u0660\u0660\u0660"
+                                  "\u0660\u0660\u0661", "gen-00000000\uff11", " gen-000000001",
+                                  "gen-000000001 ", "gen-00000001"], ids=repr)
+def test_only_ascii_generation_names_are_generations(root, stores, name):
+    store = stores(root)
+    commit(store, 2)
+    os.rename(gen_dir(root, 2), root / name)
+    assert store.scan() == []
+
+
+def test_aside_is_bounded_oldest_first(root, stores):
+    store = stores(root)
+    for g in range(1, 5):
+        commit(store, g)
+    for g in range(1, 5):
+        store.move_aside(store.scan_one(g), "corrupt" if g % 2 else "abandoned", keep=2)
+    entries = store.aside()
+    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000003", "corrupt"),
+                                                          ("gen-000000004", "abandoned")]
+    assert all(e.moved for e in entries) and not debris(root)
+    with pytest.raises(ValueError, match="why="):
+        store.move_aside(store.scan_one(4), "because")
+
+
+def test_verified_is_cached_by_file_identity(root, stores):
+    store = stores(root)
+    info = commit(store, 1)
+    assert store.verified(store.scan_one(1)) is None  # hashed once
+    hashed = []
+    real = store.fs.hash_file
+    store.fs.hash_file = lambda *a, **k: (hashed.append(a[0]), real(*a, **k))[1]
+    assert store.verified(store.scan_one(1)) is None and hashed == []  # cached
+    path = Path(info.path) / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[0] ^= 1
+    path.write_bytes(bytes(data))  # same size, new content: the identity changed
+    why = store.verified(store.scan_one(1))
+    assert why is not None and "content hash" in why and hashed

@@ -1,0 +1,113 @@
+"""RUN.json: which run a run folder holds, so that a generation copied in from another run is
+recognised and never continued silently.
+
+The record names the folder's run id and its *lineage*: the ids of other runs whose
+generations this run deliberately continued from (``restore(adopt=True)``). A generation
+whose run id is neither is foreign. The record is written once, before the first generation
+of the folder is committed (and again when a run is adopted), atomically: a temporary file,
+fsync, rename over the old record, fsync of the folder. It is sealed with the same checksum
+as a manifest, so an edit reads as corruption, never as another run id.
+
+A folder written before this record existed has none; its run is then the run of its oldest
+complete generation, and the record is written at the next save."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from ._fs import LocalFS
+from .codec import loads_json
+from .errors import CorruptCheckpoint
+from .manifest import check_seal, seal
+
+RUN_FILE = "RUN.json"
+RUN_SCHEMA = "unbroken.run/1"
+MAX_RUN_BYTES = 1024 * 1024
+_TMP_PREFIX = ".staging-run-"  # debris a writer's lock() removes, like a staging folder
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RunRecord:
+    """The run a folder holds, and the runs it adopted generations from."""
+
+    run_id: str
+    lineage: list[str] = field(default_factory=list)
+    created: str = ""
+
+    def accepts(self, run_id: str) -> bool:
+        """Whether a generation written by ``run_id`` belongs to this run."""
+        return run_id == self.run_id or run_id in self.lineage
+
+    def to_bytes(self) -> bytes:
+        return seal({"schema": RUN_SCHEMA, "run_id": self.run_id,
+                     "lineage": list(self.lineage), "created": self.created})
+
+
+def parse_run_record(data: bytes, where: str) -> RunRecord:
+    raw = loads_json(data, where, MAX_RUN_BYTES)
+    if not isinstance(raw, dict):
+        raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
+    check_seal(raw, where)
+    run_id, lineage, created = raw.get("run_id"), raw.get("lineage"), raw.get("created")
+    if raw.get("schema") != RUN_SCHEMA:
+        raise CorruptCheckpoint(f"{where}: schema {raw.get('schema')!r:.40}, this version of "
+                                f"unbroken reads {RUN_SCHEMA!r}")
+    if (not isinstance(run_id, str) or not isinstance(lineage, list)
+            or not all(isinstance(r, str) for r in lineage) or not isinstance(created, str)):
+        raise CorruptCheckpoint(f"{where}: needs a string 'run_id', a list 'lineage' of run "
+                                "ids and a string 'created'")
+    return RunRecord(run_id, lineage, created)
+
+
+def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
+    """The folder's record, ``None`` when it has none; ``CorruptCheckpoint`` when unreadable."""
+    where = os.path.join(root, RUN_FILE)
+    if not os.path.lexists(where):
+        return None
+    try:
+        data = fs.read_file(where, MAX_RUN_BYTES)
+    except OSError as e:
+        raise CorruptCheckpoint(f"{where}: unreadable ({e})") from None
+    return parse_run_record(data, where)
+
+
+def folder_run(root: str, fs: LocalFS, complete_run_ids: Iterable[str]
+               ) -> tuple[RunRecord | None, bool, str | None]:
+    """The run a folder holds: ``(record, on_disk, problem)``. Without a readable RUN.json
+    (a folder of an older version, or a damaged record: ``problem`` says which) it is the
+    run of the oldest complete generation (``complete_run_ids`` oldest first), and ``None``
+    for a folder without any."""
+    problem = None
+    try:
+        record = read_run_record(root, fs)
+    except CorruptCheckpoint as e:
+        record, problem = None, str(e)
+    if record is not None:
+        return record, True, None
+    oldest = next(iter(complete_run_ids), None)
+    return (RunRecord(oldest) if oldest is not None else None), False, problem
+
+
+def write_run_record(root: str, fs: LocalFS, record: RunRecord) -> None:
+    """Replace the folder's record atomically (the caller holds the writer lock)."""
+    if not record.created:
+        record.created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    tmp = os.path.join(root, f"{_TMP_PREFIX}{uuid.uuid4().hex[:12]}")
+    try:
+        fs.write_file(tmp, [record.to_bytes()])
+        fs.replace(tmp, os.path.join(root, RUN_FILE))
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    fs.fsync_dir(root)

@@ -1,0 +1,507 @@
+"""Regression tests for the promises a save and a restore keep (issue 8): save never loses
+what it wrote or what retention had to keep; restore never crashes on what it reads; every
+refusal is a typed error that names the file and the way on."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import unbroken
+from unbroken._fs import FaultyFS
+from unbroken.cli import main as cli_main
+from unbroken.errors import (
+    ReadOnlyRun,
+    RunNotRestored,
+    SaveFailed,
+    UnbrokenWarning,
+    UnsupportedValue,
+)
+from unbroken.manifest import MANIFEST, seal
+from unbroken.runrecord import RUN_FILE
+
+
+class Ids:
+    """An extra whose state is a big NumPy array (a data pipeline's id list)."""
+
+    def __init__(self, ids: np.ndarray) -> None:
+        self.ids = ids
+
+    def state_dict(self):
+        return {"ids": self.ids, "name": "shard-\udcff.bin"}  # an undecodable file name
+
+    def load_state_dict(self, state):
+        self.ids = state["ids"]
+        self.name = state["name"]
+
+
+def build(root, keep=None, extras=None, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt, keep=keep or unbroken.Keep(),
+                                 extras=extras)
+    return model, opt, ckpt
+
+
+def update(model, opt, ckpt, save=False, **metrics):
+    loss = model(torch.randn(5, 3)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    ckpt.step_done(ckpt.step + 1)
+    if save:
+        ckpt.save(metrics=metrics)
+
+
+def weights(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def gens(root) -> list[str]:
+    return sorted(n for n in os.listdir(root) if n.startswith("gen-"))
+
+
+def flip(path: Path, offset: int = -1) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def reseal_listing(gen: Path, name: str, data: bytes) -> None:
+    """Replace an artifact and reseal the manifest around it: hash and size then match, so the
+    decoders are what meets the content."""
+    import xxhash
+
+    (gen / name).write_bytes(data)
+    doc = json.loads((gen / MANIFEST).read_bytes())
+    for a in doc["artifacts"]:
+        if a["name"] == name:
+            a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
+    (gen / MANIFEST).write_bytes(seal(doc))
+
+
+# -- 1. save never deletes what it just saved; the first save into a used folder is refused ---
+
+
+def test_first_save_into_a_used_folder_without_restore_is_refused_up_front(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    for _ in range(10):
+        update(model, opt, ckpt)
+    ckpt.save()
+    run_id = ckpt.run_id
+    ckpt.close()
+    model, opt, ckpt = build(root)  # a script that forgot restore()
+    update(model, opt, ckpt)
+    update(model, opt, ckpt)
+    with pytest.raises(RunNotRestored) as e:
+        ckpt.save()
+    msg = str(e.value)
+    assert run_id in msg and "step 10" in msg and "restore()" in msg and "another" in msg
+    assert gens(root) == ["gen-000000010"]  # nothing written, nothing deleted
+    assert not [n for n in os.listdir(root) if n.startswith(".staging")]
+    ckpt.close()
+
+
+def test_the_generation_just_committed_is_never_deleted(tmp_path):
+    """An abandoned newer generation that cannot be moved aside stays the highest number;
+    retention with last=1 used to keep only that one and delete the new save at once."""
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=5))
+    ckpt.restore()
+    for _ in range(10):
+        update(model, opt, ckpt, save=True)
+    ckpt.close()
+    stuck = FaultyFS(kind="rename", match="gen-000000010", times=-1)
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=1))
+    ckpt.store.fs = stuck
+    with pytest.warns(UnbrokenWarning, match="gen-000000010: abandoned; could not be moved"):
+        assert ckpt.restore(generation=8) == 8
+    update(model, opt, ckpt)
+    with pytest.warns(UnbrokenWarning, match="retried at the next save"):
+        ckpt.save()
+    saved = weights(model)
+    assert gens(root) == ["gen-000000009", "gen-000000010"]
+    ckpt.close()
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=1), seed=7)
+    ckpt.store.fs = stuck
+    with pytest.warns(UnbrokenWarning):
+        assert ckpt.restore(generation=9) == 9  # the one just saved was kept, as written
+    assert same(weights(model), saved)
+    ckpt.close()
+
+
+def test_a_leftover_in_the_way_of_a_save_is_moved_aside_or_named(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=5))
+    ckpt.restore()
+    for _ in range(3):
+        update(model, opt, ckpt, save=True)
+    ckpt.close()
+    (root / "aside").write_text("not a folder")  # moving aside fails
+    model, opt, ckpt = build(root)
+    with pytest.warns(UnbrokenWarning, match="could not be moved aside"):
+        assert ckpt.restore(generation=2) == 2
+    update(model, opt, ckpt)
+    with pytest.raises(SaveFailed, match="in the way of generation 3.*by hand"):
+        ckpt.save()  # gen 3 (abandoned) is never overwritten
+    (root / "aside").unlink()
+    ckpt.save()
+    assert [e.reason for e in ckpt.store.aside()] == ["abandoned"]
+    ckpt.close()
+
+
+# -- 2. retention decides on verified generations ---------------------------------------------
+
+
+def test_retention_never_counts_a_rotten_generation_as_a_kept_copy(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=2))
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    at_one = weights(model)
+    update(model, opt, ckpt, save=True)
+    flip(root / "gen-000000002" / "model.safetensors")  # the newest rots on disk
+    with pytest.warns(UnbrokenWarning, match="corrupt generation, moved aside.*gen-000000002"):
+        update(model, opt, ckpt, save=True)
+    assert gens(root) == ["gen-000000001", "gen-000000003"]  # the good older one stays
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+    flip(root / "gen-000000003" / "model.safetensors")  # and then the newest rots too
+    ckpt.close()
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=2), seed=1)
+    assert ckpt.restore() == 1
+    assert same(weights(model), at_one)
+    ckpt.close()
+
+
+def test_retention_verifies_from_a_cache_keyed_by_file_identity(tmp_path, monkeypatch):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=3))
+    ckpt.restore()
+    hashed: list[str] = []
+    real = ckpt.store.fs.hash_file
+
+    def counting(path, *a, **k):
+        hashed.append(os.path.basename(os.path.dirname(path)))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(ckpt.store.fs, "hash_file", counting)
+    for _ in range(6):
+        update(model, opt, ckpt, save=True)
+    # each generation hashed once, by its own read-back; retention reused the verdicts
+    per_gen = {g: hashed.count(g) for g in set(hashed)}
+    assert set(per_gen.values()) == {len(os.listdir(root / "gen-000000006")) - 1}
+    ckpt.close()
+
+
+# -- 3. what save writes, restore can read --------------------------------------------------
+
+
+def test_a_big_array_in_an_extra_goes_to_safetensors_and_round_trips(tmp_path):
+    ids = np.arange(3_000_000, dtype=np.int64)[::-1].copy()
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, extras={"ids": Ids(ids)})
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    gen = root / "gen-000000001"
+    assert (gen / "state.json").stat().st_size < 64 * 1024
+    assert (gen / "extra.ids.safetensors").stat().st_size > ids.nbytes
+    restored = Ids(np.zeros(1))
+    model, opt, ckpt = build(root, extras={"ids": restored})
+    assert ckpt.restore() == 1
+    assert np.array_equal(restored.ids, ids) and restored.ids.dtype == ids.dtype
+    assert restored.name == "shard-\udcff.bin"  # a surrogate-escaped name survives exactly
+    ckpt.close()
+
+
+def test_a_state_over_the_readers_limit_is_refused_before_anything_is_written(tmp_path,
+                                                                             monkeypatch):
+    import unbroken.state as S
+
+    monkeypatch.setattr(S, "MAX_STATE_BYTES", 64 * 1024)
+    root = tmp_path / "run"
+
+    class Notes:
+        notes: list[str] = []
+
+        def state_dict(self):
+            return {"notes": self.notes}
+
+        def load_state_dict(self, state):
+            self.notes = state["notes"]
+
+    notes = Notes()
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=1), extras={"notes": notes})
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    notes.notes = ["x" * 100] * 1000
+    update(model, opt, ckpt)
+    with pytest.raises(UnsupportedValue, match=r"state.json would be .* over the 65536-byte "
+                                                r"limit.*'extra.notes'"):
+        ckpt.save()
+    assert gens(root) == ["gen-000000001"]  # retention never ran: the older one is untouched
+    ckpt.close()
+
+
+def test_an_unencodable_extra_names_its_part(tmp_path):
+    import collections
+
+    class Window:
+        def state_dict(self):
+            return {"recent": collections.deque([1, 2])}
+
+        def load_state_dict(self, state):
+            pass
+
+    model, opt, ckpt = build(tmp_path / "run", extras={"window": Window()})
+    ckpt.restore()
+    update(model, opt, ckpt)
+    with pytest.raises(UnsupportedValue, match=r"part 'extra.window': recent: .*deque"):
+        ckpt.save()
+    ckpt.close()
+
+
+# -- 4. another run's generation is never continued silently ------------------------------------
+
+
+def two_runs(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, steps in ((a, 4), (b, 2)):
+        model, opt, ckpt = build(root, seed=len(str(root)))
+        ckpt.restore()
+        for _ in range(steps):
+            update(model, opt, ckpt, save=True)
+        ckpt.close()
+    shutil.copytree(a / "gen-000000004", b / "gen-000000004")  # byte for byte
+    return a, b
+
+
+def test_a_generation_copied_from_another_run_is_refused_and_moved_aside(tmp_path):
+    a, b = two_runs(tmp_path)
+    model, opt, ckpt = build(b)
+    assert ckpt.restore() == 2
+    path, why = ckpt.rejected[0]
+    assert path.endswith("gen-000000004") and "written by run" in why and "adopt=True" in why
+    assert [e.reason for e in ckpt.store.aside()] == ["foreign"]
+    ckpt.close()
+
+
+def test_adopt_continues_from_a_foreign_generation_and_records_the_lineage(tmp_path, capsys):
+    a, b = two_runs(tmp_path)
+    foreign_run = json.loads((a / RUN_FILE).read_bytes())["run_id"]
+    code = cli_main(["inspect", str(b)])
+    assert code == 1 and "foreign" in capsys.readouterr().out
+    model, opt, ckpt = build(b)
+    assert ckpt.restore(adopt=True) == 4
+    own = ckpt.run_id
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    record = json.loads((b / RUN_FILE).read_bytes())
+    assert record["run_id"] == own != foreign_run and record["lineage"] == [foreign_run]
+    assert cli_main(["verify", str(b)]) == 0  # gen 4 is part of the run now
+    model, opt, ckpt = build(b)
+    assert ckpt.restore(generation=4) == 4  # adopted: no longer foreign
+    ckpt.close()
+
+
+# -- 5, 6. values that used to crash -------------------------------------------------------------
+
+
+def test_a_nan_loss_at_a_save_step_is_stored_and_ranks_last_for_best(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=1, best=("loss", "min")))
+    ckpt.restore()
+    for loss in (float("nan"), 0.5, float("nan"), float("inf")):
+        update(model, opt, ckpt)
+        ckpt.save(metrics={"loss": torch.tensor(loss)})
+    ckpt.close()
+    assert gens(root) == ["gen-000000002", "gen-000000004"]  # best 0.5, and the newest
+    doc = json.loads((root / "gen-000000004" / MANIFEST).read_bytes())
+    assert doc["metrics"] == {"loss": "inf"}
+    code = cli_main(["inspect", str(root), "--json"])
+    assert code == 0
+
+
+def test_step_done_with_a_nan_loss_saves(tmp_path):
+    model, opt, ckpt = build(tmp_path / "run")
+    ckpt.every = 1
+    ckpt.restore()
+    loss = model(torch.randn(5, 3)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    assert ckpt.step_done(1, loss=torch.tensor(float("nan")))
+    ckpt.close()
+
+
+@pytest.mark.parametrize("value", ["high", [1.0], 10 ** 400, torch.ones(2)], ids=repr)
+def test_a_metric_that_is_not_a_number_is_refused_before_writing(tmp_path, value):
+    model, opt, ckpt = build(tmp_path / "run")
+    ckpt.restore()
+    update(model, opt, ckpt)
+    with pytest.raises(UnsupportedValue, match="metric 'acc'"):
+        ckpt.save(metrics={"acc": value})
+    assert gens(tmp_path / "run") == []
+    ckpt.close()
+
+
+@pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"1" + b"0" * 5000])
+def test_an_out_of_range_number_in_a_state_file_falls_back(tmp_path, number):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    at_one = weights(model)
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    gen = root / "gen-000000002"
+    text = (gen / "state.json").read_bytes().replace(b'"step":2', b'"step":' + number, 1)
+    reseal_listing(gen, "state.json", text)
+    model, opt, ckpt = build(root, seed=3)
+    assert ckpt.restore() == 1
+    assert same(weights(model), at_one)
+    assert "gen-000000002" in ckpt.rejected[0][0]
+    ckpt.close()
+
+
+# -- 7. unwritable folders and failing moves ------------------------------------------------------
+
+
+def test_restore_falls_back_when_a_refused_generation_cannot_be_moved_aside(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    at_one = weights(model)
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    flip(root / "gen-000000002" / "model.safetensors")
+    for err in (errno.EPERM, errno.EIO):
+        model, opt, ckpt = build(root, seed=4)
+        ckpt.store.fs = FaultyFS(kind="rename", err=err, times=-1)
+        with pytest.warns(UnbrokenWarning, match="could not be moved aside.*left in place"):
+            assert ckpt.restore() == 1
+        assert same(weights(model), at_one)
+        assert (root / "gen-000000002").exists()
+        ckpt.close()
+
+
+def _refuse_lock_file(monkeypatch, err):
+    import unbroken.store as store
+
+    real = os.open
+
+    def fake_open(path, flags, *a, **k):
+        if str(path).endswith("LOCK") and flags & os.O_CREAT:
+            raise OSError(err, os.strerror(err), path)
+        return real(path, flags, *a, **k)
+
+    monkeypatch.setattr(store.os, "open", fake_open)
+
+
+@pytest.mark.parametrize("err", [errno.EROFS, errno.EACCES, errno.ENOSPC])
+def test_a_folder_that_cannot_be_written_restores_and_refuses_only_the_save(tmp_path,
+                                                                           monkeypatch, err):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    at_one = weights(model)
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    flip(root / "gen-000000002" / "model.safetensors")  # restore must not try to move it
+    _refuse_lock_file(monkeypatch, err)
+    before = sorted(os.listdir(root))
+    with pytest.warns(UnbrokenWarning, match="opened read-only"):
+        model, opt, ckpt = build(root, seed=5)
+    assert ckpt.read_only is not None
+    assert ckpt.restore() == 1 and same(weights(model), at_one)
+    assert sorted(os.listdir(root)) == before  # nothing written, nothing moved
+    update(model, opt, ckpt)
+    with pytest.raises(ReadOnlyRun, match=f"cannot save: .*{errno.errorcode[err]}"):
+        ckpt.save()
+    ckpt.close()
+
+
+def test_a_filesystem_without_locks_is_not_reported_as_another_writer(tmp_path, monkeypatch):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+
+    def no_locks(fd, op, *a):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, opt, ckpt = build(root)
+    text = " ".join(str(w.message) for w in caught)
+    assert "ENOLCK" in text and "no POSIX locks" in text and "another live process" not in text
+    assert ckpt.restore() == 1
+    update(model, opt, ckpt)
+    with pytest.raises(ReadOnlyRun, match="ENOLCK"):
+        ckpt.save()
+    ckpt.close()
+
+
+def test_a_read_only_checkpointer_becomes_the_writer_when_the_disk_allows_it(tmp_path,
+                                                                            monkeypatch):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    flip(root / "gen-000000002" / "model.safetensors")
+    with monkeypatch.context() as m:
+        _refuse_lock_file(m, errno.ENOSPC)
+        with pytest.warns(UnbrokenWarning):
+            model, opt, ckpt = build(root)
+        assert ckpt.restore() == 1  # gen 2 refused; moving it aside waits for the lock
+    update(model, opt, ckpt)
+    ckpt.save()  # space is back: the lock is taken, gen 2 moved aside, gen 2 written anew
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+    assert gens(root) == ["gen-000000001", "gen-000000002"]
+    ckpt.close()
+
+
+# -- 10. aside/ is labelled by the real reason and bounded -----------------------------------------
+
+
+def test_aside_is_labelled_by_reason_and_bounded(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=5, aside=2))
+    ckpt.restore()
+    for _ in range(5):
+        update(model, opt, ckpt, save=True)
+    ckpt.close()
+    for step in (5, 4, 3):
+        flip(root / f"gen-{step:09d}" / "model.safetensors")  # a hash failure, not "abandoned"
+        model, opt, ckpt = build(root, keep=unbroken.Keep(last=5, aside=2))
+        assert ckpt.restore() == step - 1
+        ckpt.close()
+    entries = ckpt.store.aside()
+    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000004", "corrupt"),
+                                                          ("gen-000000003", "corrupt")]
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=5, aside=2))
+    assert ckpt.restore(generation=1) == 1
+    ckpt.close()
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt", "abandoned"]
