@@ -69,10 +69,11 @@ def _dtype_from_name(name: object, where: str) -> torch.dtype:
 
 
 def _shape(value: object, count: int, where: str) -> list[int]:
-    """A stored shape: a list of non-negative ints whose product is ``count``."""
+    """A stored shape: a list of non-negative ints whose product is ``count`` (and whose
+    strides fit an int64 even when a zero dimension makes the product 0)."""
     if (not isinstance(value, list) or len(value) > 64
             or not all(type(d) is int and 0 <= d < 1 << 62 for d in value)
-            or math.prod(value) != count):
+            or math.prod(value) != count or math.prod(max(d, 1) for d in value) >= 1 << 62):
         raise CorruptCheckpoint(f"{where}: shape {value!r:.80} does not hold {count} elements")
     return value
 
@@ -310,6 +311,9 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
             raise ValueError(f"{raw.nbytes} bytes do not hold whole {np_dtype} elements")
         shape = _shape(obj["shape"], raw.nbytes // np_dtype.itemsize, "ndarray")
         array = np.frombuffer(raw, dtype=np_dtype).reshape(shape)
+        if np_dtype.kind == "U" and array.size and int(
+                array.view(np_dtype.byteorder.replace("|", "=") + "u4").max()) > 0x10FFFF:
+            raise ValueError("a string array holds code points beyond U+10FFFF")
         # A view into the tensor file's buffer, which the restored tree owns; base64 bytes
         # are immutable and an unaligned view is slow: those are copied.
         return array.copy() if "v" in obj or not array.flags.aligned else array
@@ -443,8 +447,10 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
     for key, entry in header.items():
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (dtype in _ITEMSIZE and isinstance(shape, list)
+            ok = (dtype in _ITEMSIZE and isinstance(shape, list) and len(shape) <= 64
                   and all(type(d) is int and d >= 0 for d in shape)
+                  # strides must fit torch's int64 even when a zero makes the product 0
+                  and math.prod(max(d, 1) for d in shape) < 1 << 62
                   and type(begin) is int and type(end) is int)
         except (TypeError, KeyError, ValueError):
             ok = False
