@@ -84,18 +84,31 @@ def digest_tree(obj: Any) -> str:
 
 
 
-def digest_modules(modules: list[torch.nn.Module]) -> str:
-    """Digest of the parameters and buffers of ``modules`` (``list(model.modules())``, built
-    once by the caller: walking the module tree costs more than hashing a small model)."""
-    h = xxhash.xxh3_64()
+def digest_modules(modules: list[torch.nn.Module]) -> tuple[str, str | None, str]:
+    """Digests of ``modules`` (``list(model.modules())``, built once by the caller: walking
+    the module tree costs more than hashing a small model): (parameters and persistent
+    buffers: what a generation saves; non-persistent buffers, or None when there are none:
+    caches a module rebuilds, never saved; the train/eval mode of every module)."""
+    saved, rebuilt = xxhash.xxh3_64(), xxhash.xxh3_64()
+    modes = bytearray()
+    any_rebuilt = False
     for m in modules:
         for p in m._parameters.values():
             if p is not None:
-                _feed(h, p.data)
-        for b in m._buffers.values():
-            if b is not None:
-                _feed(h, b.data)
-    return h.hexdigest()
+                _feed(saved, p.data)
+        skip = m._non_persistent_buffers_set
+        for name, b in m._buffers.items():
+            if b is None:
+                continue
+            if name in skip:
+                any_rebuilt = True
+                rebuilt.update(name.encode())
+                _feed(rebuilt, b.data)
+            else:
+                _feed(saved, b.data)
+        modes.append(m.training)
+    return (saved.hexdigest(), rebuilt.hexdigest() if any_rebuilt else None,
+            xxhash.xxh3_64(bytes(modes)).hexdigest())
 
 
 def digest_optimizer(optimizer: torch.optim.Optimizer, moments: bool = True) -> str:

@@ -19,6 +19,8 @@ import torch
 from . import state as S
 from ._fs import fault_point, filesystem_type, rename_is_atomic
 from ._progress import Progress
+from .boundary import Preemption, UpdateWatch
+from .codec import encode_tree
 from .errors import (
     CorruptCheckpoint,
     ForeignGeneration,
@@ -52,6 +54,20 @@ def _steps_from_env(name: str) -> frozenset[int]:
     except ValueError:
         raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
 _EXTRA_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}", re.ASCII)  # used with fullmatch
+
+
+def _dry_encode(parts: Mapping[str, Any]) -> None:
+    """Encode every part but the model and optimizer (tensors only, checked at save) once, so
+    that a value the format cannot store (a deque, a set) is named with its part and key when
+    the Checkpointer is built."""
+    small = {name: obj for name, obj in parts.items() if name not in (S.MODEL, S.OPTIMIZER)}
+    for name, tree in S.capture(small, torch.nn.Module()).items():
+        try:
+            encode_tree(tree, "")
+        except UnsupportedValue as e:
+            raise UnsupportedValue(f"part {name!r}: {e}; make its state_dict() return "
+                                   "tensors, arrays, numbers, strings, bytes, lists, tuples or "
+                                   "dicts") from None
 
 
 def _metric(name: str, value: object) -> float:
@@ -118,7 +134,8 @@ class Checkpointer:
                  scaler: Any = None, data: Any = None, extras: Mapping[str, Any] | None = None,
                  generators: Mapping[str, Any] | None = None, identity: Identity | None = None,
                  every: int | None = None, keep: Keep | None = None,
-                 trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10) -> None:
+                 trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10,
+                 signals: Iterable[int] = (), stop_deadline: float | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if every is not None and (type(every) is not int or every < 1):
@@ -148,6 +165,7 @@ class Checkpointer:
                 raise TypeError(f"{name} needs state_dict() and load_state_dict()")
         self._parts[S.RNG] = RNGStreams(generators or {})
         self._parts[S.COUNTERS] = self._counters
+        _dry_encode(self._parts)  # a value save cannot store fails now, not hours in
 
         self._save_at = _steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
@@ -177,6 +195,10 @@ class Checkpointer:
         trace = os.environ.get(TRACE_ENV) or trace
         hash_every = int(os.environ.get(TRACE_HASH_ENV) or trace_hash_every)
         self._trace = TraceRecorder(trace, self._parts, hash_every) if trace else None
+        self._watch = UpdateWatch(optimizer, data)
+        self._watch.boundary(0, self._counters.epoch)
+        self._preemption = Preemption(signals, stop_deadline)
+        self.should_stop = False  # set by step_done after the save a signal asked for
 
     @property
     def run_id(self) -> str:
@@ -213,10 +235,12 @@ class Checkpointer:
 
     def step_done(self, step: int, *, loss: float | torch.Tensor | None = None,
                   batch: Any = None, grad_norm: float | torch.Tensor | None = None,
-                  **metrics: float) -> bool:
+                  **metrics: float | torch.Tensor) -> bool:
         """Mark the update boundary after update ``step`` (1-based count of completed updates);
-        trace it, and save when ``every`` is due. ``batch`` and ``grad_norm`` only feed the
-        trace. Returns whether a generation was written."""
+        trace it, and save when ``every`` is due or a signal asked to stop (then
+        ``should_stop`` becomes True: leave the training loop). ``batch``, ``grad_norm`` and
+        the ``metrics`` (e.g. ``val_loss=...``, also stored in the manifest when saving) feed
+        the trace. Returns whether a generation was written."""
         if type(step) is not int or step != self._counters.step + 1:
             raise UpdateBoundaryError(
                 f"step_done({step!r}) after step {self._counters.step}: call it once per "
@@ -225,23 +249,45 @@ class Checkpointer:
             raise UpdateBoundaryError(
                 f"step_done({step}) in the middle of an update window of the data loader; "
                 "call it after the optimizer step that ends the window")
+        values = {name: _metric(name, v) for name, v in metrics.items()}
         self._counters.step = step
         if self._trace is not None:
-            self._trace.update(step, loss, batch, grad_norm)
+            self._trace.update(step, self._watch.epoch, loss, batch, grad_norm,
+                               self._watch.applied_lrs(), self._watch.steps, values)
+        self._watch.boundary(step, self._counters.epoch)
         saved = False
-        if self.every and step % self.every == 0 or step in self._save_at:
+        stop = self._preemption.due
+        if self.every and step % self.every == 0 or step in self._save_at or stop:
             if loss is not None:
-                metrics.setdefault("loss", float(loss.detach() if isinstance(loss, torch.Tensor)
-                                                 else loss))
-            saved = self.save(step, metrics=metrics) is not None
+                values.setdefault("loss", _metric("loss", loss))
+            saved = self._save(step, values) is not None
+        if stop:
+            self._preemption.done()
+            self.should_stop = True
+            assert self._preemption.requested is not None
+            log.warning("stopping after update %d on %s; generation %d is committed", step,
+                        self._preemption.requested.name, step)
+            if self._trace is not None:
+                self._trace.stopped(step, self._preemption.requested.name)
         fault_point("step-done", step)  # the harness's deterministic "kill after update K"
         return saved
 
-    @_gc_paused
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:
-        """Write generation ``step`` (default: the current count) synchronously, read it back,
-        verify it, then apply retention. Saving the same step twice is a no-op."""
+        """Write generation ``step`` synchronously, read it back, verify it, then apply
+        retention. Saving the same step twice is a no-op.
+
+        Without ``step`` (the count ``step_done`` reached), the call must come at an update
+        boundary: if ``optimizer.step()`` ran or the data loader handed out a batch since the
+        last ``step_done``, it raises `UpdateBoundaryError` (a save from a signal handler lands
+        there; use ``signals=`` instead). A ``step`` beyond the last ``step_done`` declares that
+        many completed updates (for loops that do not call ``step_done``)."""
+        if step is None or step == self._counters.step:
+            self._watch.check_boundary(self._counters.step)
+        return self._save(step, {name: _metric(name, v) for name, v in (metrics or {}).items()})
+
+    @_gc_paused
+    def _save(self, step: int | None, values: dict[str, float]) -> GenerationInfo | None:
         step = self._counters.step if step is None else step
         if type(step) is not int or step < 0:
             raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")
@@ -254,7 +300,6 @@ class Checkpointer:
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
-        values = {name: _metric(name, v) for name, v in (metrics or {}).items()}
         self._become_writer()
         self._check_first_save()
         self._counters.step = step
@@ -437,10 +482,16 @@ class Checkpointer:
             self._restored = True
             self._after_restore(0, None)
             return 0
-        info, ready, _ = self._newest_loadable(self.store, scanned, generation, "continue",
-                                               allow, adopt)
+        info, ready, tree = self._newest_loadable(self.store, scanned, generation, "continue",
+                                                  allow, adopt)
         manifest = info.manifest
         assert manifest is not None
+        if self.optimizer is not None:
+            for change in S.param_group_changes(tree[S.OPTIMIZER], self.optimizer,
+                                                scheduled=S.SCHEDULER in self._parts):
+                warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
+                              "(to change a hyperparameter, set it after restore(), or "
+                              "warm_start a new run)", UnbrokenWarning, stacklevel=2)
         S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, "")))
         self._restored = True
         labels = dict(self._labels)
@@ -462,6 +513,7 @@ class Checkpointer:
         return manifest.step
 
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
+        self._watch.boundary(step, self._counters.epoch)
         if self._trace is not None:
             self._trace.restored(step, os.path.basename(info.path) if info else None,
                                  [os.path.basename(p) for p, _ in self.rejected])
@@ -566,8 +618,11 @@ class Checkpointer:
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Release the run folder's writer lock and close the trace."""
+        """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
+        close the trace."""
         self.store.unlock()
+        self._watch.close()
+        self._preemption.close()
         if self._trace is not None:
             self._trace.close()
 

@@ -36,8 +36,8 @@ from ._runview import (
     rows,
     verify_one,
 )
+from .checkplan import PHASES
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
-from .harness import PHASES
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cmd.run(args)
     except UsageError as e:
-        _error(str(e))
-        return EXIT_USAGE
+        return _fail(args, str(e), EXIT_USAGE)
     except BrokenPipeError:  # the reader went away (`unbroken inspect RUN | head`)
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -118,18 +117,22 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return EXIT_USAGE
     except _PROBLEMS as e:
-        _error(str(e))
-        return EXIT_PROBLEM
+        return _fail(args, str(e), EXIT_PROBLEM)
     except (UnbrokenError, OSError) as e:
-        _error(str(e))
-        return EXIT_USAGE
+        return _fail(args, str(e), EXIT_USAGE)
     except KeyboardInterrupt:
-        _error("interrupted")
-        return 130
+        return _fail(args, "interrupted", 130)
     except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
-        _error(f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please report it "
-               "with this message)")
-        return EXIT_USAGE
+        return _fail(args, f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please "
+                           "report it with this message)", EXIT_USAGE)
+
+
+def _fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """Report an error: on stderr, and with ``--json`` also as a JSON document on stdout."""
+    _error(message)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": message, "exit_status": code}, indent=2))
+    return code
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -226,17 +229,22 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
 
 @command("check", "prove that a training script resumes exactly: kill it, resume, compare",
          arg("--at", type=int, action="append", default=[], metavar="K",
-             help="interrupt at update K (repeatable)"),
-         arg("--random", type=int, default=0, metavar="N", help="N random interruption points"),
+             help="interrupt at update K only (repeatable; each its own case)"),
+         arg("--random", type=int, default=0, metavar="N",
+             help="add N random interruption points to the default plan"),
          arg("--seed", type=int, default=0, metavar="S", help="seed of the random points"),
          arg("--phase", action="append", default=[], choices=PHASES,
-             help="where to kill (repeatable; default: all three)"),
+             help="how to interrupt (repeatable): after-update, mid-save, after-commit, "
+                  "mid-update (SIGKILL) or sigterm (the script must stop cleanly); default: "
+                  "each place's own"),
          arg("--rtol", type=float, default=0.0, help="relative tolerance (default: exact)"),
          arg("--atol", type=float, default=0.0, help="absolute tolerance (default: exact)"),
          arg("--exact-steps", type=int, default=None, metavar="N",
              help="with a tolerance: still exact for the first N updates after each resume"),
          arg("--plot", metavar="FILE.png", help="draw losses and their differences"),
          arg("--workdir", metavar="DIR", help="keep runs, traces and logs in DIR"),
+         arg("--keep", action="store_true",
+             help="keep the temporary working folder (removed by default)"),
          arg("--drop", metavar="PART", help="fault injection: do not restore PART on resume "
              "(optimizer, scheduler, scaler, data, rng, rng.<stream>, weights_only)"),
          arg("--reference", metavar="TRACE", help="reuse the trace of an earlier uninterrupted "
@@ -245,13 +253,16 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
          arg("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
              help="the training command"))
 def _check(args: argparse.Namespace) -> int:
-    """Run CMD uninterrupted, then for each interruption point run it again, kill it with a
-    real SIGKILL at that point (after an update, in the middle of a save, or right after a
-    commit), resume it in a fresh process and compare every update's trace with the
-    uninterrupted run: sample ids, learning rate, exact loss, gradient norm, and digests of
-    parameters, optimizer, scheduler, scaler, data cursor and each RNG stream. Exit 0 when
-    every case is equivalent, 1 when one diverges (naming the first step, field and state
-    part), 2 on a usage or environment error."""
+    """Run CMD uninterrupted, then run it again interrupted at the structurally risky places
+    (first and last update of each epoch, the update after a save, inside a save, inside an
+    update, the first update after a resume, the final update; --random N adds random
+    points; --at K chooses points instead), resume it in a fresh process after each, and
+    compare every update's trace with the uninterrupted run: sample ids, the learning rate
+    the optimizer applied, optimizer steps taken, exact loss, gradient norm, the metrics given
+    to step_done, and digests of parameters, optimizer, scheduler, scaler, data cursor and
+    each RNG stream. Exit 0 when every case is equivalent, 1 when one diverges (naming the
+    first step, field and the part to fix) or a process failed, 2 on a usage error."""
+    import shutil
     import tempfile
 
     from .harness import format_report, run_check
@@ -263,21 +274,33 @@ def _check(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("no command: unbroken check [options] -- python train.py ...")
-    if not args.at and not args.random:
-        args.random = 3
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401  -- checked before minutes of training, not after
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'unbroken[plot]'") from None
+    temporary = args.workdir is None and not args.keep
     workdir = args.workdir or tempfile.mkdtemp(prefix="unbroken-check-")
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    report = run_check(cmd, workdir, at=args.at, random_n=args.random, seed=args.seed,
-                       phases=args.phase, rtol=args.rtol, atol=args.atol,
-                       exact_steps=args.exact_steps, drop=args.drop,
-                       reference_trace=args.reference, timeout=args.timeout,
-                       progress=say)
-    if args.plot:
-        from .plot import plot_check
+    try:
+        report = run_check(cmd, workdir, at=args.at, random_n=args.random, seed=args.seed,
+                           phases=args.phase, rtol=args.rtol, atol=args.atol,
+                           exact_steps=args.exact_steps, drop=args.drop,
+                           reference_trace=args.reference, timeout=args.timeout,
+                           progress=say)
+        if args.plot:
+            from .plot import plot_check
 
-        plot_check(report, args.plot)
-    payload = {**report.to_json(), "workdir": workdir, "plot": args.plot}
-    return emit(args, payload, format_report(report, workdir), report.verdict == "equivalent")
+            plot_check(report, args.plot)
+    except BaseException:
+        temporary = False  # the error names files in it: keep them
+        raise
+    finally:
+        if temporary:
+            shutil.rmtree(workdir, ignore_errors=True)
+    kept = None if temporary else workdir
+    payload = {**report.to_json(), "workdir": kept, "plot": args.plot}
+    return emit(args, payload, format_report(report, kept), report.verdict == "equivalent")
 
 
 @command("demo", "kill a training run, resume it, prove equivalence, show defective resumes",

@@ -1,11 +1,30 @@
 """Compare an interrupted-and-resumed run's trace with the uninterrupted one.
 
-The report names the first step and field that differ, the state part that explains it, every
-other part that also differs at that step, and whether the difference is a **jump** at the
-resume step (missing or wrong state) or a **drift** growing from tiny values (numerical
+The report names the first step and field that differ, the state part **a user must fix**,
+every other part that also differs at that step, and whether the difference is a **jump** at
+a resume (missing or wrong state) or a **drift** growing from tiny values (numerical
 nondeterminism). Levels: exact (bitwise, the default), a tolerance (rtol/atol on loss, grad
-norm and learning rate; digests of numerically drifting state are then not compared), or exact
-for the first ``exact_steps`` updates after the resume and the tolerance after that."""
+norm, metrics and learning rate; digests of numerically drifting state are then not
+compared), or exact for the first ``exact_steps`` updates after a resume and the tolerance
+after that. A run may be resumed several times (a chain of interruptions): each difference is
+explained from the resume before it.
+
+How a part is named, in order:
+
+1. A registered part whose digest right after the restore differs from what the interrupted
+   process had at that step was not restored: that part.
+2. Otherwise every registered part came back equal, and the first field that differs at the
+   first differing update says what changed *after* the restore: the data (ids, epoch), the
+   learning rate the optimizer applied (the scheduler, or one that is not registered), the
+   optimizer steps taken (the GradScaler, registered or not), the optimizer's hyperparameters
+   or step counts (the optimizer: recreated or edited), the model's train/eval mode, an RNG
+   stream (reseeded or drawn from after ``restore()``), an extra.
+3. Otherwise only numbers the script computes differ (loss, gradient norm, metrics,
+   parameters): state the Checkpointer does not capture (a Python global, an unregistered
+   generator or model, an EMA), with the first field.
+
+Non-persistent buffers (caches a model rebuilds, such as a rotary-embedding table built on
+first use) are never saved: a difference there is reported as a note, never as divergence."""
 
 from __future__ import annotations
 
@@ -15,16 +34,13 @@ from dataclasses import asdict, dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
 
-# Which state part explains a difference in each trace field.
-PART_OF_FIELD = {"ids": "data position", "batch": "data", "lr": "scheduler",
-                 "loss": "numerics", "grad_norm": "numerics", "params": "model"}
-PART_OF_STATE = {"optimizer": "optimizer", "optimizer-meta": "optimizer",
-                 "scheduler": "scheduler", "scaler": "scaler",
-                 "data": "data position", "model": "model"}
+NOT_CAPTURED = "state the Checkpointer does not capture"
 _NUMERIC = ("loss", "grad_norm")
 # Compared bitwise at every level: they do not drift with floating-point reduction order.
-_ALWAYS_EXACT = ("ids", "batch")
-# When several parts differ at the resume point, the one named first explains the most: a
+_ALWAYS_EXACT = ("ids", "batch", "epoch", "opt_steps", "mode")
+# Information only: never a divergence.
+_INFO = ("buffers",)
+# When several registered parts differ at a restore, the one named first explains the most: a
 # weights-only resume is above all a lost optimizer (seed 000's momentum example).
 _PRIORITY = ("optimizer", "scheduler", "scaler", "data position", "rng", "extra", "model")
 DRIFT_THRESHOLD = 1e-4  # relative loss difference below which a first difference is "tiny"
@@ -39,7 +55,7 @@ class Divergence:
     step: int
     field: str
     state_part: str
-    # "jump": missing or wrong state at the resume; "drift": numerical nondeterminism growing
+    # "jump": missing or wrong state at a resume; "drift": numerical nondeterminism growing
     # from tiny differences; "irreproducible": the runs differ before the interruption, so
     # the script itself is not deterministic (an unseeded stream, a nondeterministic kernel).
     kind: str
@@ -51,15 +67,17 @@ class Divergence:
 
 @dataclass
 class Comparison:
-    """The verdict for one resumed run against the reference."""
+    """The verdict for one interrupted-and-resumed run against the reference."""
 
     verdict: str  # "equivalent" | "diverged" | "untested"
-    resumed_from: int | None
+    resumed_from: int | None  # the last resume (None: never resumed)
     steps: int
     first_divergence: Divergence | None
-    restore_differs: list[str]  # state parts whose digest at the resume point differs
+    restore_differs: list[str]  # parts whose digest right after the resume before it differs
     loss: list[tuple[int, float]]  # (step, loss) of the interrupted-and-resumed run
     loss_diff: list[tuple[int, float]]  # (step, |loss - reference loss|)
+    resumes: list[int] = dataclass_field(default_factory=list)  # every resume, in order
+    notes: list[str] = dataclass_field(default_factory=list)  # information, not divergence
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -83,28 +101,69 @@ def stitch(segments: Iterable[list[dict[str, Any]]]) -> tuple[dict[int, dict[str
 
 
 def _flat(record: Mapping[str, Any]) -> dict[str, Any]:
-    """Trace fields as flat names: ids, lr, loss, params, state.optimizer, rng.torch_cpu, ..."""
-    out = {k: v for k, v in record.items() if k not in ("event", "step", "state", "rng",
-                                                         "generation", "rejected")}
+    """Trace fields as flat names: ids, lr, loss, params, state.optimizer, rng.torch_cpu,
+    metrics.val_loss, ..."""
+    out = {k: v for k, v in record.items() if k not in (
+        "event", "step", "state", "rng", "metrics", "generation", "rejected")}
     out.update({f"state.{k}": v for k, v in (record.get("state") or {}).items()})
     out.update({f"rng.{k}": v for k, v in (record.get("rng") or {}).items()})
+    out.update({f"metrics.{k}": v for k, v in (record.get("metrics") or {}).items()})
     return out
 
 
-def _part(name: str) -> str:
+def part_of_state(name: str) -> str:
+    """The registered part a restore-time digest belongs to."""
     if name.startswith("rng."):
         return f"rng ({name[4:]})"
     if name.startswith("state."):
         key = name[6:]
-        return PART_OF_STATE.get(key, key.replace("extra.", "extra "))
-    return PART_OF_FIELD.get(name, name)
+        return {"optimizer-meta": "optimizer", "data": "data position"}.get(
+            key, key.replace("extra.", "extra "))
+    return "model" if name == "params" else name
 
 
 def _rank(part: str) -> tuple[int, str]:
     return next((i for i, p in enumerate(_PRIORITY) if part.startswith(p)), len(_PRIORITY)), part
 
 
-def _as_float(value: Any) -> float | None:
+def _registered(record: Mapping[str, Any], part: str) -> bool:
+    return part in (record.get("state") or {})
+
+
+def _changed_after_restore(diff: list[str], got: Mapping[str, Any]) -> str | None:
+    """The part a user must fix when every registered part was restored equal but the first
+    differing update shows ``diff`` (see the module doc, rule 2); None: rule 3."""
+    names = set(diff)
+
+    def has(*prefixes: str) -> str | None:
+        return next((n for n in diff if n.startswith(prefixes)), None)
+
+    if names & {"ids", "epoch", "state.data"}:
+        return "data position"
+    if "batch" in names:
+        return "data"
+    if "lr" in names or "state.scheduler" in names:
+        return ("scheduler" if _registered(got, "scheduler") else
+                "scheduler (not registered: pass scheduler= to the Checkpointer)")
+    if "opt_steps" in names or "state.scaler" in names:
+        return ("scaler" if _registered(got, "scaler") else
+                "scaler (a GradScaler that is not registered: pass scaler=)")
+    if "state.optimizer-meta" in names:
+        return "optimizer (recreated, or its hyperparameters changed after restore())"
+    if "mode" in names:
+        return f"{NOT_CAPTURED}: the model's train/eval mode (call model.train() after restore)"
+    stream = has("rng.")
+    if stream:
+        return f"rng ({stream[4:]}: reseeded or drawn from after restore())"
+    extra = has("state.extra.")
+    if extra:
+        return f"extra {extra[len('state.extra.'):]}"
+    if "state.optimizer" in names and not names & {"loss", "params", "grad_norm"}:
+        return "optimizer"
+    return None
+
+
+def as_float(value: Any) -> float | None:
     if isinstance(value, str):
         try:
             return float.fromhex(value)
@@ -116,7 +175,7 @@ def _as_float(value: Any) -> float | None:
 def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
     if isinstance(a, list) and isinstance(b, list):
         return len(a) == len(b) and all(_close(x, y, rtol, atol) for x, y in zip(a, b))
-    x, y = _as_float(a), _as_float(b)
+    x, y = as_float(a), as_float(b)
     if x is None or y is None:
         return bool(a == b)
     if math.isnan(x) or math.isnan(y):
@@ -127,7 +186,8 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
 def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: float,
              atol: float) -> list[str]:
     a, b = _flat(ref), _flat(got)
-    names = [n for n in a if n in b]  # a field absent on one side (hash cadence) is skipped
+    # A field absent on one side (hash cadence, an older trace) is skipped.
+    names = [n for n in a if n in b and n not in _INFO]
     if exact:
         return [n for n in names if a[n] != b[n]]
     out = []
@@ -135,7 +195,7 @@ def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: 
         if n in _ALWAYS_EXACT or n.startswith("rng.") or n == "state.data":
             if a[n] != b[n]:
                 out.append(n)
-        elif n in _NUMERIC or n == "lr":
+        elif n in _NUMERIC or n == "lr" or n.startswith("metrics."):
             if not _close(a[n], b[n], rtol, atol):
                 out.append(n)
         # parameter, optimizer and scaler digests drift with the numerics: not compared
@@ -143,33 +203,43 @@ def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: 
 
 
 def _loss_rel(ref: Mapping[str, Any], got: Mapping[str, Any]) -> float | None:
-    x, y = _as_float(got.get("loss")), _as_float(ref.get("loss"))
+    x, y = as_float(got.get("loss")), as_float(ref.get("loss"))
     if x is None or y is None:
         return None
     return abs(x - y) / max(abs(y), 1e-30)
+
+
+def _restore_checks(segments: list[list[dict[str, Any]]], ref_updates: Mapping[int, Any]
+                    ) -> list[tuple[int, list[str]]]:
+    """For each resume: (its step, the registered parts whose digest right after it differs).
+    Compared with the interrupted process's own record at that step, so that numerical drift
+    before the kill (on nondeterministic hardware) is not mistaken for lost state."""
+    out = []
+    for i in range(1, len(segments)):
+        restore = next((r for r in segments[i] if r["event"] == "restore"), None)
+        if restore is None:
+            continue
+        step = restore["step"]
+        saved_at = stitch(segments[:i])[0].get(step) or ref_updates.get(step)
+        differs: list[str] = []
+        if saved_at is not None and step > 0:
+            differs = sorted({part_of_state(n) for n in _differs(saved_at, restore, True, 0, 0)
+                              if n.startswith(("rng.", "state.", "params"))}, key=_rank)
+        out.append((step, differs))
+    return out
 
 
 def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]], *,
             rtol: float = 0.0, atol: float = 0.0, exact_steps: int | None = None) -> Comparison:
     """Compare the reference trace with a run made of one or more process ``segments``."""
     ref_updates, _ = stitch([reference])
-    got_updates, restores = stitch(segments)
-    resumes = [r for r in restores[1:]] if restores else []
-    resumed_from = resumes[-1]["step"] if resumes else None
+    got_updates, _ = stitch(segments)
+    checks = _restore_checks(segments, ref_updates)
+    resumes = [s for s, _ in checks]
     tolerant = rtol > 0 or atol > 0
     loss: list[tuple[int, float]] = []
     loss_diff: list[tuple[int, float]] = []
-    restore_differs: list[str] = []
-    if resumes:
-        # Did the restore bring back what the interrupted process had at that step? Compared
-        # with that process's own record, so that numerical drift before the kill (on
-        # nondeterministic hardware) is not mistaken for lost state.
-        r = resumes[-1]
-        saved_at = stitch(segments[:-1])[0].get(r["step"]) if len(segments) > 1 else None
-        ref_at = saved_at or ref_updates.get(r["step"])
-        if ref_at is not None:
-            restore_differs = sorted({_part(n) for n in _differs(ref_at, r, True, 0, 0)
-                                      if n.startswith(("rng.", "state.", "params"))}, key=_rank)
+    notes: list[str] = []
     first: Divergence | None = None
     steps = sorted(ref_updates)
     for step in steps:
@@ -179,39 +249,63 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             first = first or Divergence(step, "missing", "run", "jump",
                                         expected="an update record", found=None)
             continue
-        x, y = _as_float(got.get("loss")), _as_float(ref.get("loss"))
+        x, y = as_float(got.get("loss")), as_float(ref.get("loss"))
         if x is not None and y is not None:
             loss.append((step, x))
             loss_diff.append((step, abs(x - y)))
+        if not notes and "buffers" in ref and "buffers" in got and \
+                ref["buffers"] != got["buffers"]:
+            notes.append(f"non-persistent buffers differ from update {step} on (caches the "
+                         "model rebuilds, never saved): information, not a divergence")
         if first is not None:
             continue
+        before = [(s, d) for s, d in checks if s < step]
+        resumed_from, restore_differs = before[-1] if before else (None, [])
         exact = not tolerant or (exact_steps is not None and resumed_from is not None
                                  and resumed_from < step <= resumed_from + exact_steps)
         diff = _differs(ref, got, exact, rtol, atol)
-        if not diff:
-            continue
-        at_resume = resumed_from is not None and step == resumed_from + 1
-        rel = _loss_rel(ref, got)
-        # Numerical nondeterminism moves the loss, gradients, parameters and the optimizer
-        # and scaler state built from them; anything else differing means different state.
-        jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
-            rel is not None and rel > DRIFT_THRESHOLD and at_resume)
-        # State that already differed at the resume point explains whatever diverges later.
-        parts = restore_differs if resumed_from is not None and step > resumed_from else []
-        lead = diff[0]
-        part = parts[0] if parts else _part(lead)
-        also = sorted(({_part(n) for n in diff} | set(parts)) - {part}, key=_rank)
-        kind = "jump" if jump else "drift"
-        if resumed_from is not None and step <= resumed_from:
-            kind = "irreproducible"
-        first = Divergence(step, lead, part, kind, also,
-                           _flat(ref).get(lead), _flat(got).get(lead))
+        if diff:
+            first = _divergence(step, diff, ref, got, resumed_from, restore_differs)
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
     if first is None and extra:
         first = Divergence(extra[0], "extra", "run", "jump", expected=None,
                            found=f"{len(extra)} more update(s) than the uninterrupted run")
-    if resumed_from is None or resumed_from == 0:
+    exercised = [s for s in resumes if s > 0]
+    if not exercised:
         verdict = "untested" if first is None else "diverged"
     else:
         verdict = "equivalent" if first is None else "diverged"
-    return Comparison(verdict, resumed_from, len(steps), first, restore_differs, loss, loss_diff)
+    last = resumes[-1] if resumes else None
+    at_first = ([d for s, d in checks if first is not None and s < first.step] or [[]])[-1]
+    restore_differs = at_first if first is not None else next(
+        (d for _, d in reversed(checks) if d), [])
+    return Comparison(verdict, last, len(steps), first, restore_differs, loss, loss_diff,
+                      resumes, notes)
+
+
+def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping[str, Any],
+                resumed_from: int | None, restore_differs: list[str]) -> Divergence:
+    """Name the first difference: which part explains it, and what kind it is."""
+    lead = diff[0]
+    rel = _loss_rel(ref, got)
+    at_resume = resumed_from is not None and step == resumed_from + 1
+    if resumed_from is None:  # before any interruption: the script is not deterministic
+        kind = "irreproducible"
+    else:
+        # Numerical nondeterminism moves the loss, gradients, parameters and the optimizer
+        # and scaler state built from them; anything else differing means different state.
+        jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
+            rel is not None and rel > DRIFT_THRESHOLD and at_resume)
+        kind = "jump" if jump else "drift"
+    if restore_differs:
+        part = restore_differs[0]
+    elif kind == "irreproducible":
+        part = "the script (nondeterministic before any interruption)"
+    elif kind == "drift":
+        part = "numerics"
+    else:
+        named = _changed_after_restore(diff, got)
+        part = named or f"{NOT_CAPTURED} (first differs: {lead})"
+    also = sorted(({part_of_state(n) if n.startswith(("rng.", "state.")) else n for n in diff}
+                   | set(restore_differs[1:])) - {part}, key=_rank)
+    return Divergence(step, lead, part, kind, also, _flat(ref).get(lead), _flat(got).get(lead))

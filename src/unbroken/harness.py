@@ -8,7 +8,6 @@ environment only (``$UNBROKEN_ROOT``, ``$UNBROKEN_TRACE``, ``$UNBROKEN_SAVE_AT``
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import time
@@ -16,51 +15,54 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._fs import KILL_ENV
-from .checkpointer import ROOT_ENV, SAVE_AT_ENV
-from .equivalence import Comparison, compare
+from .checkplan import PHASES, Kill, default_plan, explicit_plan
+from .checkpointer import ROOT_ENV
+from .equivalence import Comparison, as_float, compare
 from .errors import UnbrokenError
 from .faults import DROP_ENV
 from .trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
 
-PHASES = ("after-update", "mid-save", "after-commit")
+__all__ = ["PHASES", "CheckReport", "format_report", "run_check"]
 
+@dataclass
+class KillResult:
+    """What happened at one interruption of a case."""
 
-@dataclass(frozen=True)
-class Case:
-    """One interruption: kill at update ``at`` in ``phase``."""
+    kill: Kill
+    reached: bool = False
+    exit_code: int | None = None
+    resumed_from: int | None = None  # the step the next process restored
+    note: str = ""
 
-    at: int
-    phase: str
-
-    def env(self) -> dict[str, str]:
-        """How the interrupted process is made to save and die at this point."""
-        k = self.at
-        if self.phase == "after-update":  # saved one update earlier; the kill loses update k
-            return {SAVE_AT_ENV: str(max(1, k - 1)), KILL_ENV: f"step-done@{k}"}
-        if self.phase == "mid-save":  # dies inside the save of k, after its first file
-            return {SAVE_AT_ENV: f"{max(1, k - 1)},{k}", KILL_ENV: f"artifact-1-written@{k}"}
-        if self.phase == "after-commit":  # generation k is committed, nothing after it ran
-            return {SAVE_AT_ENV: str(k), KILL_ENV: f"after-rename@{k}"}
-        raise ValueError(f"phase {self.phase!r}: one of {PHASES}")
+    def to_json(self) -> dict[str, Any]:
+        return {**self.kill.to_json(), "reached": self.reached, "exit_code": self.exit_code,
+                "resumed_from": self.resumed_from, "note": self.note}
 
 
 @dataclass
 class CaseResult:
-    case: Case
+    """One case: a run interrupted at one point, or at a chain of points, then finished."""
+
+    kills: list[KillResult]
     verdict: str  # equivalent | diverged | untested | error
-    resumed_from: int | None = None
     comparison: Comparison | None = None
     note: str = ""
 
+    @property
+    def resumed_from(self) -> int | None:
+        return self.comparison.resumed_from if self.comparison else None
+
     def to_json(self) -> dict[str, Any]:
         d = self.comparison.first_divergence if self.comparison else None
-        return {"interrupt_at": self.case.at, "phase": self.case.phase,
+        first = self.kills[0]
+        return {"interrupt_at": first.kill.at, "phase": first.kill.phase,
+                "kills": [k.to_json() for k in self.kills],
                 "resumed_from": self.resumed_from, "verdict": self.verdict, "note": self.note,
                 "first_divergence": None if d is None else {
                     "step": d.step, "field": d.field, "state_part": d.state_part,
                     "kind": d.kind, "also": d.also, "expected": d.expected, "found": d.found},
-                "restore_differs": self.comparison.restore_differs if self.comparison else []}
+                "restore_differs": self.comparison.restore_differs if self.comparison else [],
+                "notes": self.comparison.notes if self.comparison else []}
 
 
 @dataclass
@@ -72,37 +74,22 @@ class CheckReport:
 
     @property
     def verdict(self) -> str:
-        if any(c.verdict in ("diverged", "error") for c in self.cases):
-            return "diverged"
-        if not self.cases or any(c.verdict == "untested" for c in self.cases):
-            return "untested"
-        return "equivalent"
+        """diverged > error > untested > equivalent: the worst case decides."""
+        verdicts = {c.verdict for c in self.cases}
+        for v in ("diverged", "error", "untested"):
+            if v in verdicts:
+                return v
+        return "equivalent" if self.cases else "untested"
+
+    @property
+    def covered(self) -> list[str]:
+        """The places the interruptions covered (reached and resumed)."""
+        return [f"{k.kill.place} (update {k.kill.at}, {k.kill.phase})" for c in self.cases
+                for k in c.kills if k.reached]
 
     def to_json(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "command": self.command, "steps": self.steps,
-                "cases": [c.to_json() for c in self.cases]}
-
-
-def plan(steps: int, at: Sequence[int] = (), random_n: int = 0, seed: int = 0,
-         phases: Sequence[str] = ()) -> list[Case]:
-    """Interruption points: every ``at`` in every phase, plus ``random_n`` random points in
-    [2, steps - 1] cycling through the phases (so a handful covers all three)."""
-    phases = tuple(phases) or PHASES
-    for p in phases:
-        if p not in PHASES:
-            raise UnbrokenError(f"--phase {p!r}: one of {', '.join(PHASES)}")
-    cases = [Case(k, p) for k in at for p in phases]
-    if random_n:
-        if steps < 3:
-            raise UnbrokenError(f"the reference run made {steps} updates; random interruption "
-                                "points need at least 3")
-        rng = random.Random(seed)
-        points = [rng.randint(2, steps - 1) for _ in range(random_n)]
-        cases += [Case(k, phases[i % len(phases)]) for i, k in enumerate(points)]
-    for c in cases:
-        if not 1 <= c.at <= steps:
-            raise UnbrokenError(f"--at {c.at}: the reference run made {steps} updates")
-    return cases
+                "covered": self.covered, "cases": [c.to_json() for c in self.cases]}
 
 
 def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -169,102 +156,164 @@ def _wait_group_gone(pgid: int) -> None:
         time.sleep(0.02)
 
 
+def _tail(path: str, lines: int = 15) -> str:
+    """The end of a process's own output, to show why it failed."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 16384))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
 def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), random_n: int = 0,
               seed: int = 0, phases: Sequence[str] = (), rtol: float = 0.0, atol: float = 0.0,
               exact_steps: int | None = None, drop: str | None = None,
               reference_trace: str | None = None, timeout: float = 600.0,
               progress: Any = None) -> CheckReport:
     """Run the whole proof; ``drop`` injects a defect (a state part not restored);
-    ``reference_trace`` reuses the trace of an earlier uninterrupted run of the same command."""
+    ``reference_trace`` reuses the trace of an earlier uninterrupted run of the same command.
+    Without ``at``, the run is interrupted at the structurally risky places of the reference
+    (`checkplan.default_plan`) plus ``random_n`` random points, as one chain."""
     say = progress or (lambda msg: None)
     os.makedirs(workdir, exist_ok=True)
     if reference_trace is None:
         ref_dir = os.path.join(workdir, "reference")
         os.makedirs(ref_dir, exist_ok=True)
         reference_trace = os.path.join(ref_dir, "trace.jsonl")
+        log = os.path.join(ref_dir, "output.log")
         say("reference run (uninterrupted) ...")
         code = run_process(cmd, {ROOT_ENV: os.path.join(ref_dir, "run"),
-                                 TRACE_ENV: reference_trace},
-                           os.path.join(ref_dir, "output.log"), timeout)
-        if code != 0 or not os.path.exists(reference_trace):
-            raise UnbrokenError(f"the reference run exited with {code} (see "
-                                f"{os.path.join(ref_dir, 'output.log')}); or it wrote no "
-                                "trace: does the script use unbroken.Checkpointer?")
+                                 TRACE_ENV: reference_trace}, log, timeout)
+        if code != 0:
+            raise UnbrokenError(f"the uninterrupted reference run exited with {code}; the end "
+                                f"of its output ({log}):\n{_tail(log)}")
+        if not os.path.exists(reference_trace):
+            raise UnbrokenError("the reference run wrote no trace: does the script build an "
+                                f"unbroken.Checkpointer? (output: {log})")
     reference = read_trace(reference_trace)
     steps = max((r["step"] for r in reference if r["event"] == "update"), default=0)
     report = CheckReport(list(cmd), steps)
-    from .equivalence import _as_float  # the loss curve for the plot
-
-    report.reference_loss = [(r["step"], _as_float(r.get("loss")) or float("nan"))
+    report.reference_loss = [(r["step"], as_float(r.get("loss")) or float("nan"))
                              for r in reference if r["event"] == "update"]
-    for i, case in enumerate(plan(steps, at, random_n, seed, phases)):
-        say(f"case {i + 1}: kill at update {case.at} ({case.phase}) ...")
-        report.cases.append(_run_case(cmd, case, os.path.join(workdir, f"case-{i + 1:02d}"),
-                                      reference, rtol, atol, exact_steps, drop, timeout))
+    cases = (explicit_plan(steps, at, phases) if at else
+             [default_plan(reference, random_n, seed, phases)])
+    for i, kills in enumerate(cases):
+        where = ", ".join(f"{k.at} ({k.phase})" for k in kills)
+        say(f"case {i + 1}: interrupt at update {where} ...")
+        report.cases.append(_run_case(cmd, kills, os.path.join(workdir, f"case-{i + 1:02d}"),
+                                      reference, rtol, atol, exact_steps, drop, timeout, say))
     return report
 
 
-def _run_case(cmd: Sequence[str], case: Case, folder: str, reference: list[dict[str, Any]],
-              rtol: float, atol: float, exact_steps: int | None, drop: str | None,
-              timeout: float) -> CaseResult:
+def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
+              reference: list[dict[str, Any]], rtol: float, atol: float,
+              exact_steps: int | None, drop: str | None, timeout: float, say: Any
+              ) -> CaseResult:
+    """Run ``cmd`` interrupted at each of ``kills`` in turn (each life resumes the previous
+    one), then to the end; compare the stitched trace with the reference."""
     os.makedirs(folder, exist_ok=True)
-    root = os.path.join(folder, "run")
-    first, second = os.path.join(folder, "killed.jsonl"), os.path.join(folder, "resumed.jsonl")
-    log = os.path.join(folder, "output.log")
-    try:
-        code = run_process(cmd, {ROOT_ENV: root, TRACE_ENV: first, **case.env()}, log, timeout)
-    except Timeout as e:
-        return CaseResult(case, "error", note=f"the interrupted run hung: {e}")
-    records = read_trace(first) if os.path.exists(first) else []
+    root, log = os.path.join(folder, "run"), os.path.join(folder, "output.log")
+    results = [KillResult(k) for k in kills]
+    traces: list[str] = []
+    for i, result in enumerate([*results, None]):
+        trace = os.path.join(folder, f"life-{i + 1:02d}.jsonl")
+        traces.append(trace)
+        env = {ROOT_ENV: root, TRACE_ENV: trace}
+        if i and drop:
+            env[DROP_ENV] = drop
+        if result is not None:
+            env.update(result.kill.env())
+        try:
+            code = run_process(cmd, env, log, timeout)
+        except Timeout as e:
+            return CaseResult(results, "error", note=f"a process hung: {e}")
+        records = read_trace(trace) if os.path.exists(trace) else []
+        restored = next((r["step"] for r in records if r["event"] == "restore"), None)
+        if i:
+            results[i - 1].resumed_from = restored
+        if result is None:
+            if code != 0:
+                return CaseResult(results, "error", note=f"the resumed run exited with {code}; "
+                                  f"the end of its output ({log}):\n{_tail(log)}")
+            break
+        result.exit_code = code
+        problem = _interrupted(result.kill, code, records)
+        if problem:
+            result.note = problem
+            verdict = "error" if result.kill.phase == "sigterm" or code not in (0, -9) else \
+                "untested"
+            if code not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                problem += f"; the end of its output ({log}):\n{_tail(log)}"
+            return CaseResult(results, verdict, note=problem)
+        result.reached = True
+    segments = [read_trace(t) if os.path.exists(t) else [] for t in traces]
+    comparison = compare(reference, segments, rtol=rtol, atol=atol, exact_steps=exact_steps)
+    note = "" if comparison.verdict != "untested" else \
+        "every resume started from step 0: the resume was not exercised"
+    return CaseResult(results, comparison.verdict, comparison, note)
+
+
+def _interrupted(kill: Kill, code: int, records: list[dict[str, Any]]) -> str:
+    """Why this life did not interrupt as planned ("" when it did)."""
     reached = max((r["step"] for r in records if r["event"] == "update"), default=0)
-    if code != -signal.SIGKILL or reached < case.at:
-        return CaseResult(case, "untested", note=f"the interrupted run exited with {code} "
-                          f"after update {reached}, before reaching the kill point")
-    resume_env = {ROOT_ENV: root, TRACE_ENV: second}
-    if drop:
-        resume_env[DROP_ENV] = drop
-    try:
-        code = run_process(cmd, resume_env, log, timeout)
-    except Timeout as e:
-        return CaseResult(case, "error", note=f"the resumed run hung: {e}")
-    if code != 0:
-        return CaseResult(case, "error", note=f"the resumed run exited with {code}; see {log}")
-    result = compare(reference, [read_trace(first), read_trace(second)], rtol=rtol, atol=atol,
-                     exact_steps=exact_steps)
-    verdict = result.verdict
-    note = ""
-    if result.resumed_from in (None, 0):
-        verdict = "untested" if verdict == "untested" else verdict
-        note = "resumed from step 0: the resume was not exercised"
-    return CaseResult(case, verdict, result.resumed_from, result, note)
+    if kill.phase == "sigterm":
+        stops = [r for r in records if r["event"] == "stop"]
+        if code == -signal.SIGTERM:
+            return ("SIGTERM killed the script: pass signals=(signal.SIGTERM,) to the "
+                    "Checkpointer and leave the training loop when ckpt.should_stop")
+        if code != 0:
+            return f"after SIGTERM the script exited with {code}, not 0"
+        if not stops:
+            return (f"SIGTERM at update {kill.at} did not stop the script (it ran to update "
+                    f"{reached}): leave the training loop when ckpt.should_stop")
+        if reached != stops[0]["step"]:
+            return (f"the script went on after the stop save at {stops[0]['step']} (to "
+                    f"{reached}): leave the training loop when ckpt.should_stop")
+        return ""
+    # killed inside update K (at its optimizer step), its record is not written
+    needed = kill.at - 1 if kill.phase == "mid-update" else kill.at
+    if code != -signal.SIGKILL or reached < needed:
+        return (f"the interrupted run exited with {code} after update {reached}, before "
+                f"reaching update {kill.at}")
+    return ""
 
 
-def format_report(report: CheckReport, workdir: str) -> str:
-    """The terminal report: one row per interruption and a verdict."""
+def format_report(report: CheckReport, workdir: str | None) -> str:
+    """The terminal report: one row per interruption, the first divergence, and a verdict."""
     from ._table import table
 
     rows = []
-    for c in report.cases:
-        d = c.comparison.first_divergence if c.comparison else None
-        where = "-" if d is None else f"step {d.step}: {d.field} -> {d.state_part} ({d.kind})"
-        rows.append([c.case.at, c.case.phase, "-" if c.resumed_from is None else c.resumed_from,
-                     c.verdict, where if d else (c.note or "-")])
+    for n, c in enumerate(report.cases, 1):
+        for k in c.kills:
+            rows.append([n, k.kill.at, k.kill.phase, k.kill.place,
+                         "-" if k.resumed_from is None else k.resumed_from,
+                         "yes" if k.reached else "no"])
     lines = [f"unbroken check: {' '.join(report.command)}",
              f"reference: {report.steps} updates, uninterrupted", "",
-             table(["killed at", "phase", "resumed from", "verdict", "first divergence"], rows,
-                   right=(0, 2), indent="  "), ""]
-    for c in report.cases:
+             table(["case", "killed at", "phase", "place", "resumed from", "covered"], rows,
+                   right=(0, 1, 4), indent="  "), ""]
+    for n, c in enumerate(report.cases, 1):
         d = c.comparison.first_divergence if c.comparison else None
+        head = f"  case {n}: {c.verdict.upper()}"
         if d is not None:
-            lines.append(f"  killed at {c.case.at} ({c.case.phase}): first differs at update "
-                         f"{d.step} in {d.field!r}: expected {d.expected!r}, found {d.found!r}")
-            lines.append(f"    explained by: {d.state_part}" +
+            lines.append(f"{head}: first differs at update {d.step} in {d.field!r}: expected "
+                         f"{d.expected!r}, found {d.found!r}")
+            lines.append(f"    fix: {d.state_part}" +
                          (f"; also differs: {', '.join(d.also)}" if d.also else "") +
-                         f"; a {d.kind}" + {"jump": " at the resume step (missing state)",
+                         f"; a {d.kind}" + {"jump": " after a resume (missing state)",
                                             "drift": " from tiny values (numerics)",
                                             "irreproducible": " before the interruption (the "
                                             "script is not deterministic)"}.get(d.kind, ""))
+        else:
+            lines.append(head + (f": {c.note}" if c.note else ""))
+        for note in c.comparison.notes if c.comparison else []:
+            lines.append(f"    note: {note}")
     verdict = {"equivalent": "EQUIVALENT: every resumed run matches the uninterrupted one",
-               "diverged": "DIVERGED", "untested": "UNTESTED: some resume was not exercised"}
-    lines += ["", f"verdict: {verdict[report.verdict]}", f"runs, traces and logs: {workdir}"]
+               "diverged": "DIVERGED", "error": "ERROR: a process failed (see above)",
+               "untested": "UNTESTED: some resume was not exercised"}
+    lines += ["", f"verdict: {verdict[report.verdict]}"]
+    if workdir:
+        lines.append(f"runs, traces and logs: {workdir}")
     return "\n".join(lines)

@@ -25,11 +25,12 @@ def plot_check(report: Any, path: str) -> None:
         c = case.comparison
         if c is None or not c.loss:
             continue
-        label = f"killed at {case.case.at} ({case.case.phase}): {case.verdict}"
+        kills = ", ".join(str(k.kill.at) for k in case.kills)
+        label = f"interrupted at {kills}: {case.verdict}"
         x, y = zip(*c.loss)
         line, = top.plot(x, y, linewidth=1, linestyle="--", label=label)
-        if c.resumed_from:
-            top.axvline(c.resumed_from, color=line.get_color(), linewidth=0.6, alpha=0.6)
+        for resumed in c.resumes:
+            top.axvline(resumed, color=line.get_color(), linewidth=0.6, alpha=0.6)
         tiny = 1e-12  # exact zeros cannot be drawn on a log scale
         dx, dy = zip(*c.loss_diff)
         bottom.plot(dx, [max(v, tiny) if not math.isnan(v) else tiny for v in dy],

@@ -140,6 +140,39 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
             "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups]}
 
 
+# Param-group fields a learning-rate scheduler moves at every step: their live value in a
+# freshly built run is the schedule's start, not a choice of the user. The base values the
+# scheduler keeps (initial_lr, max_lr, base_momentum, ...) are compared instead.
+_SCHEDULED = frozenset({"lr", "momentum", "betas"})
+
+
+def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                        scheduled: bool = False) -> list[str]:
+    """Each hyperparameter (param-group field) whose live value differs from the saved one:
+    a continuation silently restores the saved value, so the change must at least be said.
+    ``scheduled``: a scheduler drives the rates (see ``_SCHEDULED``)."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    skip = {"params", *(_SCHEDULED if scheduled else ())}
+    out = []
+    for gi, (old, live) in enumerate(zip(groups or [], optimizer.param_groups)):
+        if not isinstance(old, Mapping):
+            continue
+        for key in sorted(k for k in live if k not in skip and k in old):
+            a, b = old[key], live[key]
+            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and
+                    isinstance(b, torch.Tensor) else _plain(a) == _plain(b))
+            if not same:
+                out.append(f"optimizer param group {gi} {key!r}: saved {_plain(a)!r:.40}, "
+                           f"live {_plain(b)!r:.40}")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return list(value) if isinstance(value, tuple) else value
+
+
 def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
     if len(saved) != len(live):
         return f"{len(saved)} groups, live {len(live)}"
@@ -403,7 +436,7 @@ def check_stamps(manifest: Any, folder: str, tree: Mapping[str, Any], meta: Mapp
     if COUNTERS in tree and not isinstance(counters, Mapping):
         raise CorruptCheckpoint(f"{where}: no counters part (a mapping of 'step' and 'epoch')")
     if isinstance(counters, Mapping):
-        if counters.get("step") != manifest.step:
-            raise CorruptCheckpoint(f"{where}: counters say step {counters.get('step')!r:.40}, "
-                                    f"the manifest says step {manifest.step}")
-        Counters.validate_state_dict(counters, f"{where} [{COUNTERS}]")
+        Counters.validate_state_dict(counters, f"{where} [{COUNTERS}]")  # ints, then compare
+        if counters["step"] != manifest.step:
+            raise CorruptCheckpoint(f"{where}: counters say step {counters['step']}, the "
+                                    f"manifest says step {manifest.step}")

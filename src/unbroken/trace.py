@@ -1,9 +1,12 @@
 """The per-update trace: one JSON line per completed update (and per restore and save).
 
-An ``update`` record holds the step, the learning rate of each parameter group *used by this
-update*, the sample ids it consumed, a digest of the batch, the loss as the float's exact hex,
-the gradient norm when given, and content digests of the parameters and of every state part
-(optimizer, scheduler, scaler, data cursor, extras, each RNG stream). Two traces are compared
+An ``update`` record holds the step and epoch, the learning rate of each parameter group *the
+optimizer step of this update used* (read by a step hook), how many optimizer steps ran (0:
+skipped by the GradScaler), the sample ids it consumed, a digest of the batch, the loss as the
+float's exact hex, the gradient norm and the metrics given to ``step_done``, and content
+digests of what a generation saves (parameters and persistent buffers, every state part,
+each RNG stream); and, as information only, of the non-persistent buffers and the modules'
+train/eval mode. Two traces are compared
 field by field by `unbroken.equivalence`. Lines are flushed as written, so a SIGKILL loses at
 most a torn last line, which `read_trace` ignores."""
 
@@ -102,14 +105,11 @@ class TraceRecorder:
         self._hash_every = hash_every
         # Walking the module tree costs more than hashing a small model: do it once.
         self._modules = list(parts[S.MODEL].modules())
-        self._lr_next = self._lrs()  # the rates the next update will use
-
-    def _lrs(self) -> list[float]:
-        optimizer = self._parts.get(S.OPTIMIZER)
-        return [float(g["lr"]) for g in optimizer.param_groups] if optimizer else []
 
     def digests(self, optimizer: bool = True) -> dict[str, Any]:
-        """Content digests of the parameters, every state part and each RNG stream."""
+        """Content digests of what a generation saves (parameters and persistent buffers,
+        every state part, each RNG stream); apart, as information only, the non-persistent
+        buffers (caches a model rebuilds, never saved) and the train/eval mode of the model."""
         state = {}
         for name, obj in self._parts.items():
             if name == S.OPTIMIZER:
@@ -118,26 +118,33 @@ class TraceRecorder:
                     state[name] = digest_optimizer(obj)
             elif name not in (S.MODEL, S.COUNTERS, S.RNG):
                 state[name] = digest_tree(obj.state_dict())
-        return {"params": digest_modules(self._modules), "state": state,
+        params, buffers, mode = digest_modules(self._modules)
+        return {"params": params, "buffers": buffers, "mode": mode, "state": state,
                 "rng": rng_digests(self._parts[S.RNG].state_dict())}
 
-    def update(self, step: int, loss: Any, batch: Any, grad_norm: Any) -> None:
+    def update(self, step: int, epoch: int, loss: Any, batch: Any, grad_norm: Any,
+               lrs: list[float], opt_steps: int, metrics: Mapping[str, Any]) -> None:
+        """One completed update: ``lrs`` are the rates its optimizer step used, ``opt_steps``
+        how many times ``optimizer.step()`` ran (0: the GradScaler skipped it)."""
         ids = getattr(self._parts.get(S.DATA), "last_update_ids", None)
         self._out.write({
-            "event": "update", "step": step, "lr": [v.hex() for v in self._lr_next],
-            "ids": list(ids) if ids is not None else None,
+            "event": "update", "step": step, "epoch": epoch, "lr": [v.hex() for v in lrs],
+            "opt_steps": opt_steps, "ids": list(ids) if ids is not None else None,
             "batch": digest_tree(batch) if batch is not None else None,
             "loss": float_hex(loss), "grad_norm": float_hex(grad_norm),
+            "metrics": {k: float_hex(v) for k, v in metrics.items()},
             **self.digests(optimizer=step % self._hash_every == 0)})
-        self._lr_next = self._lrs()
 
     def restored(self, step: int, generation: str | None, rejected: list[str]) -> None:
-        self._lr_next = self._lrs()
         self._out.write({"event": "restore", "step": step, "generation": generation,
                          "rejected": rejected, **self.digests()})
 
     def saved(self, step: int) -> None:
         self._out.write({"event": "save", "step": step})
+
+    def stopped(self, step: int, signal_name: str) -> None:
+        """A stop requested by a signal, after the save of ``step``."""
+        self._out.write({"event": "stop", "step": step, "signal": signal_name})
 
     def close(self) -> None:
         self._out.close()

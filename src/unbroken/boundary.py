@@ -1,0 +1,171 @@
+"""Where a training run is between two updates, and the safe way to stop it.
+
+`UpdateWatch` follows the optimizer through step hooks: how many times ``optimizer.step()``
+ran since the last update boundary (``step_done``), and the learning rate each parameter group
+*used* in the update (read just before the step, so a scheduler stepped later, or never,
+cannot make the trace lie about it). A ``save()`` outside ``step_done`` is allowed only where
+nothing moved since the last boundary: no optimizer step, no batch handed out.
+
+`Preemption` takes the signals a scheduler sends before it stops a job (SIGTERM, SLURM's
+SIGUSR1): the handler only records the request; the next ``step_done`` saves and reports that
+the run should stop. A run that does not reach a boundary within the stated deadline is ended
+with the signal's default action (the previous generation stays the newest)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ._digest import digest_tree
+from ._fs import fault_point
+from .errors import UnbrokenError, UpdateBoundaryError
+
+log = logging.getLogger("unbroken")
+SIGNAL_AT_ENV = "UNBROKEN_SIGNAL_AT"  # the harness's "send SIGTERM inside update K"
+
+
+class UpdateWatch:
+    """Optimizer steps and learning rates of the update in progress (see module doc)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None, data: Any) -> None:
+        self._optimizer = optimizer
+        self._data = data
+        self.steps = 0  # optimizer.step() calls since the last boundary
+        self.lrs: list[float] | None = None  # rates of the last step of this update
+        self.epoch = 0  # the epoch of the update in progress
+        self._mark: tuple[Any, ...] = ()
+        self._signal_at = _signal_at()
+        self._update = 0  # the update in progress (for the harness's signal)
+        self._handles = []
+        if optimizer is not None:
+            self._handles.append(optimizer.register_step_pre_hook(self._before_step))
+
+    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.steps += 1
+        self.lrs = [float(g["lr"]) for g in optimizer.param_groups]
+        fault_point("optimizer-step", self._update)  # the harness's "kill inside update K"
+        if self._signal_at == self._update:  # the harness's "a signal lands inside update K"
+            self._signal_at = None
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def applied_lrs(self) -> list[float]:
+        """The rates this update's optimizer step used; the current ones if it took none
+        (a step the GradScaler skipped)."""
+        if self.lrs is not None:
+            return self.lrs
+        opt = self._optimizer
+        return [float(g["lr"]) for g in opt.param_groups] if opt is not None else []
+
+    def _position(self) -> Any:
+        data = self._data
+        if data is None:
+            return None
+        if hasattr(data, "consumed") and hasattr(data, "epoch"):
+            return (data.epoch, data.consumed, getattr(data, "at_boundary", True))
+        try:
+            return digest_tree(data.state_dict())
+        except (UnbrokenError, TypeError):
+            return None  # mid-window (the loader refuses) or undigestable: at_boundary decides
+
+    def boundary(self, step: int, epoch: int) -> None:
+        """Mark an update boundary (``step_done``, a restore, the start). ``epoch`` is the
+        epoch the next update's data comes from (a loader rolls over as it hands out an
+        epoch's last batch: read afterwards, that update would count in the next epoch)."""
+        self.steps = 0
+        self.lrs = None
+        self.epoch = epoch
+        self._update = step + 1
+        self._mark = (self._position(),)
+
+    def check_boundary(self, step: int) -> None:
+        """Raise `UpdateBoundaryError` unless nothing moved since the last boundary."""
+        moved = []
+        if self.steps:
+            moved.append(f"optimizer.step() ran {self.steps} time(s)")
+        if (self._position(),) != self._mark:
+            moved.append("the data loader handed out batches")
+        if moved:
+            raise UpdateBoundaryError(
+                f"save() after step_done({step}), but since then {' and '.join(moved)}: the "
+                "generation would mix this update's weights with the previous update's "
+                "counters, scheduler or data position. Save from step_done (every=N), or at "
+                "an update boundary; to stop on a signal, pass signals= to the Checkpointer "
+                "and stop when ckpt.should_stop")
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _signal_at() -> int | None:
+    value = os.environ.get(SIGNAL_AT_ENV)
+    try:
+        return int(value) if value else None
+    except ValueError:
+        raise UnbrokenError(f"${SIGNAL_AT_ENV}={value!r}: expected an update number") from None
+
+
+class Preemption:
+    """Record stop requests from ``signals``; `due` tells ``step_done`` to save and stop."""
+
+    def __init__(self, signals: Iterable[int | signal.Signals], deadline: float | None) -> None:
+        self.signals = tuple(signal.Signals(s) for s in signals)
+        if deadline is not None and not deadline > 0:
+            raise ValueError(f"stop_deadline={deadline!r}: seconds > 0, or None")
+        self.deadline = deadline
+        self.requested: signal.Signals | None = None
+        self.requested_at = 0.0
+        self._previous: dict[signal.Signals, Any] = {}
+        self._timer: threading.Timer | None = None
+        if self.signals and threading.current_thread() is not threading.main_thread():
+            raise UnbrokenError("signals= needs the Checkpointer to be built in the main thread "
+                                "(Python delivers signals there)")
+        for s in self.signals:
+            self._previous[s] = signal.signal(s, self._handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.requested is not None:
+            return
+        self.requested = signal.Signals(signum)
+        self.requested_at = time.monotonic()
+        log.warning("%s received: saving at the next update boundary, then stopping",
+                    self.requested.name)
+        if self.deadline is not None:
+            self._timer = threading.Timer(self.deadline, self._give_up)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _give_up(self) -> None:
+        """No update boundary within the deadline: end as the signal would have."""
+        assert self.requested is not None
+        log.error("no update boundary within %.0f s of %s: stopping without a save (the "
+                  "previous generation is the newest)", self.deadline, self.requested.name)
+        signal.signal(self.requested, signal.SIG_DFL)
+        os.kill(os.getpid(), self.requested)
+
+    @property
+    def due(self) -> bool:
+        return self.requested is not None
+
+    def done(self) -> None:
+        """The stop save is committed: the deadline no longer applies."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def close(self) -> None:
+        self.done()
+        for s, previous in self._previous.items():
+            try:
+                signal.signal(s, previous)
+            except (ValueError, TypeError):
+                pass
+        self._previous = {}

@@ -1,0 +1,154 @@
+"""Where `unbroken check` interrupts a run: the structurally risky places of the reference run
+by default, random points on top, or exactly the points a user names.
+
+A kill point is an update number and a phase:
+
+``after-update``  saved one update earlier, killed right after update K (K is replayed)
+``mid-save``      killed inside the save of K, after its first file (resumes from K-1)
+``after-commit``  generation K committed, killed before anything else ran (resumes from K)
+``mid-update``    killed inside update K, at its optimizer step (resumes from K-1)
+``sigterm``       SIGTERM delivered inside update K, at its optimizer step: the script must
+                  save at the next boundary and stop cleanly (``signals=``, ``should_stop``)
+
+The default plan covers, from the reference trace: the first and last update of each epoch
+(the last one saved exactly there, where an end-of-epoch scheduler step is lost by a script
+that saves before it), the update after a save, a save interrupted midway, an update
+interrupted at its optimizer step, the first update after a resume, and the final update.
+All of them run as one *chain*: a run killed at the first point, resumed and killed at the
+next, and so on, then finished; it costs about one run plus a process start per point."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ._fs import KILL_ENV
+from .boundary import SIGNAL_AT_ENV
+from .checkpointer import SAVE_AT_ENV
+from .errors import UnbrokenError
+
+PHASES = ("after-update", "mid-save", "after-commit", "mid-update", "sigterm")
+RANDOM_PHASES = ("after-update", "mid-save", "after-commit")
+_MAX_EPOCH_EDGES = 3  # epochs whose edges the default plan covers: the first ones and the last
+
+
+@dataclass(frozen=True)
+class Kill:
+    """One interruption: at update ``at``, in ``phase``, chosen because of ``place``."""
+
+    at: int
+    phase: str
+    place: str = "chosen"
+
+    def env(self) -> dict[str, str]:
+        """How the interrupted process is made to save and die at this point."""
+        k = self.at
+        before = str(max(1, k - 1))
+        if self.phase == "after-update":  # saved one update earlier; the kill loses update k
+            return {SAVE_AT_ENV: before, KILL_ENV: f"step-done@{k}"}
+        if self.phase == "mid-save":  # dies inside the save of k, after its first file
+            return {SAVE_AT_ENV: f"{before},{k}", KILL_ENV: f"artifact-1-written@{k}"}
+        if self.phase == "after-commit":  # generation k is committed, nothing after it ran
+            return {SAVE_AT_ENV: str(k), KILL_ENV: f"after-rename@{k}"}
+        if self.phase == "mid-update":  # weights about to change, counters not yet
+            return {SAVE_AT_ENV: before, KILL_ENV: f"optimizer-step@{k}"}
+        if self.phase == "sigterm":
+            return {SAVE_AT_ENV: before, SIGNAL_AT_ENV: str(k)}
+        raise ValueError(f"phase {self.phase!r}: one of {PHASES}")
+
+    @property
+    def resumes_from(self) -> int:
+        """The step a correct resume after this kill restores."""
+        return self.at if self.phase in ("after-commit", "sigterm") else max(1, self.at - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "phase": self.phase, "place": self.place}
+
+
+def _check_phases(phases: Sequence[str]) -> None:
+    for p in phases:
+        if p not in PHASES:
+            raise UnbrokenError(f"--phase {p!r}: one of {', '.join(PHASES)}")
+
+
+def explicit_plan(steps: int, at: Sequence[int], phases: Sequence[str]) -> list[list[Kill]]:
+    """``--at K``: one independent case per point and phase (default: the three classic)."""
+    phases = tuple(phases) or RANDOM_PHASES
+    _check_phases(phases)
+    for k in at:
+        if not 1 <= k <= steps:
+            raise UnbrokenError(f"--at {k}: the reference run made {steps} updates")
+    return [[Kill(k, p, "chosen (--at)")] for k in at for p in phases]
+
+
+def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int = 0,
+                 phases: Sequence[str] = ()) -> list[Kill]:
+    """The chain of the structurally risky places of ``reference`` plus ``random_n`` random
+    points. With ``phases``, every point uses those phases in turn instead."""
+    _check_phases(phases)
+    updates = [r for r in reference if r.get("event") == "update"]
+    steps = [r["step"] for r in updates]
+    if len(steps) < 2:
+        raise UnbrokenError(f"the reference run made {len(steps)} update(s); interrupting it "
+                            "needs at least 2")
+    final = steps[-1]
+    wanted: list[Kill] = []
+    by_epoch: dict[int, list[int]] = {}
+    for r in updates:
+        if isinstance(r.get("epoch"), int):
+            by_epoch.setdefault(r["epoch"], []).append(r["step"])
+    epochs = sorted(by_epoch)
+    if len(epochs) > _MAX_EPOCH_EDGES:
+        epochs = epochs[:_MAX_EPOCH_EDGES - 1] + epochs[-1:]
+    for e in epochs:
+        first, last = by_epoch[e][0], by_epoch[e][-1]
+        wanted.append(Kill(first, "after-update", f"first update of epoch {e}"))
+        if last != final:
+            wanted.append(Kill(last, "after-commit", f"last update of epoch {e} (saved there)"))
+    saves = sorted({r["step"] for r in reference if r.get("event") == "save"} - {final})
+    for s in (saves[:1] + saves[-1:]) if saves else []:
+        wanted.append(Kill(s + 1, "after-update", f"the update after the save at {s}"))
+    middle = steps[len(steps) // 2]
+    wanted.append(Kill(saves[0] if saves else middle, "mid-save",
+                       f"inside the save at {saves[0] if saves else middle}"))
+    wanted.append(Kill(max(2, steps[len(steps) // 3]), "mid-update",
+                       "inside an update, at its optimizer step"))
+    wanted.append(Kill(final, "after-update", "the final update"))
+    if random_n:
+        rng = random.Random(seed)
+        wanted += [Kill(rng.randint(2, final - 1) if final > 2 else final,
+                        RANDOM_PHASES[i % len(RANDOM_PHASES)], "random")
+                   for i in range(random_n)]
+    if phases:
+        wanted = [Kill(k.at, phases[i % len(phases)], k.place) for i, k in enumerate(wanted)]
+    return _chain(wanted)
+
+
+def _chain(wanted: list[Kill]) -> list[Kill]:
+    """Order the points so that each is reachable from the resume before it: a later point
+    lies after the previous resume. One point per update; the first after-update kill is
+    followed by a kill at the first update after its resume."""
+    order = {p: i for i, p in enumerate(PHASES)}
+    by_step: dict[int, Kill] = {}
+    for k in sorted(wanted, key=lambda k: (k.at, order[k.phase])):
+        if k.at in by_step:  # one point per update: keep the first, merge the reasons
+            kept = by_step[k.at]
+            if k.place not in kept.place:
+                by_step[k.at] = Kill(kept.at, kept.phase, f"{kept.place}; {k.place}")
+            continue
+        by_step[k.at] = k
+    chain: list[Kill] = []
+    resumed = 0
+    again = False
+    for k in sorted(by_step.values(), key=lambda k: k.at):
+        if k.at <= resumed:
+            continue  # unreachable after the previous resume
+        chain.append(k)
+        resumed = k.resumes_from
+        if not again and k.phase in ("after-update", "mid-update") and k.at - 1 == resumed:
+            # the resumed process dies right after its first update: resume a resumed run
+            chain.append(Kill(k.at, "after-update", "the first update after a resume"))
+            again = True
+    return chain
