@@ -22,15 +22,13 @@ Rules (documented contract):
 * The DataLoader gets a private ``torch.Generator`` (seeded from seed, epoch and cursor), so
   ``iter()`` never draws from the global torch RNG; with a ``collate_fn``, each batch's
   collate runs under RNGs seeded from (seed, epoch, position of its first sample).
-* **Iterable datasets** must implement the resumable-iterable contract: ``state_dict()``
-  returns a dict (codec-friendly plain values) and ``load_state_dict(state)`` accepts it
-  back; before each pass the loader sets ``state["epoch"]`` and ``state["consumed"]`` (items
-  of that epoch consumed by completed updates) and calls ``load_state_dict``; ``__iter__``
-  must then yield that epoch's items from item ``consumed`` on, in an order that depends on
-  its state only (no global RNG, no worker count). One worker at most (the item order of
-  several workers depends on their count), no persistent workers (the dataset copy in a
-  persistent worker cannot be repositioned). A dataset without the contract is refused
-  with `MissingState`.
+* **Iterable datasets** must implement the resumable-iterable contract of
+  `unbroken.data.iterable` (``state_dict()``/``load_state_dict()``; before each pass the loader
+  sets ``state["epoch"]`` and ``state["consumed"]``, and ``__iter__`` yields that epoch's items
+  from item ``consumed`` on). Batch ``j`` of a pass is made by worker ``j % num_workers`` and the
+  batches come back in order, so any number of workers (persistent or not) gives the same
+  batches; trace ids are sample ids (the item's id or a content digest), not positions. A
+  dataset without the contract is refused with `MissingState`.
 """
 
 from __future__ import annotations
@@ -41,8 +39,9 @@ from typing import Any
 import torch
 import torch.utils.data
 
-from ..errors import MissingState, StateMismatch, UnbrokenError, UpdateBoundaryError
+from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
 from ._keyed import TAG_WORKERS, mix
+from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
 from .seeding import _RecordKeys, _SeededCollate
 
@@ -61,6 +60,11 @@ class _Pass:
         self.iterator: Iterator[Any] | None = None
         self.pending: Any = None  # iterable passes look one batch ahead to know the last one
         self.started = False
+        # Iterable passes: sample ids of the last batch, of the open window, of the last
+        # completed window (a sampler computes them from positions instead).
+        self.batch_ids: list[int] = []
+        self.window_ids: list[int] = []
+        self.update_ids: list[int] = []
 
     def completed(self) -> int:
         """Batches of this pass that belong to completed update windows."""
@@ -144,28 +148,14 @@ class ResumableLoader:
             persistent_workers=persistent_workers, timeout=timeout,
             worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
             generator=self._generator)
+        self._source: IterableSource | None = None
         if self._iterable:
-            if not (callable(getattr(dataset, "state_dict", None))
-                    and callable(getattr(dataset, "load_state_dict", None))):
-                raise MissingState(
-                    f"{type(dataset).__name__} is an IterableDataset without state_dict()/"
-                    f"load_state_dict(), so its position cannot be saved and a `continue` "
-                    f"would repeat or skip data. Implement the resumable-iterable contract "
-                    f"(see unbroken.data.loader: start each epoch at state['consumed']) or "
-                    f"use a map-style dataset with ResumableSampler")
+            require_contract(dataset)
             if sampler is not None:
                 raise ValueError("ResumableLoader: an IterableDataset orders its own items; "
                                  "pass batch_size=, not a sampler")
-            if not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError("ResumableLoader: an IterableDataset needs batch_size= (int >= 1)")
-            if num_workers > 1 or persistent_workers:
-                raise ValueError(
-                    "ResumableLoader: a resumable IterableDataset supports num_workers <= 1 and "
-                    "no persistent workers (item order must not depend on the worker count, "
-                    "and a persistent worker's copy could not be repositioned)")
-            self._batch_size = batch_size
-            self._dl = torch.utils.data.DataLoader(
-                dataset, batch_size=batch_size, collate_fn=collate_fn, **common)
+            self._source = IterableSource(dataset, batch_size, collate_fn, self._seed, common)
+            self._batch_size = self._source.batch_size
         else:
             if not isinstance(sampler, ResumableSampler):
                 raise TypeError("ResumableLoader: a map-style dataset needs "
@@ -224,13 +214,13 @@ class ResumableLoader:
     @property
     def last_batch_ids(self) -> list[int]:
         """Dataset indices of the last batch handed out (this rank's share); for an iterable
-        dataset, the items' positions in the epoch's stream. Empty before the first batch."""
+        dataset, its items' sample ids (`unbroken.data.iterable`). Empty before the first
+        batch."""
         p = self._pass
         if p is None or p.yielded == 0:
             return []
         if self.sampler is None:
-            first = p.start + (p.yielded - 1) * self._batch_size
-            return list(range(first, first + self._batch_size))
+            return list(p.batch_ids)
         number = p.start // self.sampler.batch_size + p.yielded - 1
         return [int(k) for k in self.sampler.batch(p.epoch, number)]
 
@@ -241,11 +231,10 @@ class ResumableLoader:
         p = self._pass
         if p is None or p.completed() == 0:
             return []
+        if self.sampler is None:
+            return list(p.update_ids)
         done = p.completed()
         first = (done - 1) // p.n * p.n
-        if self.sampler is None:
-            begin = p.start + first * self._batch_size
-            return list(range(begin, p.start + done * self._batch_size))
         base = p.start // self.sampler.batch_size
         return [int(k) for number in range(base + first, base + done)
                 for k in self.sampler.batch(p.epoch, number)]
@@ -267,24 +256,26 @@ class ResumableLoader:
 
     def __len__(self) -> int:
         """Batches per epoch (a whole epoch, wherever the cursor is)."""
-        return len(self.sampler) if self.sampler is not None else len(self._dl)
+        return len(self.sampler) if self.sampler is not None else len(self._iterable_source())
+
+    def _iterable_source(self) -> IterableSource:
+        assert self._source is not None
+        return self._source
 
     def __iter__(self) -> Iterator[Any]:
         """The rest of the cursor's epoch, from the first sample no completed update consumed."""
         self._detach()
         epoch, consumed = self._cursor()
-        if self.sampler is not None:
-            total: int | None = self.sampler.batches_per_epoch - consumed // self.sampler.batch_size
-        else:
-            state = dict(self._dataset.state_dict())
-            state["epoch"], state["consumed"] = epoch, consumed
-            self._dataset.load_state_dict(state)
-            total = None
+        total = (None if self.sampler is None
+                 else self.sampler.batches_per_epoch - consumed // self.sampler.batch_size)
         p = _Pass(epoch, consumed, total, self.accumulation)
         # A private generator: iter(DataLoader) draws the workers' base seed from it instead of
         # from the global torch RNG, which would shift the training loop's dropout stream.
         self._generator.manual_seed(mix(TAG_WORKERS, self._seed, epoch, consumed))
-        p.iterator = iter(self._dl)
+        if self.sampler is not None:
+            p.iterator = iter(self._dl)
+        else:  # positions the dataset (and persistent workers' copies) at the cursor
+            p.iterator = self._iterable_source().start(epoch, consumed)
         self._pass = p
         return _LoaderIterator(self, p)
 
@@ -314,18 +305,20 @@ class ResumableLoader:
             if not p.started:
                 p.started = True
                 p.pending = next(p.iterator, _END)
-            batch = p.pending
-            if batch is _END:
+            if p.pending is _END:
                 p.iterator = None
                 if p.yielded == 0:  # an empty epoch still ends
                     self._set_cursor(p.epoch + 1, 0)
                 raise StopIteration
+            p.batch_ids, batch = p.pending  # the workers send (sample ids, batch)
+            p.window_ids += p.batch_ids
             p.pending = next(p.iterator, _END)
             if p.pending is _END:
                 p.total = p.yielded + 1
         p.yielded += 1
         if p.yielded == p.completed():
             self._set_cursor(*self._position_after(p, p.yielded))
+            p.update_ids, p.window_ids = p.window_ids, []
         return batch
 
     # -- state -----------------------------------------------------------------------------
@@ -344,8 +337,7 @@ class ResumableLoader:
         epoch, consumed = self._cursor()
         if self.sampler is not None:
             return {**self.sampler._state(epoch, consumed), "accumulation": self.accumulation}
-        dataset_state = dict(self._dataset.state_dict())
-        dataset_state["epoch"], dataset_state["consumed"] = epoch, consumed
+        dataset_state = self._iterable_source().state(epoch, consumed)
         return {"version": STATE_VERSION, "kind": "iterable", "epoch": epoch,
                 "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state,
                 "accumulation": self.accumulation}
