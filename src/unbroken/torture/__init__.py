@@ -5,13 +5,19 @@
 of the commit protocol and by random timers — and restarted each time until it completes.
 After every kill: a verified generation is found (or none when none was ever committed), no
 torn or corrupt generation is loaded, no committed generation that retention had to keep is
-lost, and each finished run's final state equals the uninterrupted run's, bit for bit.
+lost, and each finished run's final state equals the uninterrupted run's, bit for bit. Between
+some lives the newest generation rots (one byte of tensor data flipped): the next life must
+refuse it and restore the previous verified generation (when it was the only one, refuse the
+run, which then starts over from 0); or a script starts without ``restore()`` in the used
+folder: it must get ``RunNotRestored`` with the folder unchanged.
 
 ``corrupt --cases N --seed S``: committed generations are mutated (bit flips, truncations,
 deleted, extra and swapped files, edited manifests, escaping names, symlinks, FIFOs and
 devices, oversized and deeply nested JSON, bad encodings, pickle payloads, hostile run-folder
-layouts); every restore must end in a typed error naming the file, or load a generation whose
-state equals what it saved; ``unbroken verify``/``inspect`` exit 0 or 1 without a traceback.
+layouts, resealed out-of-range numbers and lone surrogates, generations copied from another
+run, oversized parts); every restore must end in a typed error naming the file, or load a
+generation whose state equals what it saved; no exception outside ``UnbrokenError`` escapes;
+``unbroken verify``/``inspect`` exit 0 or 1 without a traceback.
 
 Both print their figures as a table (``--json``: one JSON document) and exit 0 only when every
 check held; 1 when one failed; 2 on a usage error. Op-numbered and named-point kills and all
@@ -43,8 +49,17 @@ def _crash_text(f: dict[str, Any]) -> str:
         ["staging / trash debris seen (then removed)",
          f"{f['staging_debris_seen']} / {f['trash_debris_seen']}", ""],
         ["generations reported committed", f["generations_reported"], ""],
-        ["generations lost (must be 0)", f["generations_lost"], ""],
-        ["torn or corrupt generations loaded (must be 0)", f["torn_or_corrupt_loaded"], ""],
+        ["newer generation rotted between lives / refused",
+         f"{f['rots']} / {f['rots_refused']}",
+         f"{f['rots_only_generation']} the only verified one: run refused, started over"],
+        ["started without restore() in a used folder / refused",
+         f"{f['no_restore_starts']} / {f['no_restore_refused']}", "RunNotRestored"],
+        ["folder changed by a refused start (must be 0)", f["no_restore_changed"], ""],
+        ["aside/ entries explained / unexplained (must be 0)",
+         f"{f['aside_explained']} / {f['aside_unexplained']}", "by a rot or a refusal"],
+        ["generations lost (must be 0)", f["generations_lost"], "rotten ones: lost by the disk"],
+        ["torn, corrupt or rotten generations loaded (must be 0)", f["torn_or_corrupt_loaded"],
+         ""],
         ["restored state differs (must be 0)", f["wrong_state_restored"], ""],
         ["final state bitwise equal to uninterrupted",
          f"{f['episodes_equal']}/{f['episodes']}", "yes" if f["final_equal"] else "NO"],
@@ -74,7 +89,11 @@ def _corrupt_text(r: dict[str, Any]) -> str:
              "  loaded: the newest loaded; its restored state equals what it saved",
              "  (older hit): of those, cases whose mutation hit an older generation",
              "", "  typed errors: " + (", ".join(f"{k} {v}" for k, v in
-                                                 r["errors_by_type"].items()) or "none")]
+                                                 r["errors_by_type"].items()) or "none"),
+             "  exceptions seen (escaped restore or a command, or refused a candidate): "
+             + (", ".join(f"{k} {v}" for k, v in r["exception_types"].items()) or "none"),
+             "  outside UnbrokenError (must be none): "
+             + (", ".join(r["exceptions_outside_unbroken_error"]) or "none")]
     lines += _failures([f"case {x['case']} ({x['kind']}: {x['mutation']}): "
                         + "; ".join(x["failures"]) for x in r["failures"]])
     lines.append(f"result: {'PASS' if r['ok'] else 'FAIL'}")
@@ -101,10 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kinds", default="op,timer,point",
                    help="kill kinds to draw from: op (numbered I/O operation), timer, point "
                         "(named fault point); comma-separated")
+    c.add_argument("--events", default="rot,no-restore",
+                   help="events between lives: rot (the newest generation rots on disk), "
+                        "no-restore (a script starts without restore()); comma-separated, "
+                        "or none")
     c.add_argument("--dir", help="work in DIR (kept) instead of a temporary folder")
-    c.add_argument("--sabotage", choices=["retention-first"],
+    c.add_argument("--sabotage", choices=["retention-first", "skip-hash",
+                                          "first-save-unchecked"],
                    help="test the test: break the Checkpointer on purpose (delete old "
-                        "generations before writing the new one); the torture must FAIL")
+                        "generations before writing the new one; load without re-hashing; "
+                        "let a first save without restore() go ahead); the torture must FAIL")
     c.add_argument("--json", action="store_true", help="one JSON document on stdout")
     z = sub.add_parser("corrupt", help="mutate committed generations; check every restore")
     z.add_argument("--cases", type=int, default=300, help="cases to run (default 300)")
@@ -112,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     z.add_argument("--case", type=int, help="run only case number K (reproduce a failure)")
     z.add_argument("--dir", help="work in DIR (kept) instead of a temporary folder; by "
                                  "default a temporary folder in /dev/shm where available")
-    z.add_argument("--sabotage", choices=["skip-hash"],
-                   help="test the test: load without re-hashing content; the fuzz must FAIL")
+    z.add_argument("--sabotage", choices=["skip-hash", "accept-foreign", "no-size-limits"],
+                   help="test the test: load without re-hashing content, continue from another "
+                        "run's generations, or read state.json whatever its listed size; the "
+                        "fuzz must FAIL")
     z.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return p
 
@@ -125,15 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     text: Callable[[dict[str, Any]], str]
     if args.mode == "crash":
+        from ._events import EVENTS
         from .crash import KINDS, crash
 
         kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-        if args.kills < 1 or not kinds or any(k not in KINDS for k in kinds):
-            print(f"torture: --kills must be >= 1 and --kinds a subset of {','.join(KINDS)}",
-                  file=sys.stderr)
+        events = tuple(k.strip() for k in args.events.split(",")
+                       if k.strip() and k.strip() != "none")
+        if (args.kills < 1 or not kinds or any(k not in KINDS for k in kinds)
+                or any(e not in EVENTS for e in events)):
+            print(f"torture: --kills must be >= 1, --kinds a subset of {','.join(KINDS)} and "
+                  f"--events a subset of {','.join(EVENTS)} (or none)", file=sys.stderr)
             return 2
-        result = crash(args.kills, args.seed, args.dir, kinds,
-                       sabotage=args.sabotage).to_json()
+        result = crash(args.kills, args.seed, args.dir, kinds, sabotage=args.sabotage,
+                       events=events).to_json()
         text = _crash_text
     else:
         from .corrupt import corrupt
@@ -144,7 +175,9 @@ def main(argv: list[str] | None = None) -> int:
         result = corrupt(args.cases, args.seed, args.dir, args.case, sabotage=args.sabotage)
         text = _corrupt_text
     try:
-        print(json.dumps(result, indent=2) if args.json else text(result), flush=True)
+        out = json.dumps(result, indent=2) if args.json else text(result)
+        # (a failure's text may quote a lone surrogate from a mutated file)
+        print(out.encode("utf-8", "backslashreplace").decode("utf-8"), flush=True)
     except BrokenPipeError:  # the reader went away (`... | head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0 if result["ok"] else 1

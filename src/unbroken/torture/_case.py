@@ -8,7 +8,7 @@ import os
 import random
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -27,6 +27,14 @@ class Case:
     target: str = ""
     every_generation: bool = False
     layout: bool = False  # a hostile run-folder layout (not a generation's content)
+    # A second, independently trained run (another run id): its folder, and the digest of the
+    # state each of its generations saved, by step.
+    other_run: str = ""
+    other_saved: dict[int, str] = field(default_factory=dict)
+    foreign: dict[int, str] = field(default_factory=dict)  # steps copied in from other_run
+    adopt: bool = False  # restore(adopt=True): a foreign generation may then load
+    newest: int | None = None  # the newest step on disk, when the mutation added one
+    no_whole_read: set[str] = field(default_factory=set)  # files nothing may read whole
 
     def pick_target(self) -> str:
         self.target = self.gens[-1] if self.rng.random() < 0.75 else self.rng.choice(self.gens)
@@ -71,10 +79,15 @@ class Case:
         """Make the manifest agree with a mutated file (size and hash) and reseal it, so that
         the mutation reaches the decoders behind the hash check."""
         doc = self.manifest(gen)
-        data = self.read(gen, name)
+        h = xxhash.xxh3_128()
+        size = 0
+        with open(os.path.join(gen, name), "rb") as f:  # streaming: some files are sparse GiBs
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+                size += len(chunk)
         for entry in doc["artifacts"]:
             if entry["name"] == name:
-                entry["size"], entry["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
+                entry["size"], entry["xxh3_128"] = size, h.hexdigest()
         self.save_manifest(gen, doc)
 
     def maybe_restamp(self, gen: str, name: str, p: float = 0.5) -> str:

@@ -4,7 +4,8 @@ committed generations it lost, and where in the protocol a kill landed."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
 from ..store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
@@ -18,6 +19,10 @@ class DiskState:
     staging: int
     trash: int
     aside: int
+    aside_entries: list[tuple[str, int, str]] = field(default_factory=list)  # name, gen, reason
+
+
+_ASIDE_ENTRY = re.compile(r"gen-([0-9]{9,})-([a-z]+)-")
 
 
 def inspect_run(run: str) -> DiskState:
@@ -36,10 +41,14 @@ def inspect_run(run: str) -> DiskState:
             corrupt.append(info.generation)
     names = os.listdir(run) if os.path.isdir(run) else []
     aside = os.path.join(run, ASIDE)
+    entries = []
+    for name in sorted(os.listdir(aside)) if os.path.isdir(aside) else []:
+        m = _ASIDE_ENTRY.match(name)
+        entries.append((name, int(m.group(1)), m.group(2)) if m else (name, -1, "unknown"))
     return DiskState(complete, torn, corrupt,
                      sum(n.startswith(STAGING_PREFIX) for n in names),
                      sum(n.startswith(TRASH_PREFIX) for n in names),
-                     len(os.listdir(aside)) if os.path.isdir(aside) else 0)
+                     len(entries), entries)
 
 
 def lost_generations(reported: set[int], complete: list[int], keep_last: int) -> list[int]:

@@ -18,6 +18,7 @@ import xxhash
 from .._fs import io_count
 from ..checkpointer import Checkpointer
 from ..codec import encode_tree
+from ..errors import RunNotRestored
 from ..identity import Identity
 from ..retention import Keep
 
@@ -87,19 +88,31 @@ def update(job: Job) -> torch.Tensor:
     return loss
 
 
-def train(run: str, log: str, steps: int = STEPS, every: int = 2,
-          keep_last: int = KEEP_LAST) -> None:
-    """One life of the run: restore from disk, train to ``steps``, logging exact digests."""
+def _emitter(log: str) -> tuple[int, Any]:
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
 
     def emit(**record: Any) -> None:  # one write per line: a kill never tears a record
         os.write(fd, (json.dumps({**record, "t": time.monotonic()}) + "\n").encode())
 
+    return fd, emit
+
+
+def train(run: str, log: str, steps: int = STEPS, every: int = 2,
+          keep_last: int = KEEP_LAST, reseed: int | None = None) -> None:
+    """One life of the run: restore from disk, train to ``steps``, logging exact digests.
+    ``reseed``: reseed every random stream after restoring (an independent run, whose states
+    differ from the usual one's)."""
+    fd, emit = _emitter(log)
     emit(e="start", pid=os.getpid())
     job = build(run, every, keep_last)
     start = job.ckpt.restore()
     emit(e="restored", step=start, digest=state_digest(job),
          rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
+    if reseed is not None:
+        torch.manual_seed(reseed)
+        random.seed(reseed)
+        np.random.seed(reseed)
+        job.data.manual_seed(reseed)
     for step in range(start + 1, steps + 1):
         loss = update(job)
         saved = job.ckpt.step_done(step, loss=loss)
@@ -107,6 +120,31 @@ def train(run: str, log: str, steps: int = STEPS, every: int = 2,
     job.ckpt.close()
     emit(e="done", step=steps, digest=state_digest(job), ops=io_count())
     os.close(fd)
+
+
+def start_without_restore(run: str, log: str, steps: int = STEPS, every: int = 2,
+                          keep_last: int = KEEP_LAST) -> None:
+    """A script that forgot ``restore()``: it trains from step 0 in a used run folder until its
+    first save, which must raise `RunNotRestored` before writing or deleting anything. Logs
+    "refused" (with the error) or, if the save went through, "saved"."""
+    fd, emit = _emitter(log)
+    emit(e="start", pid=os.getpid())
+    job = build(run, every, keep_last)
+    step = 0
+    try:
+        while step < steps:
+            loss = update(job)
+            step += 1
+            if job.ckpt.step_done(step, loss=loss):
+                break
+        else:
+            job.ckpt.save()
+        emit(e="saved", step=step)
+    except RunNotRestored as e:
+        emit(e="refused", error=type(e).__name__, step=step, message=str(e)[:600])
+    finally:
+        job.ckpt.close()
+        os.close(fd)
 
 
 def prepare_parent() -> None:

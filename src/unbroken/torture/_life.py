@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,10 @@ from ._job import KEEP_LAST, STEPS, train
 _LIFE_TIMEOUT = 120.0
 
 
-def _child(run: str, log: str, err: str, env: dict[str, str], every: int) -> None:
+Script = Callable[[str, str, int, int, int], None]  # (run, log, steps, every, keep_last)
+
+
+def _child(run: str, log: str, err: str, env: dict[str, str], every: int, job: Script) -> None:
     code = 1
     try:
         os.setsid()
@@ -34,7 +38,7 @@ def _child(run: str, log: str, err: str, env: dict[str, str], every: int) -> Non
         os.dup2(f, 2)
         os.close(f)
         torch.set_num_threads(1)  # fork-safe, and the same arithmetic in every life
-        train(run, log, STEPS, every, KEEP_LAST)
+        job(run, log, STEPS, every, KEEP_LAST)
         code = 0
     except BaseException:  # noqa: BLE001 -- reported through the exit status and err file
         traceback.print_exc()
@@ -68,15 +72,16 @@ class Life:
 
 
 def run_life(run: str, log: str, err: str, env: dict[str, str], every: int,
-             delay: float | None) -> Life:
-    """Fork one life; with ``delay``, SIGKILL its whole group after that many seconds. Returns
-    once the child is reaped and no process of its group is left."""
+             delay: float | None, job: Script = train) -> Life:
+    """Fork one life running ``job`` (by default `train`: restore, then train to the end);
+    with ``delay``, SIGKILL its whole group after that many seconds. Returns once the child is
+    reaped and no process of its group is left."""
     sys.stdout.flush()
     sys.stderr.flush()
     started = time.monotonic()
     pid = os.fork()
     if pid == 0:
-        _child(run, log, err, env, every)
+        _child(run, log, err, env, every, job)
     timer = delay is not None
     deadline = started + (delay if delay is not None else _LIFE_TIMEOUT)
     fired = False

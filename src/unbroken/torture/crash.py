@@ -7,7 +7,8 @@ disk, so it is a real new process as far as the checkpoint is concerned. Kills a
 the seed: numbered I/O operations (``$UNBROKEN_KILL_AT_OP``), named fault points of the commit
 protocol (``$UNBROKEN_KILL_AT``) and timers in the parent that SIGKILL the child's group after
 a random delay. After every kill the parent waits until the group is empty and checks the run
-folder before it restarts the run."""
+folder before it restarts the run. Between some lives an event happens first (see `_events`):
+the newest generation rots on disk, or a script starts without ``restore()``."""
 
 from __future__ import annotations
 
@@ -23,14 +24,8 @@ from typing import Any
 
 from .._fs import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ..checkpointer import Checkpointer
-from ._disk import (
-    POINT_PHASE,
-    DiskState,
-    inspect_run,
-    lost_generations,
-    phase_of_note,
-    phase_of_state,
-)
+from ._disk import POINT_PHASE, DiskState, inspect_run, phase_of_note, phase_of_state
+from ._events import EVENTS, Episode, Events
 from ._job import KEEP_LAST, STEPS, prepare_parent
 from ._life import count_lines, read_events, read_lines, run_life, tail
 
@@ -62,6 +57,14 @@ class Figures:
     trash_debris_seen: int = 0
     generations_reported: int = 0
     generations_lost: int = 0
+    rots: int = 0  # a newer generation rotted between lives (one byte of tensor data)
+    rots_refused: int = 0  # ... and the next life did not load it
+    rots_only_generation: int = 0  # ... it was the only verified one: the run was refused
+    no_restore_starts: int = 0  # lives that tried to save without restore() in a used folder
+    no_restore_refused: int = 0  # ... and got RunNotRestored
+    no_restore_changed: int = 0  # ... and changed the folder anyway
+    aside_explained: int = 0  # aside/ entries: a rot's or a restore's refusal
+    aside_unexplained: int = 0
     torn_or_corrupt_loaded: int = 0
     wrong_state_restored: int = 0
     episodes: int = 0
@@ -79,7 +82,10 @@ class Figures:
                 and self.torn_or_corrupt_loaded == 0 and self.wrong_state_restored == 0
                 and self.kills >= self.kills_requested and self.recoveries == self.kills
                 and self.torn_refused == self.torn_seen
-                and self.corrupt_refused == self.corrupt_seen)
+                and self.corrupt_refused == self.corrupt_seen
+                and self.rots_refused == self.rots and self.no_restore_changed == 0
+                and self.no_restore_refused == self.no_restore_starts
+                and self.aside_unexplained == 0)
 
     def to_json(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()}
@@ -87,21 +93,27 @@ class Figures:
         return d
 
 
-class Torture:
+class Torture(Events):
     def __init__(self, kills: int, seed: int, workdir: str, kinds: tuple[str, ...] = KINDS,
-                 keep: bool = False) -> None:
+                 keep: bool = False, events: tuple[str, ...] = EVENTS) -> None:
         self.f = Figures(seed=seed, kills_requested=kills)
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.kinds = kinds
         self.keep = keep
+        self.events = events
+        self.erng = random.Random(f"{seed}:events")  # the kills draw from self.rng alone
+        self._event_no = self.erng.randrange(5)
+        self._event_pending: str | None = None
+        self._aside_seen: set[tuple[str, str]] = set()
         self.ref: dict[int, str] = {}
         self.ref_start = 0.0  # seconds from fork to "restored" in a fresh life
         self.ref_train = 0.0  # seconds of the training loop of a whole run
         self._plans = self._points = 0
         self._walk = self.rng.random()
-        self._seen_bad: set[tuple[int, str, int]] = set()  # (episode, status, generation)
-        self._pending_bad: dict[tuple[int, str, int], None] = {}
+        # (run folder, status, generation); status torn / corrupt / rot
+        self._seen_bad: set[tuple[str, str, int]] = set()
+        self._pending_bad: dict[tuple[str, str, int], None] = {}
 
     def fail(self, message: str) -> None:
         self.f.failures.append(message)
@@ -162,10 +174,8 @@ class Torture:
         """Run one training run to completion, killing it up to ``budget`` times."""
         d = os.path.join(self.workdir, f"episode-{number:03d}")
         os.makedirs(d)
-        run, log, note = (os.path.join(d, "run"), os.path.join(d, "log.jsonl"),
-                          os.path.join(d, "kill-notes.txt"))
-        every = self.rng.choice((2, 3))
-        reported: set[int] = set()
+        ep = Episode(number, d, os.path.join(d, "run"), self.rng.choice((2, 3)))
+        log, note = os.path.join(d, "log.jsonl"), os.path.join(d, "kill-notes.txt")
         expected = 0  # the step the next life must restore
         offset = 0
         kills = 0
@@ -176,21 +186,21 @@ class Torture:
             life_no += 1
             self.f.lives += 1
             if kills < budget:
-                kind, env, delay, desc = self._plan(expected, every)
+                kind, env, delay, desc = self._plan(expected, ep.every)
             else:
                 kind, env, delay, desc = "none", {}, None, "no kill"
             if env.get(KILL_OP_ENV):
                 env[KILL_NOTE_ENV] = note
             notes_before = count_lines(note)
             err = os.path.join(d, f"life-{life_no:03d}.err")
-            life = run_life(run, log, err, env, every, delay)
+            life = run_life(ep.run, log, err, env, ep.every, delay)
             where = f"episode {number} life {life_no} ({kind}: {desc})"
             if not life.group_gone:
                 self.fail(f"{where}: processes of the killed group survived")
                 return kills
             events, offset = read_events(log, offset)
             restored = [e for e in events if e["e"] == "restored"]
-            if restored and self._check_restore(restored[0], expected, where, number):
+            if restored and self._check_restore(restored[0], expected, where, ep):
                 self.f.recoveries += unrecovered
                 unrecovered = 0
             for e in events:
@@ -199,11 +209,11 @@ class Torture:
                         self.fail(f"{where}: state after update {e['step']} differs from the "
                                   "uninterrupted run")
                     if e["saved"]:
-                        reported.add(e["step"])
+                        ep.committed(e["step"])
                         self.f.generations_reported += 1
             if life.code == 0:
                 done = [e for e in events if e["e"] == "done"]
-                self._check_finished(run, done, reported, every, where)
+                self._check_finished(ep, done, where)
                 return kills
             if life.code != -signal.SIGKILL:
                 self.fail(f"{where}: exit status {life.code}: {tail(err)}")
@@ -213,27 +223,31 @@ class Torture:
             unrecovered += 1
             self.f.kills += 1
             self.f.kills_by_kind[kind] += 1
-            state = inspect_run(run)
+            state = inspect_run(ep.run)
             if kind == "op":
                 lines = read_lines(note)[notes_before:]
-                phase = phase_of_note(lines[-1], run) if lines else "unknown"
+                phase = phase_of_note(lines[-1], ep.run) if lines else "unknown"
             elif kind == "point":
                 name = env[KILL_ENV].split("@")[0]
                 phase = POINT_PHASE["artifact" if name.startswith("artifact") else name]
             else:
                 phase = phase_of_state(state)
             self.f.kills_by_phase[phase] = self.f.kills_by_phase.get(phase, 0) + 1
-            self.f.kills_log.append({"episode": number, "life": life_no, "kind": kind,
-                                     "at": desc, "phase": phase, "complete": state.complete,
-                                     "torn": state.torn, "corrupt": state.corrupt})
-            self._after_kill(state, reported, where, number)
-            expected = max(state.complete, default=0)
+            entry = {"episode": number, "life": life_no, "kind": kind, "at": desc,
+                     "phase": phase, "complete": state.complete, "torn": state.torn,
+                     "corrupt": state.corrupt}
+            self.f.kills_log.append(entry)
+            self._after_kill(state, ep, where)
+            expected, event = self.between_lives(ep, state, max(state.complete, default=0),
+                                                 where)
+            if event:
+                entry["event"] = event
 
-    def _after_kill(self, state: DiskState, reported: set[int], where: str, ep: int) -> None:
+    def _after_kill(self, state: DiskState, ep: Episode, where: str) -> None:
         for status, gens in (("torn", state.torn), ("corrupt", state.corrupt)):
             for g in gens:
-                key = (ep, status, g)
-                if key not in self._seen_bad:
+                key = (ep.key, status, g)
+                if key not in self._seen_bad and not (status == "corrupt" and g in ep.rotten):
                     self._seen_bad.add(key)
                     self._pending_bad[key] = None
                     if status == "torn":
@@ -242,18 +256,12 @@ class Torture:
                         self.f.corrupt_seen += 1
         self.f.staging_debris_seen += state.staging
         self.f.trash_debris_seen += state.trash
-        if state.aside:
-            self.fail(f"{where}: {state.aside} generation(s) moved aside after a crash")
-        lost = lost_generations(reported, state.complete, KEEP_LAST)
-        if lost:
-            self.f.generations_lost += len(lost)
-            self.fail(f"{where}: generations {lost} were reported committed and retention "
-                      f"had to keep them, but the disk holds only {state.complete}")
-        if not state.complete and reported:
-            self.fail(f"{where}: no verified generation after commits of {sorted(reported)}")
+        self.check_aside(state, ep, where)
+        self.check_kept(state, ep, where)
 
-    def _check_restore(self, e: dict[str, Any], expected: int, where: str, ep: int) -> bool:
-        """Check a life's restore against the disk state seen after the last kill."""
+    def _check_restore(self, e: dict[str, Any], expected: int, where: str, ep: Episode) -> bool:
+        """Check a life's restore against the disk state seen after the last kill (and the
+        event that followed it)."""
         failures = len(self.f.failures)
         step = e["step"]
         if step != expected:
@@ -267,26 +275,22 @@ class Torture:
             self.f.restored_from_nothing += 1
         if e["rejected"]:
             self.f.fell_back += 1
-        for key in list(self._pending_bad):
-            if key[0] != ep:
-                continue
+            ep.refused |= {int(name.split("-")[1]) for name in e["rejected"]}
+        for key in [k for k in self._pending_bad if k[0] == ep.key]:
             del self._pending_bad[key]
             if key[2] == step and step != 0:
                 self.f.torn_or_corrupt_loaded += 1
                 self.fail(f"{where}: loaded generation {step}, which was {key[1]}")
-            elif key[1] == "torn":
-                self.f.torn_refused += 1
             else:
-                self.f.corrupt_refused += 1
+                self.settle(key[1])
         return len(self.f.failures) == failures
 
-    def _check_finished(self, run: str, done: list[dict[str, Any]], reported: set[int],
-                        every: int, where: str) -> None:
+    def _check_finished(self, ep: Episode, done: list[dict[str, Any]], where: str) -> None:
         if not done:
             self.fail(f"{where}: exited 0 without finishing")
             return
-        state = inspect_run(run)
-        saves = [s for s in range(every, STEPS + 1, every)]
+        state = inspect_run(ep.run)
+        saves = [s for s in range(ep.every, STEPS + 1, ep.every)]
         want = saves[-KEEP_LAST:]
         # Retention runs after each save: a run killed after committing its last generation
         # finishes without another save, so older generations (or a torn one whose deletion
@@ -296,13 +300,11 @@ class Torture:
                 or any(g > want[0] or g not in saves for g in leftover)):
             self.fail(f"{where}: finished run holds complete {state.complete}, torn "
                       f"{state.torn}, corrupt {state.corrupt}; expected {want}")
-        if state.staging or state.trash or state.aside:
+        if state.staging or state.trash:
             self.fail(f"{where}: finished run left debris (staging {state.staging}, trash "
-                      f"{state.trash}, aside {state.aside})")
-        lost = lost_generations(reported, state.complete, KEEP_LAST)
-        if lost:
-            self.f.generations_lost += len(lost)
-            self.fail(f"{where}: generations {lost} lost by the finished run")
+                      f"{state.trash})")
+        self.check_aside(state, ep, f"{where}: finished run")
+        self.check_kept(state, ep, f"{where}: finished run")
         if done[0]["digest"] == self.ref.get(STEPS):
             self.f.episodes_equal += 1
         else:
@@ -323,30 +325,49 @@ class Torture:
 
 def _retention_first() -> Callable[[], None]:
     """Accelerate's bug, on purpose: delete old generations *before* writing the new one."""
-    original = Checkpointer.save
+    # The method every save goes through (step_done and save() both call it when it exists).
+    name = "_save" if hasattr(Checkpointer, "_save") else "save"
+    original = getattr(Checkpointer, name)
 
-    def save(self: Checkpointer, step: int | None = None, **kw: Any) -> Any:
+    def save(self: Checkpointer, *args: Any, **kw: Any) -> Any:
         for g in [g for g in self.store.scan() if g.ok][:-1]:
             self.store.delete(g)
-        return original(self, step, **kw)
+        return original(self, *args, **kw)
 
-    Checkpointer.save = save  # type: ignore[method-assign]
-    return lambda: setattr(Checkpointer, "save", original)
+    setattr(Checkpointer, name, save)
+    return lambda: setattr(Checkpointer, name, original)
+
+
+def _skip_hash() -> Callable[[], None]:
+    """A loader that trusts sizes and never re-hashes content: it loads rotten generations."""
+    from .corrupt import SABOTAGE as FUZZ_SABOTAGE
+
+    return FUZZ_SABOTAGE["skip-hash"]()
+
+
+def _first_save_unchecked() -> Callable[[], None]:
+    """A first save without restore() that goes ahead in a used folder."""
+    original = Checkpointer._check_first_save
+    Checkpointer._check_first_save = lambda self: None  # type: ignore[method-assign]
+    return lambda: setattr(Checkpointer, "_check_first_save", original)
 
 
 # Known-bad implementations the torture must catch (a test of the test: exit status 1).
-SABOTAGE: dict[str, Callable[[], Callable[[], None]]] = {"retention-first": _retention_first}
+SABOTAGE: dict[str, Callable[[], Callable[[], None]]] = {
+    "retention-first": _retention_first, "skip-hash": _skip_hash,
+    "first-save-unchecked": _first_save_unchecked}
 
 
 def crash(kills: int, seed: int, workdir: str | None = None, kinds: tuple[str, ...] = KINDS,
-          keep: bool = False, sabotage: str | None = None) -> Figures:
+          keep: bool = False, sabotage: str | None = None,
+          events: tuple[str, ...] = EVENTS) -> Figures:
     prepare_parent()
     own = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="unbroken-torture-")
     os.makedirs(work, exist_ok=True)
     undo = SABOTAGE[sabotage]() if sabotage else None  # forked lives inherit it
     try:
-        return Torture(kills, seed, work, kinds, keep).run()
+        return Torture(kills, seed, work, kinds, keep, events).run()
     finally:
         if undo is not None:
             undo()

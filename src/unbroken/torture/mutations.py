@@ -6,5 +6,7 @@ from __future__ import annotations
 from ._case import Catalogue
 from .content_mutations import CONTENT
 from .layout_mutations import LAYOUT
+from .part_mutations import PARTS
+from .value_mutations import VALUES
 
-MUTATIONS: Catalogue = {**CONTENT, **LAYOUT}
+MUTATIONS: Catalogue = {**CONTENT, **LAYOUT, **VALUES, **PARTS}
