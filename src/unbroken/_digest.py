@@ -112,7 +112,8 @@ def digest_modules(modules: list[torch.nn.Module]) -> tuple[str, str | None, str
 
 
 def digest_optimizer(optimizer: torch.optim.Optimizer, moments: bool = True) -> str:
-    """Digest of an optimizer's hyperparameters and per-parameter state, in group order.
+    """Digest of an optimizer's hyperparameters (but the learning rate) and per-parameter
+    state, in group order.
 
     ``moments=False`` is the cheap per-update form: hyperparameters, how many parameters have
     state, and the scalar entries (step counts) of each group's first parameter, which is
@@ -120,7 +121,9 @@ def digest_optimizer(optimizer: torch.optim.Optimizer, moments: bool = True) -> 
     h = xxhash.xxh3_64()
     h.update(b"%d;" % len(optimizer.state))
     for group in optimizer.param_groups:
-        _feed(h, {k: v for k, v in group.items() if k != "params"})
+        # The rate is traced apart, as the one the step applied; a scheduler moves it after
+        # the step, so here it would show a lost scheduler one update early, as the optimizer.
+        _feed(h, {k: v for k, v in group.items() if k not in ("params", "lr")})
         for p in group["params"] if moments else group["params"][:1]:
             entry = optimizer.state.get(p)
             if not entry:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from ._digest import digest_tree
-from ._fs import fault_point
 from .errors import UnbrokenError, UpdateBoundaryError
 
 log = logging.getLogger("unbroken")
@@ -40,6 +39,7 @@ class UpdateWatch:
         self.steps = 0  # optimizer.step() calls since the last boundary
         self.lrs: list[float] | None = None  # rates of the last step of this update
         self.epoch = 0  # the epoch of the update in progress
+        self._start_lrs: list[float] = []
         self._mark: tuple[Any, ...] = ()
         self._signal_at = _signal_at()
         self._update = 0  # the update in progress (for the harness's signal)
@@ -50,18 +50,23 @@ class UpdateWatch:
     def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.steps += 1
         self.lrs = [float(g["lr"]) for g in optimizer.param_groups]
-        fault_point("optimizer-step", self._update)  # the harness's "kill inside update K"
-        if self._signal_at == self._update:  # the harness's "a signal lands inside update K"
+        self.signal_due()
+
+    def signal_due(self) -> None:
+        """The harness's "a signal lands inside update K": at its optimizer step, or at its
+        end (``step_done``) when the GradScaler skipped the step."""
+        if self._signal_at is not None and self._update >= self._signal_at:
             self._signal_at = None
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def applied_lrs(self) -> list[float]:
-        """The rates this update's optimizer step used; the current ones if it took none
-        (a step the GradScaler skipped)."""
-        if self.lrs is not None:
-            return self.lrs
+    def _current_lrs(self) -> list[float]:
         opt = self._optimizer
         return [float(g["lr"]) for g in opt.param_groups] if opt is not None else []
+
+    def applied_lrs(self) -> list[float]:
+        """The rates this update's optimizer step used; if it took none (a step the
+        GradScaler skipped), the rates it would have used: those at the update's start."""
+        return self.lrs if self.lrs is not None else self._start_lrs
 
     def _position(self) -> Any:
         data = self._data
@@ -80,6 +85,7 @@ class UpdateWatch:
         epoch's last batch: read afterwards, that update would count in the next epoch)."""
         self.steps = 0
         self.lrs = None
+        self._start_lrs = self._current_lrs()
         self.epoch = epoch
         self._update = step + 1
         self._mark = (self._position(),)

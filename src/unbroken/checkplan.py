@@ -6,16 +6,18 @@ A kill point is an update number and a phase:
 ``after-update``  saved one update earlier, killed right after update K (K is replayed)
 ``mid-save``      killed inside the save of K, after its first file (resumes from K-1)
 ``after-commit``  generation K committed, killed before anything else ran (resumes from K)
-``mid-update``    killed inside update K, at its optimizer step (resumes from K-1)
+``mid-update``    killed inside update K, after its optimizer step, before ``step_done``
+                  recorded it (resumes from K-1)
 ``sigterm``       SIGTERM delivered inside update K, at its optimizer step: the script must
                   save at the next boundary and stop cleanly (``signals=``, ``should_stop``)
 
-The default plan covers, from the reference trace: the first and last update of each epoch
-(the last one saved exactly there, where an end-of-epoch scheduler step is lost by a script
-that saves before it), the update after a save, a save interrupted midway, an update
-interrupted at its optimizer step, the first update after a resume, and the final update.
-All of them run as one *chain*: a run killed at the first point, resumed and killed at the
-next, and so on, then finished; it costs about one run plus a process start per point."""
+The default plan covers, from the reference trace: the first update, the last update of each
+epoch saved exactly there (where an end-of-epoch scheduler step is lost by a script that saves
+before it) so that the resume starts the next epoch, a save interrupted midway, the update
+after a save, the first update after a resume killed inside (after its optimizer step, before
+``step_done``), and the final update. All of them run as one *chain*: a run killed at the
+first point, resumed and killed at the next, and so on, then finished; it costs about one run
+plus a process start per point."""
 
 from __future__ import annotations
 
@@ -52,8 +54,8 @@ class Kill:
             return {SAVE_AT_ENV: f"{before},{k}", KILL_ENV: f"artifact-1-written@{k}"}
         if self.phase == "after-commit":  # generation k is committed, nothing after it ran
             return {SAVE_AT_ENV: str(k), KILL_ENV: f"after-rename@{k}"}
-        if self.phase == "mid-update":  # weights about to change, counters not yet
-            return {SAVE_AT_ENV: before, KILL_ENV: f"optimizer-step@{k}"}
+        if self.phase == "mid-update":  # weights updated, counters and trace not yet
+            return {SAVE_AT_ENV: before, KILL_ENV: f"update-end@{k}"}
         if self.phase == "sigterm":
             return {SAVE_AT_ENV: before, SIGNAL_AT_ENV: str(k)}
         raise ValueError(f"phase {self.phase!r}: one of {PHASES}")
@@ -86,7 +88,12 @@ def explicit_plan(steps: int, at: Sequence[int], phases: Sequence[str]) -> list[
 def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int = 0,
                  phases: Sequence[str] = ()) -> list[Kill]:
     """The chain of the structurally risky places of ``reference`` plus ``random_n`` random
-    points. With ``phases``, every point uses those phases in turn instead."""
+    points. With ``phases``, every point uses those phases in turn instead.
+
+    Every point is a process start, so one point covers several places where it can: the
+    resumed process that dies inside its first update covers both "the first update after
+    a resume" and "inside an update"; a save at an epoch's last update, resumed, covers that
+    update and the first of the next epoch."""
     _check_phases(phases)
     updates = [r for r in reference if r.get("event") == "update"]
     steps = [r["step"] for r in updates]
@@ -94,27 +101,24 @@ def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int =
         raise UnbrokenError(f"the reference run made {len(steps)} update(s); interrupting it "
                             "needs at least 2")
     final = steps[-1]
-    wanted: list[Kill] = []
+    wanted = [Kill(steps[0], "after-update", "first update of the run")]
     by_epoch: dict[int, list[int]] = {}
     for r in updates:
         if isinstance(r.get("epoch"), int):
             by_epoch.setdefault(r["epoch"], []).append(r["step"])
-    epochs = sorted(by_epoch)
-    if len(epochs) > _MAX_EPOCH_EDGES:
-        epochs = epochs[:_MAX_EPOCH_EDGES - 1] + epochs[-1:]
-    for e in epochs:
-        first, last = by_epoch[e][0], by_epoch[e][-1]
-        wanted.append(Kill(first, "after-update", f"first update of epoch {e}"))
-        if last != final:
-            wanted.append(Kill(last, "after-commit", f"last update of epoch {e} (saved there)"))
+    edges = [e for e in sorted(by_epoch) if by_epoch[e][-1] != final]
+    if len(edges) > _MAX_EPOCH_EDGES:
+        edges = edges[:_MAX_EPOCH_EDGES - 1] + edges[-1:]
+    for e in edges:
+        wanted.append(Kill(by_epoch[e][-1], "after-commit", f"last update of epoch {e}, saved "
+                           f"there (the resume starts epoch {e + 1})"))
     saves = sorted({r["step"] for r in reference if r.get("event") == "save"} - {final})
-    for s in (saves[:1] + saves[-1:]) if saves else []:
+    s = saves[0] if saves else steps[len(steps) // 2]
+    wanted.append(Kill(s, "mid-save", f"inside the save at {s}"))
+    if s + 1 < final:
         wanted.append(Kill(s + 1, "after-update", f"the update after the save at {s}"))
-    middle = steps[len(steps) // 2]
-    wanted.append(Kill(saves[0] if saves else middle, "mid-save",
-                       f"inside the save at {saves[0] if saves else middle}"))
-    wanted.append(Kill(max(2, steps[len(steps) // 3]), "mid-update",
-                       "inside an update, at its optimizer step"))
+        wanted.append(Kill(s + 1, "mid-update", "the first update after a resume, killed "
+                           "after its optimizer step"))
     wanted.append(Kill(final, "after-update", "the final update"))
     if random_n:
         rng = random.Random(seed)
@@ -127,28 +131,18 @@ def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int =
 
 
 def _chain(wanted: list[Kill]) -> list[Kill]:
-    """Order the points so that each is reachable from the resume before it: a later point
-    lies after the previous resume. One point per update; the first after-update kill is
-    followed by a kill at the first update after its resume."""
+    """Order the points so that each is reachable from the resume before it (a later point
+    lies after the previous resume). At most two points per update, the second only when
+    the first resumes before it (it then kills the resumed process there again)."""
     order = {p: i for i, p in enumerate(PHASES)}
-    by_step: dict[int, Kill] = {}
-    for k in sorted(wanted, key=lambda k: (k.at, order[k.phase])):
-        if k.at in by_step:  # one point per update: keep the first, merge the reasons
-            kept = by_step[k.at]
-            if k.place not in kept.place:
-                by_step[k.at] = Kill(kept.at, kept.phase, f"{kept.place}; {k.place}")
-            continue
-        by_step[k.at] = k
     chain: list[Kill] = []
     resumed = 0
-    again = False
-    for k in sorted(by_step.values(), key=lambda k: k.at):
+    for k in sorted(wanted, key=lambda k: (k.at, order[k.phase])):
         if k.at <= resumed:
-            continue  # unreachable after the previous resume
+            if chain and chain[-1].at == k.at and k.place not in chain[-1].place:
+                last = chain[-1]  # the same update again: merge the reasons
+                chain[-1] = Kill(last.at, last.phase, f"{last.place}; {k.place}")
+            continue
         chain.append(k)
         resumed = k.resumes_from
-        if not again and k.phase in ("after-update", "mid-update") and k.at - 1 == resumed:
-            # the resumed process dies right after its first update: resume a resumed run
-            chain.append(Kill(k.at, "after-update", "the first update after a resume"))
-            again = True
     return chain

@@ -241,6 +241,9 @@ class Checkpointer:
         ``should_stop`` becomes True: leave the training loop). ``batch``, ``grad_norm`` and
         the ``metrics`` (e.g. ``val_loss=...``, also stored in the manifest when saving) feed
         the trace. Returns whether a generation was written."""
+        # The harness's "kill inside update K": weights updated, nothing recorded or saved.
+        fault_point("update-end", self._counters.step + 1)
+        self._watch.signal_due()
         if type(step) is not int or step != self._counters.step + 1:
             raise UpdateBoundaryError(
                 f"step_done({step!r}) after step {self._counters.step}: call it once per "

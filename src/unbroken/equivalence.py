@@ -130,9 +130,11 @@ def _registered(record: Mapping[str, Any], part: str) -> bool:
     return part in (record.get("state") or {})
 
 
-def _changed_after_restore(diff: list[str], got: Mapping[str, Any]) -> str | None:
+def _changed_after_restore(diff: list[str], got: Mapping[str, Any],
+                           before: Mapping[str, Any] | None) -> str | None:
     """The part a user must fix when every registered part was restored equal but the first
-    differing update shows ``diff`` (see the module doc, rule 2); None: rule 3."""
+    differing update shows ``diff`` (``before``: the resumed run's previous update; see the
+    module doc, rule 2); None: rule 3."""
     names = set(diff)
 
     def has(*prefixes: str) -> str | None:
@@ -141,7 +143,11 @@ def _changed_after_restore(diff: list[str], got: Mapping[str, Any]) -> str | Non
     if names & {"ids", "epoch", "state.data"}:
         return "data position"
     if "batch" in names:
-        return "data"
+        return "data position (the batch differs)"
+    if (got.get("opt_steps") == 0 and before is not None and "params" in got
+            and got["params"] != before.get("params")):
+        return ("optimizer (the registered optimizer took no step but the weights changed: "
+                "another optimizer, built after restore(), trains the model)")
     if "lr" in names or "state.scheduler" in names:
         return ("scheduler" if _registered(got, "scheduler") else
                 "scheduler (not registered: pass scheduler= to the Checkpointer)")
@@ -156,7 +162,7 @@ def _changed_after_restore(diff: list[str], got: Mapping[str, Any]) -> str | Non
     if stream:
         return f"rng ({stream[4:]}: reseeded or drawn from after restore())"
     extra = has("state.extra.")
-    if extra:
+    if extra and not names & {"loss", "params", "grad_norm"}:  # else a consequence of those
         return f"extra {extra[len('state.extra.'):]}"
     if "state.optimizer" in names and not names & {"loss", "params", "grad_norm"}:
         return "optimizer"
@@ -265,7 +271,8 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
                                  and resumed_from < step <= resumed_from + exact_steps)
         diff = _differs(ref, got, exact, rtol, atol)
         if diff:
-            first = _divergence(step, diff, ref, got, resumed_from, restore_differs)
+            first = _divergence(step, diff, ref, got, got_updates.get(step - 1),
+                                resumed_from, restore_differs, exact)
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
     if first is None and extra:
         first = Divergence(extra[0], "extra", "run", "jump", expected=None,
@@ -284,7 +291,8 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
 
 
 def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping[str, Any],
-                resumed_from: int | None, restore_differs: list[str]) -> Divergence:
+                before: Mapping[str, Any] | None, resumed_from: int | None,
+                restore_differs: list[str], exact: bool) -> Divergence:
     """Name the first difference: which part explains it, and what kind it is."""
     lead = diff[0]
     rel = _loss_rel(ref, got)
@@ -294,8 +302,10 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
     else:
         # Numerical nondeterminism moves the loss, gradients, parameters and the optimizer
         # and scaler state built from them; anything else differing means different state.
+        # Compared bitwise, a difference at the very update after a resume is no drift
+        # (drift grows from nondeterminism anywhere; it does not start at a resume).
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
-            rel is not None and rel > DRIFT_THRESHOLD and at_resume)
+            at_resume and (exact or rel is not None and rel > DRIFT_THRESHOLD))
         kind = "jump" if jump else "drift"
     if restore_differs:
         part = restore_differs[0]
@@ -304,7 +314,7 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
     elif kind == "drift":
         part = "numerics"
     else:
-        named = _changed_after_restore(diff, got)
+        named = _changed_after_restore(diff, got, before)
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
     also = sorted(({part_of_state(n) if n.startswith(("rng.", "state.")) else n for n in diff}
                    | set(restore_differs[1:])) - {part}, key=_rank)

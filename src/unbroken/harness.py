@@ -257,7 +257,8 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
 
 def _interrupted(kill: Kill, code: int, records: list[dict[str, Any]]) -> str:
     """Why this life did not interrupt as planned ("" when it did)."""
-    reached = max((r["step"] for r in records if r["event"] == "update"), default=0)
+    reached = max((r["step"] for r in records if r["event"] in ("update", "restore")),
+                  default=0)
     if kill.phase == "sigterm":
         stops = [r for r in records if r["event"] == "stop"]
         if code == -signal.SIGTERM:

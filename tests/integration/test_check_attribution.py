@@ -1,0 +1,116 @@
+"""`unbroken check` with its default kill points on a realistic script with one resume bug
+injected at a time (tests/integration/scripts/resume_bugs.py): every bug is caught, and the
+report names the part a user must fix. Processes are forked from the test zygote (real, new
+processes that restore only from disk) so that fifteen checks fit in the suite."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import SCRIPTS, run_script
+
+import unbroken.harness as harness
+from unbroken.harness import format_report, run_check
+
+SCRIPT = SCRIPTS / "resume_bugs.py"
+NOT_CAPTURED = "state the Checkpointer does not capture"
+# bug -> how the report must begin to name the part to fix
+EXPECT = {
+    "scheduler-unregistered": "scheduler (not registered",
+    "scheduler-stepped-twice": "scheduler",
+    "scheduler-recreated": "scheduler",
+    "per-epoch-scheduler": "scheduler",
+    "scaler-unregistered": "scaler (a GradScaler that is not registered",
+    "reseed-after-restore": "rng (torch_cpu",
+    "generator-reseeded": "rng (gen:noise",
+    "optimizer-recreated": "optimizer (the registered optimizer took no step",
+    "weight-decay-changed": "optimizer (recreated, or its hyperparameters changed",
+    "eval-left-on": f"{NOT_CAPTURED}: the model's train/eval mode",
+    "python-global": f"{NOT_CAPTURED} (first differs: loss)",
+    "generator-unregistered": f"{NOT_CAPTURED} (first differs: loss)",
+    "ema-unregistered": f"{NOT_CAPTURED} (first differs: metrics.ema_val)",
+    "data-unregistered": "data position",
+    "extra-overwritten": "extra ema",
+}
+
+
+def _zygote_process(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int:
+    """harness.run_process through the test zygote: ``cmd`` is [python, script, *argv]."""
+    assert cmd[1] == str(SCRIPT)
+    r = run_script(SCRIPT.name, *cmd[2:], env=harness._clean_env(env), timeout=timeout)
+    with open(log, "a") as f:
+        f.write(r.stdout + r.stderr)
+    return r.returncode
+
+
+@pytest.fixture
+def zygote_check(monkeypatch):
+    monkeypatch.setattr(harness, "run_process", _zygote_process)
+
+    def check(tmp: Path, *argv: str, **kw: Any):
+        return run_check([sys.executable, str(SCRIPT), *argv], str(tmp), **kw)
+
+    return check
+
+
+def test_the_correct_script_is_equivalent_at_every_default_place(zygote_check, tmp_path):
+    report = zygote_check(tmp_path, "--bug", "none")
+    text = format_report(report, str(tmp_path))
+    assert report.verdict == "equivalent", text
+    places = " | ".join(report.covered)
+    for place in ("first update of the run", "last update of epoch 0, saved there",
+                  "last update of epoch 1, saved there", "inside the save at 5",
+                  "the update after the save at 5", "the first update after a resume",
+                  "killed after its optimizer step", "the final update"):
+        assert place in places, (place, places)
+
+
+@pytest.mark.parametrize("bug", sorted(EXPECT))
+def test_each_injected_bug_is_caught_and_named(zygote_check, tmp_path, bug):
+    report = zygote_check(tmp_path, "--bug", bug)
+    text = format_report(report, str(tmp_path))
+    assert report.verdict == "diverged", text
+    d = report.cases[0].comparison.first_divergence
+    assert d.state_part.startswith(EXPECT[bug]), text
+    if bug == "per-epoch-scheduler":  # found at the epoch edge
+        assert d.step in (13, 25), text
+
+
+def test_sigterm_phase_stops_cleanly_and_resumes_equivalently(zygote_check, tmp_path):
+    report = zygote_check(tmp_path, "--bug", "none", "--signals", phases=["sigterm"])
+    assert report.verdict == "equivalent", format_report(report, str(tmp_path))
+    assert all(k.kill.phase == "sigterm" and k.reached for k in report.cases[0].kills)
+
+
+def test_sigterm_phase_reports_a_script_without_a_handler(zygote_check, tmp_path):
+    report = zygote_check(tmp_path, "--bug", "none", phases=["sigterm"])
+    assert report.verdict == "error"
+    assert "pass signals=(signal.SIGTERM,)" in report.cases[0].note
+
+
+def test_a_signal_handler_that_saves_mid_update_is_refused(tmp_path):
+    """The common pattern ckpt.save() in a SIGTERM handler lands between optimizer.step() and
+    step_done: refused with UpdateBoundaryError instead of a silently inconsistent generation."""
+    code = f"""
+import signal, torch, unbroken
+model = torch.nn.Linear(2, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+ckpt = unbroken.Checkpointer({str(tmp_path / 'run')!r}, model=model, optimizer=opt)
+ckpt.restore()
+signal.signal(signal.SIGTERM, lambda *a: ckpt.save())
+for step in range(1, 4):
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+    if step == 3:
+        signal.raise_signal(signal.SIGTERM)
+    ckpt.step_done(step)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode != 0 and "UpdateBoundaryError" in r.stderr, r.stderr
+    assert "optimizer.step() ran 1 time(s)" in r.stderr
+    assert not list((tmp_path / "run").glob("gen-*"))  # the handler never wrote one
