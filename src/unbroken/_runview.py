@@ -218,5 +218,5 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
         rec.update(status="corrupt", reason=f"{info.path}: cannot be decoded "
                                             f"({type(e).__name__}: {e})")
     else:
-        rec.update(status="ok", reason=None)
+        rec.update(status="verified", reason=None)
     return rec

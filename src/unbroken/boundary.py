@@ -28,6 +28,7 @@ from .errors import UnbrokenError, UpdateBoundaryError
 
 log = logging.getLogger("unbroken")
 SIGNAL_AT_ENV = "UNBROKEN_SIGNAL_AT"  # the harness's "send SIGTERM inside update K"
+_GRACE = 5.0  # seconds a main thread stuck outside Python gets to run the ending handler
 
 
 class UpdateWatch:
@@ -131,13 +132,21 @@ class Preemption:
         self.requested_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
+        self._expired = False
         if self.signals and threading.current_thread() is not threading.main_thread():
             raise UnbrokenError("signals= needs the Checkpointer to be built in the main thread "
                                 "(Python delivers signals there)")
+
+    def install(self) -> None:
+        """Take the signals (once the Checkpointer is otherwise built)."""
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        if self._expired:  # (main thread) the deadline passed: end as the signal would have
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         if self.requested is not None:
             return
         self.requested = signal.Signals(signum)
@@ -150,12 +159,17 @@ class Preemption:
             self._timer.start()
 
     def _give_up(self) -> None:
-        """No update boundary within the deadline: end as the signal would have."""
+        """(timer thread) No update boundary within the deadline: end as the signal would
+        have. Only the main thread may reset a handler, so the signal is sent again and the
+        handler ends the process; a main thread stuck outside Python cannot run it, and is
+        then killed outright after a grace period."""
         assert self.requested is not None
         log.error("no update boundary within %.0f s of %s: stopping without a save (the "
                   "previous generation is the newest)", self.deadline, self.requested.name)
-        signal.signal(self.requested, signal.SIG_DFL)
+        self._expired = True
         os.kill(os.getpid(), self.requested)
+        time.sleep(_GRACE)
+        os.kill(os.getpid(), signal.SIGKILL)
 
     @property
     def due(self) -> bool:

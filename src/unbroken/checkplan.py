@@ -22,7 +22,7 @@ plus a process start per point."""
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,10 +60,13 @@ class Kill:
             return {SAVE_AT_ENV: before, SIGNAL_AT_ENV: str(k)}
         raise ValueError(f"phase {self.phase!r}: one of {PHASES}")
 
-    @property
-    def resumes_from(self) -> int:
-        """The step a correct resume after this kill restores."""
-        return self.at if self.phase in ("after-commit", "sigterm") else max(1, self.at - 1)
+    def resumes_from(self, saves: Collection[int] = ()) -> int:
+        """The step a correct resume after this kill restores (``saves``: the steps the script
+        saves at by itself; an after-update kill at one of them comes after that save)."""
+        if self.phase in ("after-commit", "sigterm") or (
+                self.phase == "after-update" and self.at in saves):
+            return self.at
+        return max(1, self.at - 1)
 
     def to_json(self) -> dict[str, Any]:
         return {"at": self.at, "phase": self.phase, "place": self.place}
@@ -127,22 +130,22 @@ def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int =
                    for i in range(random_n)]
     if phases:
         wanted = [Kill(k.at, phases[i % len(phases)], k.place) for i, k in enumerate(wanted)]
-    return _chain(wanted)
+    return _chain(wanted, set(saves))
 
 
-def _chain(wanted: list[Kill]) -> list[Kill]:
+def _chain(wanted: list[Kill], saves: Collection[int]) -> list[Kill]:
     """Order the points so that each is reachable from the resume before it (a later point
     lies after the previous resume). At most two points per update, the second only when
     the first resumes before it (it then kills the resumed process there again)."""
     order = {p: i for i, p in enumerate(PHASES)}
     chain: list[Kill] = []
     resumed = 0
-    for k in sorted(wanted, key=lambda k: (k.at, order[k.phase])):
+    for k in sorted(wanted, key=lambda k: (k.at, k.place == "random", order[k.phase])):
         if k.at <= resumed:
-            if chain and chain[-1].at == k.at and k.place not in chain[-1].place:
-                last = chain[-1]  # the same update again: merge the reasons
-                chain[-1] = Kill(last.at, last.phase, f"{last.place}; {k.place}")
+            last = chain[-1] if chain else None
+            if last and (last.at, last.phase) == (k.at, k.phase) and k.place not in last.place:
+                chain[-1] = Kill(last.at, last.phase, f"{last.place}; {k.place}")  # same point
             continue
         chain.append(k)
-        resumed = k.resumes_from
+        resumed = k.resumes_from(saves)
     return chain

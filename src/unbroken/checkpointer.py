@@ -166,6 +166,7 @@ class Checkpointer:
         self._parts[S.RNG] = RNGStreams(generators or {})
         self._parts[S.COUNTERS] = self._counters
         _dry_encode(self._parts)  # a value save cannot store fails now, not hours in
+        self._preemption = Preemption(signals, stop_deadline)  # validated before the lock
 
         self._save_at = _steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
@@ -197,7 +198,7 @@ class Checkpointer:
         self._trace = TraceRecorder(trace, self._parts, hash_every) if trace else None
         self._watch = UpdateWatch(optimizer, data)
         self._watch.boundary(0, self._counters.epoch)
-        self._preemption = Preemption(signals, stop_deadline)
+        self._preemption.install()
         self.should_stop = False  # set by step_done after the save a signal asked for
 
     @property

@@ -213,14 +213,15 @@ def _verify(args: argparse.Namespace) -> int:
                              f"{found or 'none'})")
     run = folder_run_record(store, store.scan())
     records = [verify_one(store, g, run) for g in scanned]
-    ok = all(r["status"] == "ok" for r in records)
+    ok = all(r["status"] == "verified" for r in records)
     payload = {"run": store.root, "generations": records, "ok": ok}
     if not records:
         text = f"run {store.root}\nno generations to verify"
     else:
-        good = sum(r["status"] == "ok" for r in records)
+        good = sum(r["status"] == "verified" for r in records)
         text = "\n".join([f"run {store.root}", rows(store.root, records), "",
-                          f"{len(records)} checked: {good} ok, {len(records) - good} failed"])
+                          f"{len(records)} checked: {good} verified, {len(records) - good} "
+                          "failed"])
     return emit(args, payload, text, ok)
 
 

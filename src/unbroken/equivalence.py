@@ -43,7 +43,9 @@ _INFO = ("buffers",)
 # When several registered parts differ at a restore, the one named first explains the most: a
 # weights-only resume is above all a lost optimizer (seed 000's momentum example).
 _PRIORITY = ("optimizer", "scheduler", "scaler", "data position", "rng", "extra", "model")
-DRIFT_THRESHOLD = 1e-4  # relative loss difference below which a first difference is "tiny"
+# Relative loss difference at the first update after a resume below which it may be
+# numerical noise (a drift); above it, a jump: fp32 nondeterminism starts near 1e-7.
+DRIFT_THRESHOLD = 1e-6
 # What numerical nondeterminism moves; a difference anywhere else is different state.
 _DRIFTS = frozenset({"loss", "grad_norm", "params", "state.optimizer", "state.scaler"})
 
@@ -272,7 +274,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         diff = _differs(ref, got, exact, rtol, atol)
         if diff:
             first = _divergence(step, diff, ref, got, got_updates.get(step - 1),
-                                resumed_from, restore_differs, exact)
+                                resumed_from, restore_differs)
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
     if first is None and extra:
         first = Divergence(extra[0], "extra", "run", "jump", expected=None,
@@ -292,7 +294,7 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
 
 def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping[str, Any],
                 before: Mapping[str, Any] | None, resumed_from: int | None,
-                restore_differs: list[str], exact: bool) -> Divergence:
+                restore_differs: list[str]) -> Divergence:
     """Name the first difference: which part explains it, and what kind it is."""
     lead = diff[0]
     rel = _loss_rel(ref, got)
@@ -302,10 +304,8 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
     else:
         # Numerical nondeterminism moves the loss, gradients, parameters and the optimizer
         # and scaler state built from them; anything else differing means different state.
-        # Compared bitwise, a difference at the very update after a resume is no drift
-        # (drift grows from nondeterminism anywhere; it does not start at a resume).
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
-            at_resume and (exact or rel is not None and rel > DRIFT_THRESHOLD))
+            at_resume and rel is not None and rel > DRIFT_THRESHOLD)
         kind = "jump" if jump else "drift"
     if restore_differs:
         part = restore_differs[0]

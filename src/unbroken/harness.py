@@ -217,22 +217,28 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
     root, log = os.path.join(folder, "run"), os.path.join(folder, "output.log")
     results = [KillResult(k) for k in kills]
     traces: list[str] = []
-    for i, result in enumerate([*results, None]):
-        trace = os.path.join(folder, f"life-{i + 1:02d}.jsonl")
-        traces.append(trace)
+    previous: KillResult | None = None  # the last interruption that ran
+    for result in [*results, None]:
+        trace = os.path.join(folder, f"life-{len(traces) + 1:02d}.jsonl")
         env = {ROOT_ENV: root, TRACE_ENV: trace}
-        if i and drop:
+        if previous is not None and drop:
             env[DROP_ENV] = drop
         if result is not None:
+            ahead = _newest_step(root) if previous is not None else None
+            if ahead is not None and ahead >= result.kill.at:
+                # The run resumes past this point (the script saved there by itself).
+                result.note = f"skipped: the run resumes from {ahead}, past this point"
+                continue
             env.update(result.kill.env())
+        traces.append(trace)
         try:
             code = run_process(cmd, env, log, timeout)
         except Timeout as e:
             return CaseResult(results, "error", note=f"a process hung: {e}")
         records = read_trace(trace) if os.path.exists(trace) else []
-        restored = next((r["step"] for r in records if r["event"] == "restore"), None)
-        if i:
-            results[i - 1].resumed_from = restored
+        if previous is not None:
+            previous.resumed_from = next((r["step"] for r in records
+                                          if r["event"] == "restore"), None)
         if result is None:
             if code != 0:
                 return CaseResult(results, "error", note=f"the resumed run exited with {code}; "
@@ -248,11 +254,20 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
                 problem += f"; the end of its output ({log}):\n{_tail(log)}"
             return CaseResult(results, verdict, note=problem)
         result.reached = True
+        previous = result
     segments = [read_trace(t) if os.path.exists(t) else [] for t in traces]
     comparison = compare(reference, segments, rtol=rtol, atol=atol, exact_steps=exact_steps)
     note = "" if comparison.verdict != "untested" else \
         "every resume started from step 0: the resume was not exercised"
     return CaseResult(results, comparison.verdict, comparison, note)
+
+
+def _newest_step(root: str) -> int | None:
+    """The step of the newest complete generation in ``root`` (where a resume starts)."""
+    from .store import GenerationStore
+
+    complete = [g for g in GenerationStore(root).scan() if g.ok and g.manifest is not None]
+    return complete[-1].manifest.step if complete else None  # type: ignore[union-attr]
 
 
 def _interrupted(kill: Kill, code: int, records: list[dict[str, Any]]) -> str:
@@ -303,7 +318,8 @@ def format_report(report: CheckReport, workdir: str | None) -> str:
                          f"{d.expected!r}, found {d.found!r}")
             lines.append(f"    fix: {d.state_part}" +
                          (f"; also differs: {', '.join(d.also)}" if d.also else "") +
-                         f"; a {d.kind}" + {"jump": " after a resume (missing state)",
+                         f"; {'an' if d.kind[0] in 'aeiou' else 'a'} {d.kind}" +
+                         {"jump": " after a resume (missing state)",
                                             "drift": " from tiny values (numerics)",
                                             "irreproducible": " before the interruption (the "
                                             "script is not deterministic)"}.get(d.kind, ""))

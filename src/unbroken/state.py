@@ -116,6 +116,11 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
             got = set(saved_group) if isinstance(saved_group, Mapping) else saved_group
             raise StateMismatch(f"{where}: param group {gi} has settings {sorted(got)}, the "
                                 f"live optimizer's has {sorted(live_group)}")
+        for key, live in live_group.items():
+            if key != "params" and not _same_kind(saved_group[key], live):
+                raise CorruptCheckpoint(
+                    f"{where}: param group {gi} {key!r} is {saved_group[key]!r:.40}, where the "
+                    f"live optimizer holds a {type(live).__name__} ({live!r:.40})")
     live_names = _live_group_names(model, optimizer)
     if saved_names != live_names:
         raise StateMismatch(
@@ -144,6 +149,22 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
 # freshly built run is the schedule's start, not a choice of the user. The base values the
 # scheduler keeps (initial_lr, max_lr, base_momentum, ...) are compared instead.
 _SCHEDULED = frozenset({"lr", "momentum", "betas"})
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether a saved hyperparameter has the kind of value the live optimizer holds there
+    (torch's load_state_dict takes anything: a None learning rate fails only at the step)."""
+    if isinstance(live, bool) or live is None:
+        return saved is None or isinstance(saved, bool)
+    if isinstance(live, (int, float, torch.Tensor)):
+        return (isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
+                and (not isinstance(saved, torch.Tensor) or saved.numel() == 1))
+    if isinstance(live, (tuple, list)):
+        return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
+                and all(_same_kind(a, b) for a, b in zip(saved, live)))
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
 
 
 def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,

@@ -4,8 +4,8 @@ disk), runs in its own session so a SIGKILL of its group takes its DataLoader wo
 and costs ~0.1 s instead of the ~3 s an interpreter needs to import torch on two cores.
 
 Protocol: one JSON request per line on stdin {"script" (a .py path or a module name),
-"argv", "env", "out", "err", "timeout"}; one JSON reply per line on stdout {"pid",
-"returncode"} (negative = signal)."""
+"argv", "env", "out", "err", "timeout", optional "pid_first"}; one JSON reply per line on
+stdout {"pid", "returncode"} (negative = signal), preceded by {"pid"} with "pid_first"."""
 
 from __future__ import annotations
 
@@ -60,6 +60,9 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             _child(req)
+        if req.get("pid_first"):  # the client wants to signal the child while it runs
+            reply.write(json.dumps({"pid": pid}) + "\n")
+            reply.flush()
         deadline = time.monotonic() + req["timeout"]
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)

@@ -8,6 +8,7 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,14 +25,17 @@ class _Zygote:
         self.lock = threading.Lock()
 
     def run(self, script: str, argv: list[str], env: dict[str, str],
-            timeout: float) -> subprocess.CompletedProcess[str]:
+            timeout: float, started: Any = None) -> subprocess.CompletedProcess[str]:
+        """Run one child to its end; ``started(pid)`` is called while it runs (to signal it)."""
         with tempfile.TemporaryDirectory() as tmp, self.lock:
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
             assert self.proc.stdin and self.proc.stdout
             self.proc.stdin.write(json.dumps({"script": script, "argv": argv, "env": env,
-                                              "out": out, "err": err,
-                                              "timeout": timeout}) + "\n")
+                                              "out": out, "err": err, "timeout": timeout,
+                                              "pid_first": started is not None}) + "\n")
             self.proc.stdin.flush()
+            if started is not None:
+                started(json.loads(self.proc.stdout.readline())["pid"])
             reply = json.loads(self.proc.stdout.readline())
             return subprocess.CompletedProcess([script, *argv], reply["returncode"],
                                                Path(out).read_text(), Path(err).read_text())
@@ -46,7 +50,8 @@ _zygote: _Zygote | None = None
 
 
 def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
-               fresh_interpreter: bool = False) -> subprocess.CompletedProcess[str]:
+               fresh_interpreter: bool = False, started: Any = None
+               ) -> subprocess.CompletedProcess[str]:
     """Run tests/integration/scripts/NAME (or, without ".py", the module NAME as with
     ``python -m``) in a new process of its own session.
 
@@ -57,11 +62,16 @@ def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout
     script = str(SCRIPTS / name) if name.endswith(".py") else name
     if fresh_interpreter or os.environ.get("UNBROKEN_TEST_NO_ZYGOTE"):
         cmd = [script] if name.endswith(".py") else ["-m", script]
-        return subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True,
-                              timeout=timeout, env=full_env, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, *cmd, *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=full_env,
+                                start_new_session=True)
+        if started is not None:
+            started(proc.pid)
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     if _zygote is None:
         _zygote = _Zygote()
-    return _zygote.run(script, list(args), full_env, timeout)
+    return _zygote.run(script, list(args), full_env, timeout, started)
 
 
 def pytest_sessionfinish(session, exitstatus):

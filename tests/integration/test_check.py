@@ -22,23 +22,28 @@ def check(capsys, *args: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_acceptance_random_five_all_phases_equivalent(capsys, tmp_path):
+def test_acceptance_default_places_and_random_five_equivalent(capsys, tmp_path):
     code, out = check(capsys, "--random", "5", "--seed", "1", "--workdir", str(tmp_path),
                       "--plot", str(tmp_path / "check.png"), "--", *TINY_LM)
     assert code == 0, out
     assert out["verdict"] == "equivalent"
-    assert {c["phase"] for c in out["cases"]} == {"after-update", "mid-save", "after-commit"}
-    for c in out["cases"]:
-        assert c["verdict"] == "equivalent" and c["first_divergence"] is None
-        # The resume was really exercised, from the save the harness forced (or a regular
-        # save of the script at the same point).
-        k = c["interrupt_at"]
-        if c["phase"] == "after-commit":
-            assert c["resumed_from"] == k
-        elif c["phase"] == "mid-save":
-            assert c["resumed_from"] == k - 1
+    kills = out["cases"][0]["kills"]
+    assert {k["phase"] for k in kills} >= {"after-update", "mid-save", "after-commit",
+                                           "mid-update"}
+    assert sum(k["place"] == "random" for k in kills) >= 3
+    for k in kills:
+        if not k["reached"]:
+            assert k["note"].startswith("skipped"), k
+            continue
+        # The resume really started where that interruption left the run.
+        if k["phase"] == "after-commit":
+            assert k["resumed_from"] == k["at"], k
+        elif k["phase"] in ("mid-save", "mid-update"):
+            assert k["resumed_from"] == k["at"] - 1, k
         else:
-            assert k - 1 <= c["resumed_from"] <= k
+            assert k["at"] - 1 <= k["resumed_from"] <= k["at"], k
+    covered = " | ".join(out["covered"])
+    assert "the first update after a resume" in covered and "the final update" in covered
     assert (tmp_path / "check.png").stat().st_size > 10_000
 
 

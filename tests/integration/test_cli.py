@@ -113,11 +113,11 @@ def test_inspect_lists_three_complete_generations(run: Path, capsys: pytest.Capt
 def test_verify_ok(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, "verify", str(run))
     assert code == 0, out + err
-    assert "3 checked: 3 ok, 0 failed" in out
+    assert "3 checked: 3 verified, 0 failed" in out
     code, doc = cli_json(capsys, "verify", str(run))
     assert code == 0 and doc["ok"] is True and doc["run"] == str(run)
     for g in doc["generations"]:
-        assert g["status"] == "ok" and g["reason"] is None and g["bytes"] > 0
+        assert g["status"] == "verified" and g["reason"] is None and g["bytes"] > 0
         assert all(set(a) == {"name", "size", "xxh3_128"} for a in g["artifacts"])
         assert "model" in g["parts"]
     code, doc = cli_json(capsys, "verify", str(run), "--generation", "4")
@@ -130,7 +130,7 @@ def test_subprocess_entry_point(run: Path) -> None:
     assert len(json.loads(p.stdout)["generations"]) == 3
     p = subprocess_cli("verify", str(run))
     assert p.returncode == 0, p.stderr
-    assert "3 ok" in p.stdout
+    assert "3 verified" in p.stdout
 
 
 def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,13 +166,13 @@ def test_bad_run_exits_2_without_traceback(run: Path, tmp_path: Path, argv: list
     (tmp_path / "file").write_text("x")
     paths = {"missing": tmp_path / "nope", "file": tmp_path / "file", "run": run}
     code, out, err = cli(capsys, *[a.format(**paths) for a in argv], "--json")
-    assert code == 2 and out == "", out + err
+    assert code == 2 and json.loads(out)["ok"] is False, out + err  # JSON on errors too
     assert err.startswith("unbroken: error: ") and err.count("\n") == 1
 
 
 def test_bad_run_via_subprocess(tmp_path: Path) -> None:
     p = subprocess_cli("verify", str(tmp_path / "nope"), "--json")
-    assert p.returncode == 2 and p.stdout == ""
+    assert p.returncode == 2 and json.loads(p.stdout)["exit_status"] == 2
     assert p.stderr == f"unbroken: error: {tmp_path / 'nope'}: no such run folder\n"
 
 
@@ -291,7 +291,7 @@ def test_corrupt_newest_generation(run: Path, capsys: pytest.CaptureFixture[str]
     assert code == 1 and doc["ok"] is False
     by_gen = {g["generation"]: g for g in doc["generations"]}
     assert set(by_gen) == {3, 4, 5}  # the others are still checked and reported
-    assert by_gen[3]["status"] == by_gen[4]["status"] == "ok"
+    assert by_gen[3]["status"] == by_gen[4]["status"] == "verified"
     bad = by_gen[5]
     assert bad["status"] == status, bad
     for word in words:
@@ -299,7 +299,7 @@ def test_corrupt_newest_generation(run: Path, capsys: pytest.CaptureFixture[str]
     assert str(run / NEWEST) in bad["reason"]  # names the file by its path
 
     code, out, err = cli(capsys, "verify", str(run))
-    assert code == 1 and "3 checked: 2 ok, 1 failed" in out and "Traceback" not in out + err
+    assert code == 1 and "3 checked: 2 verified, 1 failed" in out and "Traceback" not in out + err
     assert f"{NEWEST}/" in out and words[0] in out  # relative path in the human report
 
     assert cli(capsys, "verify", str(run), "--generation", "4")[0] == 0
@@ -319,7 +319,7 @@ def test_corrupt_generation_via_subprocess(run: Path) -> None:
     p = subprocess_cli("verify", str(run), "--json")
     assert p.returncode == 1 and "Traceback" not in p.stderr
     statuses = [g["status"] for g in json.loads(p.stdout)["generations"]]
-    assert statuses == ["ok", "ok", "corrupt"]
+    assert statuses == ["verified", "verified", "corrupt"]
     delete_manifest(run / "gen-000000004")
     p = subprocess_cli("inspect", str(run))
     assert p.returncode == 1
@@ -352,7 +352,7 @@ def test_a_one_digit_edit_of_the_identity_is_corruption_not_a_mismatch(
         assert (bad["generation"], bad["status"]) == (5, "corrupt")
         for word in CHECKSUM:
             assert word in bad["reason"], (word, bad["reason"])
-    assert report["generations"][-2]["status"] == "ok"
+    assert report["generations"][-2]["status"] == "verified"
     code, out, _ = cli(capsys, "inspect", str(run))
     assert code == 1 and "newest complete: gen-000000004" in out and "manifest checksum" in out
 

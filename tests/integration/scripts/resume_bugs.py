@@ -55,6 +55,21 @@ class Points(torch.utils.data.Dataset):
         return x, self.y[i], i
 
 
+class Rotary(torch.nn.Module):
+    """A rotary-style table cached in a non-persistent buffer, grown lazily to the longest
+    length seen so far: never saved, rebuilt after a resume, same values where used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = int(x.detach().abs().sum().item() * 10) % 7 + 1
+        if self.cache.numel() < n:
+            self.cache = torch.cos(torch.arange(n, dtype=torch.float32))
+        return x + 0.01 * self.cache[:n].mean()
+
+
 class EMA:
     """An exponential moving average of the weights (a Stateful extra)."""
 
@@ -82,17 +97,20 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--signals", action="store_true", help="stop cleanly on SIGTERM")
+    ap.add_argument("--accumulation", type=int, default=1)
+    ap.add_argument("--rotary", action="store_true", help="a lazily grown rotary cache")
     args = ap.parse_args()
     bug = args.bug
 
     torch.manual_seed(0), np.random.seed(0), random.seed(0)
     data = Points()
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(32, 3))
+                                *([Rotary()] if args.rotary else []), torch.nn.Linear(32, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     sampler = unbroken.ResumableSampler(len(data), batch_size=8, seed=0)
-    loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler)
-    total = args.epochs * len(loader)
+    loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler,
+                                      accumulation=args.accumulation)
+    total = args.epochs * math.ceil(len(loader) / args.accumulation)
 
     def schedule(s: int) -> float:
         return min((s + 1) / 4, 0.5 * (1 + math.cos(math.pi * min(1.0, s / total))))
@@ -148,7 +166,10 @@ def main() -> None:
             x = x + 0.01 * torch.randn(x.shape, generator=noise)
             x = x * float(jitter.uniform(0.95, 1.05))
             loss = F.cross_entropy(model(x), y) + 1e-4 * counter
-            scaler.scale(loss * 64).backward()  # large enough to overflow now and then
+            # * 64: large enough to overflow now and then
+            scaler.scale(loss * 64 / loader.window_size).backward()
+            if not loader.at_boundary:
+                continue
             scaler.unscale_(opt)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)  # skipped when the scaled gradients overflowed

@@ -1,0 +1,94 @@
+"""What a user meets on the way through `unbroken check`: errors found before minutes of
+training, the script's own error when it fails, JSON on errors, a crashed resume reported as an
+error (not a divergence), and no working folder left behind unless asked."""
+
+from __future__ import annotations
+
+import glob
+import json
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from unbroken.cli import main
+
+CRASHES_ON_RESUME = textwrap.dedent("""
+    import random, sys, numpy, torch, unbroken
+    random.seed(0); numpy.random.seed(0)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = unbroken.Checkpointer("run", model=model, optimizer=opt, every=2)
+    step = ckpt.restore()
+    if step:
+        raise RuntimeError("cannot open the shard index after a resume")
+    for step in range(step + 1, 7):
+        model(torch.ones(2)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step_done(step)
+    ckpt.close()
+    """)
+
+
+def write(tmp_path: Path, name: str, code: str) -> str:
+    path = tmp_path / name
+    path.write_text(code)
+    return str(path)
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plot_without_matplotlib_fails_before_any_training(capsys, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    work = tmp_path / "work"
+    code, out, err = run(capsys, "check", "--plot", str(tmp_path / "x.png"), "--workdir",
+                         str(work), "--", sys.executable, "-c", "raise SystemExit(9)")
+    assert code == 2 and "--plot needs matplotlib" in err
+    assert not work.exists()  # nothing ran
+
+
+def test_a_failing_reference_run_shows_the_scripts_own_error_and_json(capsys, tmp_path):
+    script = write(tmp_path, "bad.py", "import sys\nprint('loading data/train.bin')\n"
+                   "raise FileNotFoundError('data/train.bin: no such file')\n")
+    code, out, err = run(capsys, "check", "--json", "--", sys.executable, script)
+    assert code == 2
+    assert "FileNotFoundError: data/train.bin: no such file" in err
+    doc = json.loads(out)
+    assert doc["ok"] is False and doc["exit_status"] == 2
+    assert "data/train.bin: no such file" in doc["error"]
+
+
+def test_a_crashed_resume_is_an_error_not_a_divergence(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    script = write(tmp_path, "train.py", CRASHES_ON_RESUME)
+    code, out, err = run(capsys, "check", "--json", "--keep", "--", sys.executable, script)
+    doc = json.loads(out)
+    assert code == 1 and doc["verdict"] == "error"
+    assert "cannot open the shard index after a resume" in doc["cases"][0]["note"]
+    assert doc["cases"][0]["first_divergence"] is None
+    assert Path(doc["workdir"]).is_dir()  # --keep
+
+
+def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = write(tmp_path, "train.py", CRASHES_ON_RESUME.replace(
+        "    raise RuntimeError", "    pass  # RuntimeError"))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "check", "--json", "--", sys.executable, script)
+    doc = json.loads(out)
+    assert code == 0 and doc["verdict"] == "equivalent" and doc["workdir"] is None
+    assert not glob.glob(str(tmp_path / "unbroken-check-*"))
+
+
+@pytest.mark.parametrize("argv", [["inspect", "/nonexistent/run"], ["verify", "/nonexistent"]])
+def test_every_command_prints_json_on_errors(capsys, argv):
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 2 and json.loads(out)["ok"] is False and "no such run folder" in err
