@@ -34,9 +34,11 @@ class _Zygote:
                                               "out": out, "err": err, "timeout": timeout,
                                               "pid_first": started is not None}) + "\n")
             self.proc.stdin.flush()
-            if started is not None:
-                started(json.loads(self.proc.stdout.readline())["pid"])
-            reply = json.loads(self.proc.stdout.readline())
+            try:
+                if started is not None:
+                    started(json.loads(self.proc.stdout.readline())["pid"])
+            finally:  # always read the final reply, or the next request reads this one
+                reply = json.loads(self.proc.stdout.readline())
             return subprocess.CompletedProcess([script, *argv], reply["returncode"],
                                                Path(out).read_text(), Path(err).read_text())
 
