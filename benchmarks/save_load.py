@@ -460,7 +460,7 @@ class Unbroken(Method):
         pass
 
     def save(self) -> None:
-        import unbroken.state as S
+        import unbroken.state.parts as S
         pt = PhaseTimer()
         c, st = self.ckpt, self.ckpt.store
         self.step += 1
@@ -492,7 +492,7 @@ class Unbroken(Method):
         self.phases["save"].append(ph)
 
     def load(self) -> None:
-        import unbroken.state as S
+        import unbroken.state.parts as S
         self.ckpt.close()
         r = self._unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
                                         keep=self._unbroken.Keep(last=1))

@@ -1,4 +1,4 @@
-"""Cost of the per-update trace on the demo's model (`unbroken.tinylm`), in process.
+"""Cost of the per-update trace on the demo's model (`unbroken.proof.tinylm`), in process.
 
 Each update is timed, then marked with ``step_done`` on an untraced and on a traced
 Checkpointer (alternating which goes first) over the same model, so machine noise hits both
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import unbroken
-from unbroken.tinylm import CONTEXT, TinyLM, Windows, corpus
+from unbroken.proof.tinylm import CONTEXT, TinyLM, Windows, corpus
 
 
 def measure(updates: int, hash_every: int, tmp: str) -> dict[str, float]:
@@ -73,7 +73,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['hash_every']:>22} {r['update_ms']:>7.2f} ms {r['trace_ms']:>8.3f} ms "
               f"{r['overhead_pct']:>8.1f}%")
-    print(json.dumps({"model": f"unbroken.tinylm (2 layers, d=64, context {CONTEXT}, batch 16)",
+    model = f"unbroken.proof.tinylm (2 layers, d=64, context {CONTEXT}, batch 16)"
+    print(json.dumps({"model": model,
                       "threads": 1, "updates": args.updates, "results": rows}))
 
 

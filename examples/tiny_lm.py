@@ -8,7 +8,7 @@ it from an installed package); this file runs it.
     unbroken check --random 5 --seed 1 -- python examples/tiny_lm.py
 """
 
-from unbroken.tinylm import main
+from unbroken.proof.tinylm import main
 
 if __name__ == "__main__":
     main()

@@ -18,9 +18,9 @@ from .errors import (
                      UnsupportedValue,
                      UpdateBoundaryError,
 )
-from .identity import Identity
-from .retention import Keep
-from .state import Stateful
+from .state.identity import Identity
+from .state.parts import Stateful
+from .store.retention import Keep
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 from ._table import human_size, table
 from .errors import UnbrokenError
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .runrecord import RunRecord, folder_run
-from .store import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
+from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
+from .store.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .store.runrecord import RunRecord, folder_run
 
 _GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)
 
@@ -196,7 +196,7 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     """Re-hash every artifact (streaming), then decode the generation's structure (headers,
     references, stamps) from copy-on-write mappings: memory stays bounded by the headers
     and ``state.json``, whatever the size of the tensors."""
-    from .state import STATE_FILE, check_sizes, check_stamps, decode_generation
+    from .state.parts import STATE_FILE, check_sizes, check_stamps, decode_generation
 
     rec = record(store, info, run)
     if rec["status"] != "complete":

@@ -19,7 +19,7 @@ import torch
 import xxhash
 
 from . import Checkpointer, Identity, Keep
-from .rng import capture_rng, rng_digests
+from .state.rng import capture_rng, rng_digests
 
 N, BATCH = 16, 4
 

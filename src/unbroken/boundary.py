@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ._digest import digest_tree
 from .errors import UnbrokenError, UpdateBoundaryError
+from .state._digest import digest_tree
 
 log = logging.getLogger("unbroken")
 SIGNAL_AT_ENV = "UNBROKEN_SIGNAL_AT"  # the harness's "send SIGTERM inside update K"

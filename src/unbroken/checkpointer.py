@@ -16,11 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import state as S
-from ._fs import fault_point, filesystem_type, rename_is_atomic
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
-from .codec import encode_tree
 from .errors import (
     CorruptCheckpoint,
     ForeignGeneration,
@@ -34,12 +31,15 @@ from .errors import (
     UpdateBoundaryError,
 )
 from .faults import DROP_ENV, drop_parts
-from .identity import Identity, check_environment, check_identity, environment
-from .manifest import Artifact, Manifest
-from .retention import Keep, select_kept
-from .rng import RNGStreams
-from .runrecord import RunRecord, folder_run, new_run_id, write_run_record
-from .store import GenerationInfo, GenerationStore, generation_name
+from .state import parts as S
+from .state.codec import encode_tree
+from .state.identity import Identity, check_environment, check_identity, environment
+from .state.rng import RNGStreams
+from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
+from .store.generations import GenerationInfo, GenerationStore, generation_name
+from .store.manifest import Artifact, Manifest
+from .store.retention import Keep, select_kept
+from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 
 log = logging.getLogger("unbroken")

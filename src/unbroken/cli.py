@@ -36,8 +36,8 @@ from ._runview import (
     rows,
     verify_one,
 )
-from .checkplan import PHASES
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
+from .proof.checkplan import PHASES
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
@@ -266,7 +266,7 @@ def _check(args: argparse.Namespace) -> int:
     import shutil
     import tempfile
 
-    from .harness import format_report, run_check
+    from .proof.harness import format_report, run_check
 
     for part in (args.drop or "").split(","):
         if part and part not in _DROPPABLE and not part.startswith(("rng.", "extra.")):
@@ -290,7 +290,7 @@ def _check(args: argparse.Namespace) -> int:
                            reference_trace=args.reference, timeout=args.timeout,
                            progress=say)
         if args.plot:
-            from .plot import plot_check
+            from .proof.plot import plot_check
 
             plot_check(report, args.plot)
     except BaseException:
@@ -310,7 +310,7 @@ def _demo(args: argparse.Namespace) -> int:
     """The main job: train uninterrupted; kill a copy with SIGKILL mid-run; resume it in a fresh
     process and compare every update bit for bit; resume copies deliberately wrongly and show
     each one caught. Exit 0 when the resume is equivalent and every defect is caught."""
-    from .demo import run_demo
+    from .proof.demo import run_demo
 
     return run_demo(args.dir, as_json=args.json)
 

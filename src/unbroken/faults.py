@@ -12,8 +12,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from . import state as S
 from .errors import UnbrokenError
+from .state import parts as S
 
 DROP_ENV = "UNBROKEN_FAULT_DROP"
 log = logging.getLogger("unbroken")

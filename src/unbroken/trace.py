@@ -7,7 +7,7 @@ float's exact hex, the gradient norm and the metrics given to ``step_done``, and
 digests of what a generation saves (parameters and persistent buffers, every state part,
 each RNG stream); and, as information only, of the non-persistent buffers and the modules'
 train/eval mode. Two traces are compared
-field by field by `unbroken.equivalence`. Lines are flushed as written, so a SIGKILL loses at
+field by field by `unbroken.proof.equivalence`. Lines are flushed as written, so a SIGKILL loses at
 most a torn last line, which `read_trace` ignores."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import IO, Any
 
 import torch
 
-from . import state as S
-from ._digest import digest_modules, digest_optimizer, digest_tree
 from .errors import CorruptCheckpoint
-from .rng import rng_digests
+from .state import parts as S
+from .state._digest import digest_modules, digest_optimizer, digest_tree
+from .state.rng import rng_digests
 
 TRACE_ENV = "UNBROKEN_TRACE"
 TRACE_HASH_ENV = "UNBROKEN_TRACE_HASH_EVERY"  # the harness sets 1: every digest at every update

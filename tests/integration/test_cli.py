@@ -17,7 +17,7 @@ import torch
 
 import unbroken
 from unbroken.cli import main
-from unbroken.manifest import seal
+from unbroken.store.manifest import seal
 
 NEWEST = "gen-000000005"
 
@@ -434,7 +434,7 @@ def _sparse_state(run: Path, size: int) -> Path:
 
 def test_an_over_limit_state_file_is_refused_without_reading_it(
         run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from unbroken._fs import LocalFS
+    from unbroken.store.backends.local import LocalFS
 
     _sparse_state(run, 1 << 30)
     touched: list[str] = []
@@ -462,7 +462,7 @@ def test_an_over_limit_state_file_is_refused_without_reading_it(
 _RSS_PROBE = """
 import json, sys
 from unbroken.cli import main
-import unbroken._runview, unbroken.state  # imported before the baseline
+import unbroken._runview, unbroken.state.parts  # imported before the baseline
 
 def status(key):
     with open("/proc/self/status") as f:

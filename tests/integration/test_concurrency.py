@@ -32,7 +32,7 @@ import torch
 import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import CorruptCheckpoint, StoreLocked
-from unbroken.store import GenerationStore
+from unbroken.store.generations import GenerationStore
 
 LOCKED_EXIT = 3
 

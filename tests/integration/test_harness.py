@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from unbroken.harness import Timeout, _group_alive, run_process
+from unbroken.proof.harness import Timeout, _group_alive, run_process
 
 
 def test_a_hung_process_group_is_killed_and_reported(tmp_path):

@@ -1,5 +1,5 @@
-"""I/O faults through the storage seam (`unbroken._fs.FaultyFS`): ENOSPC or EIO on every
-mutating operation of a save in turn — each write, fsync, mkdir, rename and unlink of the
+"""I/O faults through the storage seam (`unbroken.store.backends.local.FaultyFS`): ENOSPC or EIO
+on every mutating operation of a save in turn — each write, fsync, mkdir, rename and unlink of the
 commit and of retention — and on reads.
 
 Whatever fails: `save()` raises the typed `SaveFailed` (naming the file and the error) while
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import unbroken
-from unbroken._fs import MUTATING, FaultyFS, LocalFS
 from unbroken.errors import SaveFailed, UnbrokenWarning
-from unbroken.store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
+from unbroken.store.backends.local import MUTATING, FaultyFS, LocalFS
+from unbroken.store.generations import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 
 
 def make(root):

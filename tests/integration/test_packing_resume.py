@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import run_script
 
-from unbroken.equivalence import compare
+from unbroken.proof.equivalence import compare
 from unbroken.trace import read_trace
 
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "train_packed_lm.py")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import run_script
 
-from unbroken.equivalence import compare, stitch
+from unbroken.proof.equivalence import compare, stitch
 from unbroken.trace import read_trace
 
 EXAMPLE = str(Path(__file__).parents[2] / "examples" / "train_classifier.py")

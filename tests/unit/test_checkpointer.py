@@ -130,7 +130,7 @@ def reseal(gen, name, data: bytes):
     well-formed but incomplete generation, not a corrupt one)."""
     import xxhash
 
-    from unbroken.manifest import seal
+    from unbroken.store.manifest import seal
     (gen / name).write_bytes(data)
     manifest = json.loads((gen / "MANIFEST.json").read_text())
     for a in manifest["artifacts"]:
@@ -391,7 +391,7 @@ def _edit_manifest(field, value):
     """Edit an artifact's entry and reseal the manifest, so that the size or hash check
     refuses it (an unsealed edit fails the manifest's own checksum first)."""
     def edit(g):
-        from unbroken.manifest import seal
+        from unbroken.store.manifest import seal
         m = json.loads((g / "MANIFEST.json").read_text())
         m["artifacts"][0][field] = value
         (g / "MANIFEST.json").write_bytes(seal(m))
@@ -399,7 +399,7 @@ def _edit_manifest(field, value):
 
 
 def _outside(g):
-    from unbroken.manifest import seal
+    from unbroken.store.manifest import seal
     m = json.loads((g / "MANIFEST.json").read_text())
     m["artifacts"][0]["name"] = "../gen-000000002/" + m["artifacts"][0]["name"]
     (g / "MANIFEST.json").write_bytes(seal(m))  # resealed: the name check refuses it

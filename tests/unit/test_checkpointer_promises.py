@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import unbroken
-from unbroken._fs import FaultyFS
 from unbroken.cli import main as cli_main
 from unbroken.errors import (
     ReadOnlyRun,
@@ -26,8 +25,9 @@ from unbroken.errors import (
     UnbrokenWarning,
     UnsupportedValue,
 )
-from unbroken.manifest import MANIFEST, seal
-from unbroken.runrecord import RUN_FILE
+from unbroken.store.backends.local import FaultyFS
+from unbroken.store.manifest import MANIFEST, seal
+from unbroken.store.runrecord import RUN_FILE
 
 
 class Ids:
@@ -232,7 +232,7 @@ def test_a_big_array_in_an_extra_goes_to_safetensors_and_round_trips(tmp_path):
 
 def test_a_state_over_the_readers_limit_is_refused_before_anything_is_written(tmp_path,
                                                                              monkeypatch):
-    import unbroken.state as S
+    import unbroken.state.parts as S
 
     monkeypatch.setattr(S, "MAX_STATE_BYTES", 64 * 1024)
     root = tmp_path / "run"
@@ -400,7 +400,7 @@ def test_restore_falls_back_when_a_refused_generation_cannot_be_moved_aside(tmp_
 
 
 def _refuse_lock_file(monkeypatch, err):
-    import unbroken.store as store
+    import unbroken.store.generations as store
 
     real = os.open
 

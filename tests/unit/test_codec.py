@@ -14,7 +14,8 @@ import safetensors.torch
 import torch
 import xxhash
 
-from unbroken.codec import (
+from unbroken.errors import CorruptCheckpoint, UnsupportedValue
+from unbroken.state.codec import (
     MAX_DEPTH,
     TAG,
     decode_safetensors,
@@ -25,7 +26,6 @@ from unbroken.codec import (
     loads_json,
     read_safetensors_header,
 )
-from unbroken.errors import CorruptCheckpoint, UnsupportedValue
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -712,7 +712,7 @@ def test_numbers_out_of_range_are_corruption(text):
 
 
 def test_the_writer_refuses_a_header_the_reader_would_refuse(monkeypatch):
-    import unbroken.codec as codec
+    import unbroken.state.codec as codec
 
     monkeypatch.setattr(codec, "MAX_HEADER_BYTES", 4096)
     tensors = {f"t{i:04d}": torch.zeros(1) for i in range(200)}

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.utils.data
 
-from unbroken._digest import digest_tree
 from unbroken.data import ResumableLoader, ResumableSampler
 from unbroken.data.iterable import sample_id
 from unbroken.errors import UnbrokenWarning, UpdateBoundaryError
+from unbroken.state._digest import digest_tree
 
 pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"),
               pytest.mark.filterwarnings("ignore:ResumableLoader. (Stream|Named) does not set")]
@@ -184,7 +184,7 @@ RESUME_IN_A_FRESH_PROCESS = """
 import json, sys, warnings
 warnings.simplefilter("ignore")
 from test_data_iterable import loader, drain
-from unbroken._digest import digest_tree
+from unbroken.state._digest import digest_tree
 resumed = loader(0, accumulation=3)
 resumed.load_state_dict(json.loads(sys.stdin.read()))
 print(json.dumps([[ids, digest_tree(batch)] for ids, batch in drain(resumed)]))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import random
 
-from unbroken.equivalence import compare, stitch
+from unbroken.proof.equivalence import compare, stitch
 from unbroken.trace import read_trace
 
 STEPS, RESUME = 20, 8

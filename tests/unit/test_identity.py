@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from unbroken import identity
-from unbroken.codec import dumps_json
 from unbroken.errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
-from unbroken.identity import Identity, check_environment, check_identity, environment
+from unbroken.state import identity
+from unbroken.state.codec import dumps_json
+from unbroken.state.identity import Identity, check_environment, check_identity, environment
 
 CFG = {"lr": 0.001, "model": {"d_model": 64, "layers": [2, 2]}, "name": "exp"}
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from unbroken.errors import CorruptCheckpoint
-from unbroken.manifest import (
+from unbroken.store.manifest import (
     CHECKSUM,
     MANIFEST,
     MAX_MANIFEST_BYTES,

@@ -55,16 +55,16 @@ from hypothesis import strategies as st
 
 import unbroken
 from unbroken.cli import main as cli_main
-from unbroken.codec import (
+from unbroken.errors import UnbrokenError
+from unbroken.state.codec import (
     TAG,
     decode_safetensors,
     decode_tree,
     loads_json,
     read_safetensors_header,
 )
-from unbroken.errors import UnbrokenError
-from unbroken.manifest import MANIFEST, parse_manifest, seal
-from unbroken.state import STATE_FILE, check_stamps, decode_generation
+from unbroken.state.parts import STATE_FILE, check_stamps, decode_generation
+from unbroken.store.manifest import MANIFEST, parse_manifest, seal
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Data type alias:DeprecationWarning")  # np.dtype("a"), a name a file may hold
@@ -746,7 +746,7 @@ def test_parse_manifest_of_a_resealed_edit_never_raises_anything_else(sample: Sa
 @examples(150)
 @given(data=JSON_TEXT_BYTES)
 def test_parse_run_record_refuses_any_bytes_cleanly(data: bytes) -> None:
-    from unbroken.runrecord import parse_run_record
+    from unbroken.store.runrecord import parse_run_record
 
     bounded(parse_run_record, data, "RUN.json")
 
@@ -755,7 +755,7 @@ def test_parse_run_record_refuses_any_bytes_cleanly(data: bytes) -> None:
 @given(data=st.data())
 def test_parse_run_record_of_a_resealed_edit_never_raises_anything_else(
         sample: Sample, data: st.DataObject) -> None:
-    from unbroken.runrecord import parse_run_record
+    from unbroken.store.runrecord import parse_run_record
 
     assert sample.run_record is not None, "the sample run has no RUN.json"
     bounded(parse_run_record, reseal(mutate(data.draw, sample.run_record, MANIFEST_VALUES)),

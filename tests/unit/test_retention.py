@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from unbroken.retention import Keep, select_kept
+from unbroken.store.retention import Keep, select_kept
 
 NAN, INF = float("nan"), float("inf")
 

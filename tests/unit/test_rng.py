@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.codec import decode_tree, encode_tree
 from unbroken.errors import MissingState, StateMismatch, UnbrokenWarning
-from unbroken.rng import (
+from unbroken.state.codec import decode_tree, encode_tree
+from unbroken.state.rng import (
     capture_rng,
     fork_rng_streams,
     restore_rng,

@@ -25,15 +25,15 @@ import xxhash
 
 import unbroken
 from unbroken.cli import main as cli_main
-from unbroken.codec import (
+from unbroken.errors import CorruptCheckpoint, UnbrokenError, UnbrokenWarning
+from unbroken.state.codec import (
     MAX_HEADER_BYTES,
     decode_safetensors,
     loads_json,
     read_safetensors_header,
 )
-from unbroken.errors import CorruptCheckpoint, UnbrokenError, UnbrokenWarning
-from unbroken.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, seal
-from unbroken.store import GenerationStore
+from unbroken.store.generations import GenerationStore
+from unbroken.store.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, seal
 
 SRC = Path(unbroken.__file__).parent
 

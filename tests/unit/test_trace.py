@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from unbroken._digest import digest_optimizer, digest_tree
+from unbroken.state._digest import digest_optimizer, digest_tree
 from unbroken.trace import Tracer, read_trace
 
 

@@ -15,7 +15,8 @@ from typing import IO
 import torch
 import xxhash
 
-from ..codec import (
+from ..errors import CorruptCheckpoint
+from ..state.codec import (
     decode_safetensors,
     decode_tree,
     dumps_json,
@@ -23,8 +24,7 @@ from ..codec import (
     encode_tree,
     loads_json,
 )
-from ..errors import CorruptCheckpoint
-from ..state import optimizer_state, optimizer_state_to_torch, validate_model
+from ..state.parts import optimizer_state, optimizer_state_to_torch, validate_model
 
 _FORMAT = "unbroken.cs336/1"
 

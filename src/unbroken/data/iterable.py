@@ -44,8 +44,8 @@ import torch
 import torch.utils.data
 import xxhash
 
-from .._digest import _feed, digest_tree
 from ..errors import MissingState, UnbrokenWarning
+from ..state._digest import _feed, digest_tree
 from ._keyed import TAG_COLLATE, mix
 from .seeding import _isolated_rng
 

@@ -26,10 +26,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ._fs import KILL_ENV
-from .boundary import SIGNAL_AT_ENV
-from .checkpointer import SAVE_AT_ENV
-from .errors import UnbrokenError
+from ..boundary import SIGNAL_AT_ENV
+from ..checkpointer import SAVE_AT_ENV
+from ..errors import UnbrokenError
+from ..store.backends.local import KILL_ENV
 
 PHASES = ("after-update", "mid-save", "after-commit", "mid-update", "sigterm")
 RANDOM_PHASES = ("after-update", "mid-save", "after-commit")

@@ -1,10 +1,10 @@
 """``unbroken demo``: the main job.
 
-Trains the tiny language model of `unbroken.tinylm` uninterrupted; kills a copy with SIGKILL in
-the middle of an epoch; resumes it in a fresh process and compares every update bit for bit.
-Then resumes copies of the killed run deliberately wrongly (weights only; scheduler, RNG or data
-position not restored; the newest generation torn) and shows each defect caught and attributed
-to the right state part, in the continuation-trace table of seed 002."""
+Trains the tiny language model of `unbroken.proof.tinylm` uninterrupted; kills a copy with
+SIGKILL in the middle of an epoch; resumes it in a fresh process and compares every update bit
+for bit. Then resumes copies of the killed run deliberately wrongly (weights only; scheduler,
+RNG or data position not restored; the newest generation torn) and shows each defect caught and
+attributed to the right state part, in the continuation-trace table of seed 002."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._fs import KILL_ENV
-from ._table import table
-from .checkpointer import ROOT_ENV
+from .._table import table
+from ..checkpointer import ROOT_ENV
+from ..faults import DROP_ENV
+from ..store.backends.local import KILL_ENV
+from ..trace import TRACE_ENV, read_trace
 from .equivalence import compare, stitch
-from .faults import DROP_ENV
 from .harness import run_process
-from .trace import TRACE_ENV, read_trace
 
 EVERY, KILL_AFTER = 10, 35
 # name -> (fault injected on resume, the state part the checker must name)
@@ -42,7 +42,7 @@ _COLUMNS = {"correct": "correct resume", "weights_only": "weights only",
 
 
 def _cmd() -> list[str]:
-    return [sys.executable, "-m", "unbroken.tinylm", "--every", str(EVERY)]
+    return [sys.executable, "-m", "unbroken.proof.tinylm", "--every", str(EVERY)]
 
 
 def _tear_newest(run: str) -> str:

@@ -15,12 +15,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..checkpointer import ROOT_ENV
+from ..errors import UnbrokenError
+from ..faults import DROP_ENV
+from ..trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
 from .checkplan import PHASES, Kill, default_plan, explicit_plan
-from .checkpointer import ROOT_ENV
 from .equivalence import Comparison, as_float, compare
-from .errors import UnbrokenError
-from .faults import DROP_ENV
-from .trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
 
 __all__ = ["PHASES", "CheckReport", "format_report", "run_check"]
 
@@ -264,7 +264,7 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
 
 def _newest_step(root: str) -> int | None:
     """The step of the newest complete generation in ``root`` (where a resume starts)."""
-    from .store import GenerationStore
+    from ..store.generations import GenerationStore
 
     complete = [g for g in GenerationStore(root).scan() if g.ok and g.manifest is not None]
     return complete[-1].manifest.step if complete else None  # type: ignore[union-attr]
@@ -298,7 +298,7 @@ def _interrupted(kill: Kill, code: int, records: list[dict[str, Any]]) -> str:
 
 def format_report(report: CheckReport, workdir: str | None) -> str:
     """The terminal report: one row per interruption, the first divergence, and a verdict."""
-    from ._table import table
+    from .._table import table
 
     rows = []
     for n, c in enumerate(report.cases, 1):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .errors import UnbrokenError
+from ..errors import UnbrokenError
 
 
 def plot_check(report: Any, path: str) -> None:

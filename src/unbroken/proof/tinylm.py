@@ -7,8 +7,8 @@ scale moves (it starts near overflow with a short growth interval, so some updat
 and the scale halves and doubles); LayerDrop decided by Python's RNG and a random context crop
 drawn from NumPy's, in the training loop itself. The corpus is generated, nothing downloads.
 
-    python -m unbroken.tinylm --run runs/tinylm
-    unbroken check --random 5 --seed 1 -- python -m unbroken.tinylm --run runs/tinylm
+    python -m unbroken.proof.tinylm --run runs/tinylm
+    unbroken check --random 5 --seed 1 -- python -m unbroken.proof.tinylm --run runs/tinylm
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import Checkpointer, Identity, ResumableLoader, ResumableSampler, seeded
+from .. import Checkpointer, Identity, ResumableLoader, ResumableSampler, seeded
 
 CONTEXT = 32
 WORDS = ("the model saves its state and the run goes on as if it had never stopped "
@@ -83,7 +83,7 @@ class TinyLM(torch.nn.Module):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m unbroken.tinylm")
+    ap = argparse.ArgumentParser(prog="python -m unbroken.proof.tinylm")
     ap.add_argument("--run", default="runs/tinylm")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--samples", type=int, default=768)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import xxhash
 
-from .errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
+from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
 
 TAG = "$t"
 MAX_DEPTH = 200

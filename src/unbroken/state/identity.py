@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from ..errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
 from .codec import dumps_json
-from .errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
 
 FIELDS = ("config", "tokenizer", "data")
 _CHUNK = 8 * 1024 * 1024

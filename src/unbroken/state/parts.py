@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 from .codec import (
     decode_safetensors,
     decode_tree,
@@ -22,7 +23,6 @@ from .codec import (
     encode_tree,
     loads_json,
 )
-from .errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 
 # State keys: the part names of a generation (and the stem of their tensor files).
 MODEL = "model"

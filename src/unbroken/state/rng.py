@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import MissingState, StateMismatch, UnbrokenWarning
 from ._digest import digest_tree
-from .errors import MissingState, StateMismatch, UnbrokenWarning
 
 AnyGenerator = torch.Generator | np.random.Generator
 Generators = Mapping[str, AnyGenerator]

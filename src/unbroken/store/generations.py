@@ -35,8 +35,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from ._fs import LocalFS, fault_point
-from .errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from .backends.local import LocalFS, fault_point
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,

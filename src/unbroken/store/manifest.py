@@ -22,8 +22,8 @@ from typing import Any
 
 import xxhash
 
-from .codec import dumps_json, loads_json
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
+from ..state.codec import dumps_json, loads_json
 
 SCHEMA = "unbroken.manifest/1"
 MANIFEST = "MANIFEST.json"

@@ -19,9 +19,9 @@ import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ._fs import LocalFS
-from .codec import loads_json
-from .errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint
+from ..state.codec import loads_json
+from .backends.local import LocalFS
 from .manifest import check_seal, seal
 
 RUN_FILE = "RUN.json"

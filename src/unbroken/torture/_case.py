@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from ..manifest import MANIFEST, seal
+from ..store.manifest import MANIFEST, seal
 
 
 @dataclass

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
-from ..store import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
+from ..store.generations import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..store import LOCK, STAGING_PREFIX, TRASH_PREFIX, GenerationStore, generation_name
+from ..store.generations import LOCK, STAGING_PREFIX, TRASH_PREFIX, GenerationStore, generation_name
 from ._disk import DiskState, inspect_run, lost_generations
 from ._job import KEEP_LAST, start_without_restore
 from ._life import read_events, run_life, tail

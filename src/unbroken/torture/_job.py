@@ -15,12 +15,12 @@ import numpy as np
 import torch
 import xxhash
 
-from .._fs import io_count
 from ..checkpointer import Checkpointer
-from ..codec import encode_tree
 from ..errors import RunNotRestored
-from ..identity import Identity
-from ..retention import Keep
+from ..state.codec import encode_tree
+from ..state.identity import Identity
+from ..store.backends.local import io_count
+from ..store.retention import Keep
 
 STEPS = 24
 KEEP_LAST = 2

@@ -16,9 +16,9 @@ from typing import Any
 
 import xxhash
 
-from .._fs import LocalFS
 from ..checkpointer import Checkpointer
 from ..errors import UnbrokenError
+from ..store.backends.local import LocalFS
 
 
 class Timeout(BaseException):

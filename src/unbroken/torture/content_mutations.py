@@ -14,8 +14,8 @@ from typing import Any
 
 import xxhash
 
-from ..codec import dumps_json
-from ..manifest import CHECKSUM, MANIFEST
+from ..state.codec import dumps_json
+from ..store.manifest import CHECKSUM, MANIFEST
 from ._case import Case, Catalogue, header_end, registrar
 
 STATE = "state.json"
@@ -152,8 +152,8 @@ def _manifest_field(c: Case) -> str:
 
 @mutation("oversized", 2)
 def _oversized(c: Case) -> str:
-    from ..codec import MAX_HEADER_BYTES
-    from ..manifest import MAX_MANIFEST_BYTES
+    from ..state.codec import MAX_HEADER_BYTES
+    from ..store.manifest import MAX_MANIFEST_BYTES
     g = c.pick_target()
     how = c.rng.choice(["manifest-sparse", "manifest-padded", "header-length", "header-claim",
                         "artifact-beyond-memory"])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpoint, UnbrokenError
-from ..store import ASIDE
+from ..store.generations import ASIDE
 from ._case import Case
 from ._job import build, prepare_parent, state_digest, train, update
 from ._probe import Probe, Timeout, deadline, run_cli, snapshot
@@ -295,7 +295,7 @@ def _live_check(path: str, why: str) -> bool:
 
 def _skip_hash() -> Callable[[], None]:
     """A loader that trusts sizes and never re-hashes content, on purpose."""
-    from ..store import GenerationStore
+    from ..store.generations import GenerationStore
 
     original = GenerationStore._read_artifact
 
@@ -321,7 +321,7 @@ def _accept_foreign() -> Callable[[], None]:
 
 def _no_size_limits() -> Callable[[], None]:
     """A loader that reads state.json whatever size the manifest lists, on purpose."""
-    from .. import state
+    from ..state import parts as state
 
     original = state.check_sizes
     setattr(state, "check_sizes", lambda manifest, folder: None)

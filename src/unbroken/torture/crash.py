@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._fs import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ..checkpointer import Checkpointer
+from ..store.backends.local import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ._disk import POINT_PHASE, DiskState, inspect_run, phase_of_note, phase_of_state
 from ._events import EVENTS, Episode, Events
 from ._job import KEEP_LAST, STEPS, prepare_parent

@@ -11,7 +11,7 @@ import stat
 
 import xxhash
 
-from ..manifest import MANIFEST
+from ..store.manifest import MANIFEST
 from ._case import Case, Catalogue, header_end, registrar
 
 LAYOUT: Catalogue = {}

@@ -9,9 +9,9 @@ import os
 import shutil
 import struct
 
-from ..codec import MAX_HEADER_BYTES
-from ..state import MAX_STATE_BYTES
-from ..store import generation_name
+from ..state.codec import MAX_HEADER_BYTES
+from ..state.parts import MAX_STATE_BYTES
+from ..store.generations import generation_name
 from ._case import Case, Catalogue, registrar
 
 STATE = "state.json"

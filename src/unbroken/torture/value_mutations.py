@@ -13,9 +13,9 @@ from typing import Any
 
 import xxhash
 
-from ..codec import dumps_json
-from ..manifest import CHECKSUM, MANIFEST, seal
-from ..runrecord import RUN_FILE
+from ..state.codec import dumps_json
+from ..store.manifest import CHECKSUM, MANIFEST, seal
+from ..store.runrecord import RUN_FILE
 from ._case import Case, Catalogue, registrar
 
 STATE = "state.json"

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import CorruptCheckpoint
+from ...errors import CorruptCheckpoint
 
 ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 KILL_ENV = "UNBROKEN_KILL_AT"

@@ -1,0 +1,1 @@
+"""Storage backends: `local` (POSIX files, fsync and rename)."""
