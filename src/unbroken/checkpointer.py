@@ -20,10 +20,8 @@ from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
 from .errors import (
     CorruptCheckpoint,
-    ForeignGeneration,
     NoCheckpoint,
     ReadOnlyRun,
-    RunNotRestored,
     SaveFailed,
     UnbrokenError,
     UnbrokenWarning,
@@ -31,16 +29,19 @@ from .errors import (
     UpdateBoundaryError,
 )
 from .faults import DROP_ENV, drop_parts
+from .picking import Pick, pick_generation
 from .state import parts as S
 from .state.codec import encode_tree
-from .state.identity import Identity, check_environment, check_identity, environment
+from .state.identity import Identity, environment
+from .state.optim import check_optimizer_params, param_group_changes
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.manifest import Artifact, Manifest
-from .store.retention import Keep, select_kept
+from .store.retention import Keep
 from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
+from .writer import RunWriter
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
@@ -148,7 +149,7 @@ class Checkpointer:
         self.keep = keep or Keep()
         self._counters = S.Counters(data)
         if optimizer is not None:
-            S.check_optimizer_params(model, optimizer)
+            check_optimizer_params(model, optimizer)
         self._parts: dict[str, Any] = {S.MODEL: model}
         for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
                           (S.SCALER, scaler), (S.DATA, data)):
@@ -170,14 +171,7 @@ class Checkpointer:
 
         self._save_at = _steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
-        # Why this Checkpointer cannot write (None: it holds the writer lock). Restoring needs
-        # no lock, so read-only media still restore; a save raises this.
-        self.read_only: ReadOnlyRun | None = None
-        try:
-            self.store.lock()
-        except ReadOnlyRun as e:
-            self.read_only = e
-            warnings.warn(f"opened read-only: {e}", UnbrokenWarning, stacklevel=2)
+        self._writer = RunWriter(self.store, self.keep)
         self.fstype = filesystem_type(self.store.root)
         if not rename_is_atomic(self.fstype):
             warnings.warn(f"{self.store.root} is on {self.fstype}: directory rename may not be "
@@ -190,8 +184,6 @@ class Checkpointer:
         self._origin: dict[str, Any] | None = None
         self._last_saved: int | None = None
         self._restored = False  # restore() ran: saving into a used folder is then a continuation
-        self._pending_aside: list[tuple[GenerationInfo, str]] = []  # awaiting the writer lock
-        self._labels: dict[str, str] = {}  # generation path -> why restore refused it
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
         hash_every = int(os.environ.get(TRACE_HASH_ENV) or trace_hash_every)
@@ -200,6 +192,12 @@ class Checkpointer:
         self._watch.boundary(0, self._counters.epoch)
         self._preemption.install()
         self.should_stop = False  # set by step_done after the save a signal asked for
+
+    @property
+    def read_only(self) -> ReadOnlyRun | None:
+        """Why this Checkpointer cannot save (None: it holds the writer lock). Restoring needs
+        no lock, so read-only media still restore; a save raises this."""
+        return self._writer.read_only
 
     @property
     def run_id(self) -> str:
@@ -304,15 +302,16 @@ class Checkpointer:
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
-        self._become_writer()
-        self._check_first_save()
+        self._writer.become_writer()
+        if not self._restored and self._last_saved is None:
+            self._writer.check_first_save()
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
         meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
                 "unbroken.incarnation": str(self.incarnation)}
         encoded = S.encode_generation(tree, meta)  # refuses what restore could not read
-        self._clear_the_way(step)
+        self._writer.clear_the_way(step)
         total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
         artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
@@ -357,7 +356,7 @@ class Checkpointer:
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
         try:
-            self._apply_retention(step)
+            self._writer.apply_retention(step)
         except OSError as e:  # the generation is committed; deleting old ones can wait
             warnings.warn(f"{self.store.root}: retention could not delete an old generation "
                           f"({e}); generation {step} is committed and verified, and retention "
@@ -367,96 +366,6 @@ class Checkpointer:
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
-
-    def _become_writer(self) -> None:
-        """Take the writer lock if this Checkpointer opened read-only (the disk may have been
-        freed since), then do what restore had to leave for a writer; else ``ReadOnlyRun``."""
-        if not self.store.locked:
-            try:
-                self.store.lock()
-            except ReadOnlyRun as e:
-                self.read_only = e
-                raise ReadOnlyRun(f"cannot save: {e}") from None
-            self.read_only = None
-        pending, self._pending_aside = self._pending_aside, []
-        for info, why in pending:
-            self._set_aside(info, why)
-
-    def _check_first_save(self) -> None:
-        """The first save of a Checkpointer that never restored must start a new run: into a
-        folder that holds generations it would branch from, or be pruned against, a history
-        it never loaded."""
-        if self._restored or self._last_saved is not None:
-            return
-        found = self.store.scan()
-        if not found:
-            return
-        good = [g for g in found if g.ok and g.manifest is not None]
-        newest = (f"the newest complete one is {os.path.basename(good[-1].path)} (step "
-                  f"{good[-1].manifest.step}) of run {good[-1].manifest.run_id}"  # type: ignore[union-attr]
-                  if good else "none of them is complete")
-        raise RunNotRestored(
-            f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer did not "
-            f"call restore(); {newest}. Call ckpt.restore() before training to continue that "
-            "run, or point this run at another (empty) folder")
-
-    def _clear_the_way(self, step: int) -> None:
-        """A folder named like the generation about to be written can only be a leftover that
-        restore could not move aside (abandoned or corrupt): move it now, never overwrite."""
-        existing = self.store.scan_one(step)
-        if not os.path.lexists(existing.path):
-            return
-        why = "abandoned" if existing.ok else existing.status
-        try:
-            self.store.move_aside(existing, why, keep=self.keep.aside)
-        except (OSError, CorruptCheckpoint) as e:
-            raise SaveFailed(f"{existing.path}: a leftover generation ({why}) is in the way of "
-                             f"generation {step} and could not be moved aside ({e}); move it "
-                             "out of the run folder by hand") from e
-
-    def _set_aside(self, info: GenerationInfo, why: str) -> None:
-        """Move a refused or abandoned generation aside; if that fails (a read-only folder, an
-        I/O error) leave it where it is and say so: restore never depends on it."""
-        if not self.store.locked:
-            self._pending_aside.append((info, why))  # a writer moves it (_become_writer)
-            return
-        if not os.path.lexists(info.path):
-            return
-        try:
-            self.store.move_aside(info, why, keep=self.keep.aside)
-        except (OSError, CorruptCheckpoint) as e:
-            self._pending_aside.append((info, why))  # tried again at the next save
-            warnings.warn(f"{info.path}: {why}; could not be moved aside ({e}), left in place "
-                          "(restore refuses it; moving it is retried at the next save)",
-                          UnbrokenWarning, stacklevel=3)
-
-    def _apply_retention(self, just_saved: int) -> None:
-        """Delete what the policy does not keep, deciding on verified generations only: the
-        one just saved and the newest that verifies are never deleted, and a generation that
-        fails verification is reported and moved aside, never counted as a kept copy."""
-        gens = self.store.scan()
-        complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
-        failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}
-
-        def good(n: int) -> bool:
-            why = self.store.verified(complete[n])
-            if why is not None:
-                failed[n] = why
-            return why is None
-
-        kept = select_kept([(g.generation, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
-                            for g in complete.values()], self.keep, {just_saved}, good)
-        by_number = {g.generation: g for g in gens}
-        for n, why in failed.items():
-            warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
-                          UnbrokenWarning, stacklevel=4)
-            self._set_aside(by_number[n], "corrupt")
-        oldest_kept = min(kept)
-        for g in gens:
-            # Torn leftovers older than everything kept are remains of an interrupted deletion.
-            if g.generation not in kept and g.generation not in failed and (
-                    g.ok or g.generation < oldest_kept):
-                self.store.delete(g)
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -486,22 +395,21 @@ class Checkpointer:
             self._restored = True
             self._after_restore(0, None)
             return 0
-        info, ready, tree = self._newest_loadable(self.store, scanned, generation, "continue",
-                                                  allow, adopt)
+        pick = self._pick(self.store, scanned, generation, "continue", allow, adopt)
+        info, ready, tree = pick.info, pick.ready, pick.tree
+        assert info is not None and info.manifest is not None
         manifest = info.manifest
-        assert manifest is not None
         if self.optimizer is not None:
-            for change in S.param_group_changes(tree[S.OPTIMIZER], self.optimizer,
+            for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
                                                 scheduled=S.SCHEDULER in self._parts):
                 warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
                               "(to change a hyperparameter, set it after restore(), or "
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
         S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, "")))
         self._restored = True
-        labels = dict(self._labels)
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
-                self._set_aside(g, labels.get(g.path, "abandoned"))
+                self._writer.set_aside(g, pick.labels.get(g.path, "abandoned"))
         if not self._run.accepts(manifest.run_id):  # adopted: now part of this run's lineage
             self._run.lineage.append(manifest.run_id)
             self._run_written = False
@@ -516,84 +424,21 @@ class Checkpointer:
         self._after_restore(manifest.step, info)
         return manifest.step
 
+    def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
+              generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:
+        """`picking.pick_generation` for this Checkpointer's live objects; ``rejected`` says
+        what it refused, even when nothing loads."""
+        pick = Pick()
+        self.rejected = pick.rejected
+        return pick_generation(store, scanned, generation, intent, allow, adopt,
+                               parts=self._parts, model=self.model, identity=self.identity,
+                               run=self._run, pick=pick)
+
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
         self._watch.boundary(step, self._counters.epoch)
         if self._trace is not None:
             self._trace.restored(step, os.path.basename(info.path) if info else None,
                                  [os.path.basename(p) for p, _ in self.rejected])
-
-    def _newest_loadable(self, store: GenerationStore, scanned: list[GenerationInfo],
-                         generation: int | None, intent: str, allow: Iterable[str],
-                         adopt: bool = False,
-                         ) -> tuple[GenerationInfo, dict[str, Any], dict[str, Any]]:
-        """The newest candidate that verifies, decodes and fits the live objects, with its
-        state ready to apply. Corrupt, torn and foreign candidates are recorded in
-        ``rejected`` (and labelled for ``aside/``); a mismatch with the live run raises."""
-        self.rejected = []
-        self._labels = {}
-        candidates = [g for g in reversed(scanned)
-                      if generation is None or g.generation == generation]
-        if not candidates:
-            raise NoCheckpoint(f"{store.root}: no generation {generation}; found "
-                               f"{[g.generation for g in scanned]}")
-        for info in candidates:
-            try:
-                return info, *self._load_candidate(store, info, intent, allow, adopt)
-            except CorruptCheckpoint as e:
-                self.rejected.append((info.path, str(e)))
-                self._labels[info.path] = ("foreign" if isinstance(e, ForeignGeneration) else
-                                           "torn" if info.status == "torn" else "corrupt")
-                log.warning("rejected %s: %s", info.path, e)
-        foreign = any(label == "foreign" for label in self._labels.values())
-        raise CorruptCheckpoint(
-            f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
-            "\n".join(f"  {path}: {why}" for path, why in self.rejected) +
-            ("\nrestore(adopt=True) continues from a generation of another run deliberately"
-             if foreign else "") +
-            "\nInspect with `unbroken inspect`; move the folder away to start a new run")
-
-    def _load_candidate(self, store: GenerationStore, info: GenerationInfo, intent: str,
-                        allow: Iterable[str], adopt: bool
-                        ) -> tuple[dict[str, Any], dict[str, Any]]:
-        if not info.ok or info.manifest is None:
-            raise CorruptCheckpoint(info.reason)
-        manifest = info.manifest
-        if intent == "continue" and not adopt and not self._run.accepts(manifest.run_id):
-            raise ForeignGeneration(
-                f"{info.path}: written by run {manifest.run_id}, but this folder holds run "
-                f"{self.run_id} (RUN.json) and its lineage {self._run.lineage or 'is empty'}: "
-                "a generation copied from another run is never continued silently; "
-                "restore(adopt=True) continues from it deliberately")
-        S.check_sizes(manifest, info.path)  # before reading a byte
-        names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
-        progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
-        try:
-            files = store.read_verified(info, names, advance=progress.advance)
-        finally:
-            progress.close()
-        tree, meta = S.decode_generation(files, info.path,
-                                         None if intent == "continue" else {S.MODEL})
-        S.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
-        where = os.path.join(info.path, "MANIFEST.json")
-        parts = self._parts if intent == "continue" else {S.MODEL: self.model}
-        try:
-            check_identity(manifest.identity, self.identity.fingerprint(), intent=intent,
-                           allow=allow, where=where)
-            check_environment(manifest.environment, environment(), where=where)
-            ready = S.validate_parts(tree, parts, self.model, info.path, intent)
-            for name, obj in parts.items():
-                check = getattr(obj, "validate_state_dict", None)
-                if check is not None:
-                    check(tree[name], f"{info.path} [{name}]")
-        except UnbrokenError:
-            raise
-        except Exception as e:  # noqa: BLE001 -- verified bytes that decode to nonsense
-            raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
-                                    f"({type(e).__name__}: {e!s:.200})") from None
-        if self.rejected:
-            log.warning("using %s after rejecting %d newer generation(s)", info.path,
-                        len(self.rejected))
-        return ready, tree
 
     def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
                     allow: Iterable[str]) -> int:
@@ -608,9 +453,10 @@ class Checkpointer:
         scanned = src.scan()
         if not scanned:
             raise NoCheckpoint(f"{src.root}: no generation to warm-start from")
-        info, ready, _ = self._newest_loadable(src, scanned, generation, "warm_start", allow)
-        assert info.manifest is not None
-        S.apply(ready, {S.MODEL: self.model})
+        pick = self._pick(src, scanned, generation, "warm_start", allow, False)
+        info = pick.info
+        assert info is not None and info.manifest is not None
+        S.apply(pick.ready, {S.MODEL: self.model})
         self._restored = True
         self._after_restore(0, None)
         self._origin = {"operation": "warm_start", "source": src.root,
@@ -624,7 +470,7 @@ class Checkpointer:
     def close(self) -> None:
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
         close the trace."""
-        self.store.unlock()
+        self._writer.close()
         self._watch.close()
         self._preemption.close()
         if self._trace is not None:

@@ -15,15 +15,11 @@ import torch
 import xxhash
 
 from unbroken.errors import CorruptCheckpoint, UnsupportedValue
-from unbroken.state.codec import (
-    MAX_DEPTH,
-    TAG,
+from unbroken.state.codec import MAX_DEPTH, TAG, decode_tree, encode_tree
+from unbroken.state.jsontext import dumps_json, loads_json
+from unbroken.state.tensorfile import (
     decode_safetensors,
-    decode_tree,
-    dumps_json,
     encode_safetensors,
-    encode_tree,
-    loads_json,
     read_safetensors_header,
 )
 
@@ -712,9 +708,9 @@ def test_numbers_out_of_range_are_corruption(text):
 
 
 def test_the_writer_refuses_a_header_the_reader_would_refuse(monkeypatch):
-    import unbroken.state.codec as codec
+    import unbroken.state.tensorfile as tensorfile
 
-    monkeypatch.setattr(codec, "MAX_HEADER_BYTES", 4096)
+    monkeypatch.setattr(tensorfile, "MAX_HEADER_BYTES", 4096)
     tensors = {f"t{i:04d}": torch.zeros(1) for i in range(200)}
     with pytest.raises(UnsupportedValue, match="safetensors header, over the 4096-byte limit"):
         encode_safetensors(tensors)

@@ -56,14 +56,10 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import UnbrokenError
-from unbroken.state.codec import (
-    TAG,
-    decode_safetensors,
-    decode_tree,
-    loads_json,
-    read_safetensors_header,
-)
+from unbroken.state.codec import TAG, decode_tree
+from unbroken.state.jsontext import loads_json
 from unbroken.state.parts import STATE_FILE, check_stamps, decode_generation
+from unbroken.state.tensorfile import decode_safetensors, read_safetensors_header
 from unbroken.store.manifest import MANIFEST, parse_manifest, seal
 
 pytestmark = pytest.mark.filterwarnings(

@@ -26,10 +26,10 @@ import xxhash
 import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import CorruptCheckpoint, UnbrokenError, UnbrokenWarning
-from unbroken.state.codec import (
+from unbroken.state.jsontext import loads_json
+from unbroken.state.tensorfile import (
     MAX_HEADER_BYTES,
     decode_safetensors,
-    loads_json,
     read_safetensors_header,
 )
 from unbroken.store.generations import GenerationStore

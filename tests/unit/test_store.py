@@ -19,7 +19,8 @@ import xxhash
 import unbroken
 from unbroken.errors import CorruptCheckpoint, StoreLocked
 from unbroken.store.backends.local import LocalFS
-from unbroken.store.generations import ASIDE, LOCK, GenerationStore, generation_name
+from unbroken.store.generations import ASIDE, GenerationStore, generation_name
+from unbroken.store.lock import LOCK
 from unbroken.store.manifest import MANIFEST, Artifact, Manifest, seal
 
 FILES = {"model.safetensors": b"\x01" * 1000, "state.json": b'{"step": 1}', "empty.bin": b""}
@@ -342,18 +343,13 @@ def test_lock_writes_the_holder(root, stores):
     assert f"pid {os.getpid()}" in text
 
 
-# The child imports only unbroken.store.generations, without the package __init__ and the codec
-# (which import torch, seconds on a small machine). The codec's two JSON helpers are re-implemented
-# with the same contract; everything the lock does is the real code.
+# The child imports only unbroken.store.generations, without the package __init__ (which
+# imports torch, seconds on a small machine): everything the lock does is the real code.
 _CHILD = r"""
-import json, sys, time, types
+import sys, time, types
 sys.path.insert(0, {src!r})
 pkg = types.ModuleType("unbroken"); pkg.__path__ = [{pkgdir!r}]
 sys.modules["unbroken"] = pkg
-codec = types.ModuleType("unbroken.state.codec")
-codec.dumps_json = lambda o: json.dumps(o, sort_keys=True, separators=(",", ":")).encode()
-codec.loads_json = lambda data, where, limit: json.loads(data)
-sys.modules["unbroken.state.codec"] = codec
 from unbroken.store.generations import GenerationStore
 GenerationStore(sys.argv[1]).lock()
 print("locked", flush=True)

@@ -16,15 +16,10 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpoint
-from ..state.codec import (
-    decode_safetensors,
-    decode_tree,
-    dumps_json,
-    encode_safetensors,
-    encode_tree,
-    loads_json,
-)
-from ..state.parts import optimizer_state, optimizer_state_to_torch, validate_model
+from ..state.codec import decode_tree, encode_tree
+from ..state.jsontext import dumps_json, loads_json
+from ..state.optim import optimizer_state, optimizer_state_to_torch, validate_model
+from ..state.tensorfile import decode_safetensors, encode_safetensors
 
 _FORMAT = "unbroken.cs336/1"
 

@@ -1,4 +1,5 @@
-"""Pure codec: a state tree <-> (JSON skeleton, named tensors) <-> safetensors bytes.
+"""Pure codec: a state tree <-> (JSON skeleton, named tensors). The skeleton becomes text in
+`jsontext`, the named tensors safetensors bytes in `tensorfile`.
 
 Nothing here touches files and nothing is ever pickled. The skeleton keeps Python types
 exactly (int dict keys, tuples, bytes, None, NaN/inf, NumPy scalars and arrays); every tensor
@@ -8,35 +9,21 @@ leaf becomes a reference ``{"$t": "tensor", "key": ...}`` into the part's safete
 from __future__ import annotations
 
 import base64
-import json
 import math
-import struct
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
+from .tensorfile import ST_DTYPES
 
 TAG = "$t"
 MAX_DEPTH = 200
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 _INLINE_BYTES = 4096  # ``bytes`` values this large go to the tensor file, not into JSON
 
-# safetensors dtype names; dtypes outside this table are stored as raw bytes (U8) with
-# the real dtype and shape kept in the skeleton reference.
-_ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
-}
-_ST_BY_NAME = {v: k for k, v in _ST_DTYPES.items()}
-_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
 
 
 # Every dtype a skeleton may name, resolved from this fixed list once: a name read from a file
@@ -116,7 +103,7 @@ class _Encoder:
         if data.device.type != "cpu":
             data = data.cpu()
         ref: dict[str, Any] = {TAG: "tensor", "key": self._key(path)}
-        if data.dtype not in _ST_DTYPES:
+        if data.dtype not in ST_DTYPES:
             ref["dtype"] = _dtype_name(data.dtype, path)
             ref["shape"] = list(data.shape)
             data = data.contiguous().reshape(-1).view(torch.uint8)
@@ -328,185 +315,3 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
     if tag == "device":
         return torch.device(obj["v"])
     raise ValueError(f"unknown tag {tag!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# canonical JSON
-
-
-def dumps_json(obj: Any, sort_keys: bool = True) -> bytes:
-    """Compact JSON bytes, canonical by default (sorted keys; no NaN: the skeleton tags them).
-    State documents pass ``sort_keys=False`` so that dicts keep their insertion order.
-
-    UTF-8 text; a string that UTF-8 cannot encode (a lone surrogate, which ``os.fsdecode``
-    makes of an undecodable file name) switches the whole document to ASCII with ``\\u``
-    escapes, which JSON readers turn back into the same string: nothing is lost."""
-    text = json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
-                      ensure_ascii=False)
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
-                          ensure_ascii=True).encode("ascii")
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999 parses as inf: never written, so never read
-        raise ValueError(f"number {text[:40]} is out of the float range")
-    return value
-
-
-def loads_json(data: bytes | memoryview, where: str, limit: int) -> Any:
-    """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``.
-    Callers check a file's size against ``limit`` before reading it; this checks again."""
-    if len(data) > limit:
-        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, over the {limit}-byte limit")
-    try:
-        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant,
-                          parse_float=_finite_float)
-    except RecursionError:
-        raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e!s:.200})") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# safetensors bytes
-
-
-def encode_safetensors(tensors: Mapping[str, torch.Tensor],
-                       metadata: Mapping[str, str] | None = None,
-                       data_hash_key: str | None = None) -> list[memoryview]:
-    """Serialize to the safetensors format as a list of buffers (header first), without
-    concatenating them, so the store can hash and write them straight from tensor memory.
-    With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
-    (a single file that carries its own checksum)."""
-    # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
-    # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
-    # size first, which keeps every tensor aligned to its element size.
-    order = sorted(tensors, key=lambda k: (tensors[k].numel() * tensors[k].element_size() % 64
-                                           != 0, -tensors[k].element_size(), k))
-    header: dict[str, Any] = {}
-    chunks: list[memoryview] = []
-    offset = 0
-    for key in order:
-        t = tensors[key].detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-        if nbytes:
-            chunks.append(t.reshape(-1).view(torch.uint8).numpy().data)
-    meta = dict(metadata or {})
-    if data_hash_key:
-        h = xxhash.xxh3_128()
-        for chunk in chunks:
-            h.update(chunk)
-        meta[data_hash_key] = h.hexdigest()
-    if meta:
-        header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
-    if len(raw) > MAX_HEADER_BYTES:  # what read_safetensors_header refuses is never written
-        raise UnsupportedValue(
-            f"{len(tensors)} tensors need a {len(raw)}-byte safetensors header, over the "
-            f"{MAX_HEADER_BYTES}-byte limit readers apply; store fewer, larger tensors")
-    return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
-
-
-def read_safetensors_header(data: bytes | memoryview, where: str,
-                            limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], dict[str, str]]:
-    """Validate a safetensors header against the buffer and return (entries, metadata).
-
-    Checks everything the format promises (size limit, dtypes, shapes, offsets that tile the
-    data exactly) so that the parser behind it only ever sees a well-formed file."""
-    if len(data) < 8:
-        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, too short for a safetensors header")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > limit or n > len(data) - 8:
-        raise CorruptCheckpoint(
-            f"{where}: header claims {n} bytes; the file has {len(data) - 8} after the length "
-            f"field and the limit is {limit}")
-    header = loads_json(bytes(data[8:8 + n]), where, limit)
-    if not isinstance(header, dict):
-        raise CorruptCheckpoint(f"{where}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
-    spans = []
-    for key, entry in header.items():
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (dtype in _ITEMSIZE and isinstance(shape, list) and len(shape) <= 64
-                  and all(type(d) is int and d >= 0 for d in shape)
-                  # strides must fit torch's int64 even when a zero makes the product 0
-                  and math.prod(max(d, 1) for d in shape) < 1 << 62
-                  and type(begin) is int and type(end) is int)
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
-        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
-            raise CorruptCheckpoint(
-                f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
-                f"{shape} need {math.prod(shape) * _ITEMSIZE[dtype]}")
-        spans.append((begin, end, key))
-    expected = 0
-    for begin, end, key in sorted(spans):
-        if begin != expected:
-            raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, expected "
-                                    f"{expected} (overlapping or missing data)")
-        expected = end
-    if expected != len(data) - 8 - n:
-        raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file holds "
-                                f"{len(data) - 8 - n}")
-    return header, metadata
-
-
-def decode_safetensors(data: bytes | memoryview, where: str
-                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parse a safetensors buffer (validated first) into CPU tensors and its metadata.
-
-    From a writable memoryview (``LocalFS.read_file(..., aligned=True)``) each tensor is a
-    view into it, without a copy, when it sits 64-byte aligned, and an aligned copy
-    otherwise: vectorized reductions (``dot``) round differently at other alignments, and a
-    restored run must compute exactly as the uninterrupted one did."""
-    from safetensors.torch import load
-
-    header, metadata = read_safetensors_header(data, where)
-    if not header:
-        return {}, metadata
-    if isinstance(data, memoryview) and not data.readonly:
-        # The header check proved every span in bounds, tiling the data exactly, and sized
-        # for its dtype and shape.
-        base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
-        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
-        out = {}
-        for key, e in header.items():
-            dtype, (begin, end) = _ST_BY_NAME[e["dtype"]], e["data_offsets"]
-            count = (end - begin) // _ITEMSIZE[e["dtype"]]
-            if end == begin:
-                t = torch.empty(0, dtype=dtype)
-            elif (address + base + begin) % 64 == 0:
-                # its own storage object (APIs such as set_rng_state assume offset 0)
-                t = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin)
-            else:
-                t = torch.empty(count, dtype=dtype)
-                t.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8,
-                                                           count=end - begin, offset=base + begin))
-            out[key] = t.reshape(e["shape"])
-        return out, metadata
-    try:
-        return load(bytes(data)), metadata
-    except Exception as e:  # the parser's own error type; we already validated the header
-        raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None

@@ -20,7 +20,7 @@ import torch.distributed as dist
 import xxhash
 
 from ..errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
-from .codec import dumps_json
+from .jsontext import dumps_json
 
 FIELDS = ("config", "tokenizer", "data")
 _CHUNK = 8 * 1024 * 1024

@@ -22,21 +22,18 @@ vanishes from the listing; it is never reported ``corrupt`` for that reason.
 from __future__ import annotations
 
 import datetime
-import errno
-import fcntl
 import os
 import re
-import socket
 import stat
-import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import xxhash
 
-from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from ..errors import CorruptCheckpoint
 from .backends.local import LocalFS, fault_point
+from .lock import acquire_writer_lock, release_writer_lock
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -53,10 +50,8 @@ _ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 ASIDE = "aside"
-LOCK = "LOCK"
 # Why a generation was moved aside: the label in its name under aside/.
 ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned")
-_LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
 
 
 def _memory_bytes() -> int:
@@ -69,17 +64,6 @@ def _memory_bytes() -> int:
 
 def generation_name(generation: int) -> str:
     return f"gen-{generation:09d}"
-
-
-def _errno_text(e: OSError) -> str:
-    name = errno.errorcode.get(e.errno or 0)
-    return f"{e.strerror or e}" + (f" [{name}]" if name else "")
-
-
-def _unwritable(path: str, e: OSError, what: str) -> ReadOnlyRun:
-    return ReadOnlyRun(f"{path}: {what}: {_errno_text(e)}. Restoring from this folder works; "
-                       "saving needs a writable folder with POSIX locks (use another folder, "
-                       "or fix the mount or the disk)")
 
 
 @dataclass(frozen=True)
@@ -125,55 +109,15 @@ class GenerationStore:
         return self._lock_fd is not None
 
     def lock(self) -> None:
-        """Become the only writer. Raises ``StoreLocked`` naming the holder when another live
-        process writes the run, and ``ReadOnlyRun`` naming the cause when this folder cannot
-        be written or locked here (read-only media, no permission, a full disk, a filesystem
-        without POSIX locks): reading needs no lock, so a caller may go on read-only."""
-        path = os.path.join(self.root, LOCK)
-        key = os.path.realpath(path)
-        if key in _LOCKED_HERE:
-            raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
-                              "close() it before opening the run folder again")
-        try:  # never follow a symlink: a planted LOCK -> ~/.bashrc would be truncated below
-            os.makedirs(self.root, exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
-                         os.O_NONBLOCK, 0o644)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
-                                        "regular file inside the run folder (remove it)") from None
-            raise _unwritable(path, e, "cannot be created or opened for writing") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise CorruptCheckpoint(f"{path}: not a regular file; the lock file must be a "
-                                    "regular file inside the run folder (remove it)")
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                os.close(fd)
-                raise _unwritable(path, e, "cannot be locked (the filesystem offers no POSIX "
-                                  "locks, e.g. NFS without a lock daemon or a FUSE mount)",
-                                  ) from None
-            holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
-            os.close(fd)
-            raise StoreLocked(f"{path}: another live process writes this run ({holder}); stop "
-                              "it, or point this run at another folder") from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                          f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
-        except OSError:
-            pass  # the holder note is for people; the lock itself is held
-        self._lock_fd = fd
-        _LOCKED_HERE.add(key)
+        """Become the only writer (see `lock.acquire_writer_lock`), then remove the debris a
+        dead writer left."""
+        self._lock_fd = acquire_writer_lock(self.root)
         self._clean_debris()
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
-            os.close(self._lock_fd)  # closing releases the fcntl lock
+            release_writer_lock(self.root, self._lock_fd)
             self._lock_fd = None
-            _LOCKED_HERE.discard(os.path.realpath(os.path.join(self.root, LOCK)))
 
     def _need_lock(self) -> None:
         if self._lock_fd is None:

@@ -23,7 +23,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CorruptCheckpoint
-from ..state.codec import dumps_json, loads_json
+from ..state.jsontext import dumps_json, loads_json
 
 SCHEMA = "unbroken.manifest/1"
 MANIFEST = "MANIFEST.json"

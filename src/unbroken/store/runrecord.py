@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
-from ..state.codec import loads_json
+from ..state.jsontext import loads_json
 from .backends.local import LocalFS
 from .manifest import check_seal, seal
 

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from ..store.generations import LOCK, STAGING_PREFIX, TRASH_PREFIX, GenerationStore, generation_name
+from ..store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore, generation_name
+from ..store.lock import LOCK
 from ._disk import DiskState, inspect_run, lost_generations
 from ._job import KEEP_LAST, start_without_restore
 from ._life import read_events, run_life, tail

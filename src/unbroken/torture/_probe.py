@@ -16,7 +16,7 @@ from typing import Any
 
 import xxhash
 
-from ..checkpointer import Checkpointer
+from .. import picking
 from ..errors import UnbrokenError
 from ..store.backends.local import LocalFS
 
@@ -135,7 +135,7 @@ class Probe:
         def hashed(args: tuple[Any, ...], result: Any) -> None:
             probe.reads.append((os.fspath(args[1]), result[0]))
 
-        wrap(Checkpointer, "_load_candidate", lambda args, result: None, record=True)
+        wrap(picking, "_load", lambda args, result: None, record=True)
         wrap(LocalFS, "read_file", read)
         wrap(LocalFS, "hash_file", hashed)
         def uninstall() -> None:

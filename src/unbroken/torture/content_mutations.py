@@ -14,7 +14,7 @@ from typing import Any
 
 import xxhash
 
-from ..state.codec import dumps_json
+from ..state.jsontext import dumps_json
 from ..store.manifest import CHECKSUM, MANIFEST
 from ._case import Case, Catalogue, header_end, registrar
 
@@ -152,7 +152,7 @@ def _manifest_field(c: Case) -> str:
 
 @mutation("oversized", 2)
 def _oversized(c: Case) -> str:
-    from ..state.codec import MAX_HEADER_BYTES
+    from ..state.tensorfile import MAX_HEADER_BYTES
     from ..store.manifest import MAX_MANIFEST_BYTES
     g = c.pick_target()
     how = c.rng.choice(["manifest-sparse", "manifest-padded", "header-length", "header-claim",

@@ -308,15 +308,15 @@ def _skip_hash() -> Callable[[], None]:
 
 def _accept_foreign() -> Callable[[], None]:
     """A loader that continues from any run's generation (every restore adopts), on purpose."""
-    from ..checkpointer import Checkpointer
+    from .. import picking
 
-    original: Any = Checkpointer._load_candidate
+    original: Any = picking._load
 
-    def load(self: Checkpointer, *args: Any) -> Any:
-        return original(self, *args[:-1], True)  # (store, info, intent, allow, adopt)
+    def load(store: Any, info: Any, intent: str, allow: Any, adopt: bool, *rest: Any) -> Any:
+        return original(store, info, intent, allow, True, *rest)
 
-    setattr(Checkpointer, "_load_candidate", load)
-    return lambda: setattr(Checkpointer, "_load_candidate", original)
+    setattr(picking, "_load", load)
+    return lambda: setattr(picking, "_load", original)
 
 
 def _no_size_limits() -> Callable[[], None]:

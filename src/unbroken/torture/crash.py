@@ -347,9 +347,11 @@ def _skip_hash() -> Callable[[], None]:
 
 def _first_save_unchecked() -> Callable[[], None]:
     """A first save without restore() that goes ahead in a used folder."""
-    original = Checkpointer._check_first_save
-    Checkpointer._check_first_save = lambda self: None  # type: ignore[method-assign]
-    return lambda: setattr(Checkpointer, "_check_first_save", original)
+    from ..writer import RunWriter
+
+    original = RunWriter.check_first_save
+    RunWriter.check_first_save = lambda self: None  # type: ignore[method-assign]
+    return lambda: setattr(RunWriter, "check_first_save", original)
 
 
 # Known-bad implementations the torture must catch (a test of the test: exit status 1).

@@ -9,8 +9,8 @@ import os
 import shutil
 import struct
 
-from ..state.codec import MAX_HEADER_BYTES
 from ..state.parts import MAX_STATE_BYTES
+from ..state.tensorfile import MAX_HEADER_BYTES
 from ..store.generations import generation_name
 from ._case import Case, Catalogue, registrar
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import xxhash
 
-from ..state.codec import dumps_json
+from ..state.jsontext import dumps_json
 from ..store.manifest import CHECKSUM, MANIFEST, seal
 from ..store.runrecord import RUN_FILE
 from ._case import Case, Catalogue, registrar
@@ -115,7 +115,7 @@ def _overflow(c: Case) -> str:
 def _validated(path: Path) -> bool:
     """Whether unbroken has a contract for the string at ``path`` of state.json. Inside one
     parameter's optimizer state, and inside a hyperparameter's value, the content is the
-    optimizer's (see state.optimizer_state_to_torch): a resealed edit there is an edit of the
+    optimizer's (see state.optim.optimizer_state_to_torch): a resealed edit there is an edit of the
     data, which no hash can tell from the data."""
     if path[:3] == ("parts", "optimizer", "state") and len(path) > 4:
         return False

@@ -1,0 +1,114 @@
+"""Which generation a restore loads: the newest candidate that verifies, decodes, belongs to
+this run and fits the live objects, with its state validated and ready to apply before any
+live object changes.
+
+A torn, corrupt or foreign candidate is *refused* (recorded with its reason and a label for
+``aside/``) and the next older one is tried; a mismatch with the live run (identity, keys,
+shapes, a missing part) is not the checkpoint's fault and raises at once."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ._progress import Progress
+from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
+from .state import parts as S
+from .state.identity import Identity, check_environment, check_identity, environment
+from .store.generations import GenerationInfo, GenerationStore
+from .store.runrecord import RunRecord
+
+log = logging.getLogger("unbroken")
+
+
+@dataclass
+class Pick:
+    """The outcome of a restore's search: what loads, and what was refused on the way."""
+
+    info: GenerationInfo | None = None
+    ready: dict[str, Any] = field(default_factory=dict)  # validated, ready for `parts.apply`
+    tree: dict[str, Any] = field(default_factory=dict)  # the decoded state, as saved
+    rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
+    labels: dict[str, str] = field(default_factory=dict)  # path -> corrupt | torn | foreign
+
+
+def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
+                    generation: int | None, intent: str, allow: Iterable[str], adopt: bool, *,
+                    parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
+                    run: RunRecord, pick: Pick) -> Pick:
+    """Fill ``pick`` with the newest loadable candidate among ``scanned`` (or generation
+    ``generation``); raise `CorruptCheckpoint` listing every refusal when none loads.
+    ``pick`` is filled in place, so the refusals are known even when this raises."""
+    candidates = [g for g in reversed(scanned) if generation is None or g.generation == generation]
+    if not candidates:
+        raise NoCheckpoint(f"{store.root}: no generation {generation}; found "
+                           f"{[g.generation for g in scanned]}")
+    for info in candidates:
+        try:
+            pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
+                                          identity, run)
+        except CorruptCheckpoint as e:
+            pick.rejected.append((info.path, str(e)))
+            pick.labels[info.path] = ("foreign" if isinstance(e, ForeignGeneration) else
+                                      "torn" if info.status == "torn" else "corrupt")
+            log.warning("rejected %s: %s", info.path, e)
+            continue
+        pick.info = info
+        if pick.rejected:
+            log.warning("using %s after rejecting %d newer generation(s)", info.path,
+                        len(pick.rejected))
+        return pick
+    foreign = "foreign" in pick.labels.values()
+    raise CorruptCheckpoint(
+        f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
+        "\n".join(f"  {path}: {why}" for path, why in pick.rejected) +
+        ("\nrestore(adopt=True) continues from a generation of another run deliberately"
+         if foreign else "") +
+        "\nInspect with `unbroken inspect`; move the folder away to start a new run")
+
+
+def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iterable[str],
+          adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
+          run: RunRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
+    if not info.ok or info.manifest is None:
+        raise CorruptCheckpoint(info.reason)
+    manifest = info.manifest
+    if intent == "continue" and not adopt and not run.accepts(manifest.run_id):
+        raise ForeignGeneration(
+            f"{info.path}: written by run {manifest.run_id}, but this folder holds run "
+            f"{run.run_id} (RUN.json) and its lineage {run.lineage or 'is empty'}: a "
+            "generation copied from another run is never continued silently; "
+            "restore(adopt=True) continues from it deliberately")
+    S.check_sizes(manifest, info.path)  # before reading a byte
+    names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
+    progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
+    try:
+        files = store.read_verified(info, names, advance=progress.advance)
+    finally:
+        progress.close()
+    tree, meta = S.decode_generation(files, info.path,
+                                     None if intent == "continue" else {S.MODEL})
+    S.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
+    where = os.path.join(info.path, "MANIFEST.json")
+    live = parts if intent == "continue" else {S.MODEL: model}
+    try:
+        check_identity(manifest.identity, identity.fingerprint(), intent=intent, allow=allow,
+                       where=where)
+        check_environment(manifest.environment, environment(), where=where)
+        ready = S.validate_parts(tree, live, model, info.path, intent)
+        for name, obj in live.items():
+            check = getattr(obj, "validate_state_dict", None)
+            if check is not None:
+                check(tree[name], f"{info.path} [{name}]")
+    except UnbrokenError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- verified bytes that decode to nonsense
+        raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
+                                f"({type(e).__name__}: {e!s:.200})") from None
+    return ready, tree

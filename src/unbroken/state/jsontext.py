@@ -1,0 +1,51 @@
+"""Canonical JSON text for everything unbroken writes (manifests, state skeletons, records),
+and a parser for JSON read from untrusted files that raises only `CorruptCheckpoint`."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from ..errors import CorruptCheckpoint
+
+
+def dumps_json(obj: Any, sort_keys: bool = True) -> bytes:
+    """Compact JSON bytes, canonical by default (sorted keys; no NaN: the skeleton tags them).
+    State documents pass ``sort_keys=False`` so that dicts keep their insertion order.
+
+    UTF-8 text; a string that UTF-8 cannot encode (a lone surrogate, which ``os.fsdecode``
+    makes of an undecodable file name) switches the whole document to ASCII with ``\\u``
+    escapes, which JSON readers turn back into the same string: nothing is lost."""
+    text = json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
+                          ensure_ascii=True).encode("ascii")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 parses as inf: never written, so never read
+        raise ValueError(f"number {text[:40]} is out of the float range")
+    return value
+
+
+def loads_json(data: bytes | memoryview, where: str, limit: int) -> Any:
+    """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``.
+    Callers check a file's size against ``limit`` before reading it; this checks again."""
+    if len(data) > limit:
+        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, over the {limit}-byte limit")
+    try:
+        return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant,
+                          parse_float=_finite_float)
+    except RecursionError:
+        raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e!s:.200})") from None

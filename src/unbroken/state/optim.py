@@ -1,0 +1,192 @@
+"""The model and optimizer by parameter *name*: torch keys optimizer state by position, which
+silently mis-maps a reordered or regrouped model. Capture, mapping back onto a live
+optimizer (refusing any mismatch), the model's keys, shapes and dtypes, and the hyperparameter
+changes a continuation must warn about."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue
+
+
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """id(parameter) -> its first name in the model (tied parameters keep one name)."""
+    names: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), name)
+    return names
+
+
+def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    names = param_names(model)
+    return [[names.get(id(p), f"<not in model>.group{gi}.param{pi}")
+             for pi, p in enumerate(g["params"])] for gi, g in enumerate(optimizer.param_groups)]
+
+
+def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that trains tensors outside the model: their moments would be
+    saved but their values not, and a resume would silently start them from scratch."""
+    names = param_names(model)
+    outside = [f"group {gi} param {pi} {tuple(p.shape)}"
+               for gi, g in enumerate(optimizer.param_groups)
+               for pi, p in enumerate(g["params"]) if id(p) not in names]
+    if outside:
+        raise UnsupportedValue(
+            f"the optimizer updates tensors that are not parameters of the model "
+            f"({', '.join(outside[:3])}); register them on the model (e.g. as an "
+            "nn.Parameter attribute) so their values are saved with it")
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state_dict with integer parameter ids replaced by parameter names."""
+    sd = optimizer.state_dict()
+    group_names = _live_group_names(model, optimizer)
+    by_index: dict[int, str] = {}
+    for saved_group, names in zip(sd["param_groups"], group_names):
+        by_index.update(zip(saved_group["params"], names))
+    return {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "state": {by_index[i]: s for i, s in sd["state"].items()},
+        "param_groups": [{**g, "params": names}
+                         for g, names in zip(sd["param_groups"], group_names)],
+    }
+
+
+def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer, where: str) -> dict[str, Any]:
+    """Map a name-keyed optimizer state onto the live optimizer, refusing any mismatch."""
+    try:
+        groups, state = saved["param_groups"], saved["state"]
+        saved_names = [list(g["params"]) for g in groups]
+        if not isinstance(state, Mapping) or not all(isinstance(e, Mapping)
+                                                     for e in state.values()):
+            raise TypeError
+    except (KeyError, TypeError, AttributeError):
+        raise CorruptCheckpoint(
+            f"{where}: optimizer state lacks 'param_groups' or 'state'") from None
+    live_class = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if saved.get("class", live_class) != live_class:
+        raise StateMismatch(f"{where}: saved by {saved['class']}, the live optimizer is "
+                            f"{live_class}; build the optimizer of the saved run, or warm_start")
+    for gi, (saved_group, live_group) in enumerate(zip(groups, optimizer.param_groups)):
+        if not isinstance(saved_group, Mapping) or set(saved_group) != set(live_group):
+            got = set(saved_group) if isinstance(saved_group, Mapping) else saved_group
+            raise StateMismatch(f"{where}: param group {gi} has settings {sorted(got)}, the "
+                                f"live optimizer's has {sorted(live_group)}")
+        for key, live in live_group.items():
+            if key != "params" and not _same_kind(saved_group[key], live):
+                raise CorruptCheckpoint(
+                    f"{where}: param group {gi} {key!r} is {saved_group[key]!r:.40}, where the "
+                    f"live optimizer holds a {type(live).__name__} ({live!r:.40})")
+    live_names = _live_group_names(model, optimizer)
+    if saved_names != live_names:
+        raise StateMismatch(
+            f"{where}: optimizer parameter groups differ from the live optimizer: saved "
+            f"{_first_diff(saved_names, live_names)}. Parameters were renamed, reordered or "
+            "regrouped; build the model and optimizer as in the saved run, or warm_start")
+    # Per-parameter state shapes are the optimizer's business (Adafactor keeps factored
+    # rows, LBFGS flat vectors); the names map onto parameters whose shapes validate_model
+    # has checked against the saved model.
+    index: dict[str, int] = {}
+    n = 0  # torch numbers parameters in group order, each distinct parameter once
+    for names in live_names:
+        for name in names:
+            if name not in index:
+                index[name] = n
+                n += 1
+    unknown = set(state) - set(index)
+    if unknown:
+        raise StateMismatch(f"{where}: optimizer state for parameters {sorted(unknown)[:5]} "
+                            "that the live optimizer does not hold")
+    return {"state": {index[k]: v for k, v in state.items()},
+            "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups]}
+
+
+# Param-group fields a learning-rate scheduler moves at every step: their live value in a
+# freshly built run is the schedule's start, not a choice of the user. The base values the
+# scheduler keeps (initial_lr, max_lr, base_momentum, ...) are compared instead.
+_SCHEDULED = frozenset({"lr", "momentum", "betas"})
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """Whether a saved hyperparameter has the kind of value the live optimizer holds there
+    (torch's load_state_dict takes anything: a None learning rate fails only at the step)."""
+    if isinstance(live, bool) or live is None:
+        return saved is None or isinstance(saved, bool)
+    if isinstance(live, (int, float, torch.Tensor)):
+        return (isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
+                and (not isinstance(saved, torch.Tensor) or saved.numel() == 1))
+    if isinstance(live, (tuple, list)):
+        return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
+                and all(_same_kind(a, b) for a, b in zip(saved, live)))
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
+
+
+def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
+                        scheduled: bool = False) -> list[str]:
+    """Each hyperparameter (param-group field) whose live value differs from the saved one:
+    a continuation silently restores the saved value, so the change must at least be said.
+    ``scheduled``: a scheduler drives the rates (see ``_SCHEDULED``)."""
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    skip = {"params", *(_SCHEDULED if scheduled else ())}
+    out = []
+    for gi, (old, live) in enumerate(zip(groups or [], optimizer.param_groups)):
+        if not isinstance(old, Mapping):
+            continue
+        for key in sorted(k for k in live if k not in skip and k in old):
+            a, b = old[key], live[key]
+            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and
+                    isinstance(b, torch.Tensor) else _plain(a) == _plain(b))
+            if not same:
+                out.append(f"optimizer param group {gi} {key!r}: saved {_plain(a)!r:.40}, "
+                           f"live {_plain(b)!r:.40}")
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
+    if len(saved) != len(live):
+        return f"{len(saved)} groups, live {len(live)}"
+    for gi, (a, b) in enumerate(zip(saved, live)):
+        if a != b:
+            for pi in range(max(len(a), len(b))):
+                x = a[pi] if pi < len(a) else "<none>"
+                y = b[pi] if pi < len(b) else "<none>"
+                if x != y:
+                    return f"group {gi} position {pi} is {x!r}, live is {y!r}"
+    return "same names"
+
+
+def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
+                   dtypes: bool = True) -> None:
+    """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
+    model. A warm start may change precision (fp32 weights into a bf16 model): load_state_dict
+    converts."""
+    if not isinstance(saved, Mapping):
+        raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
+    live = model.state_dict()
+    missing = [k for k in live if k not in saved]
+    unexpected = [k for k in saved if k not in live]
+    if missing or unexpected:
+        raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
+                            f"{unexpected[:5]}; the checkpoint was written by another model "
+                            "definition")
+    for k, t in live.items():
+        s = saved[k]
+        if (not isinstance(s, torch.Tensor) or s.shape != t.shape
+                or dtypes and s.dtype != t.dtype):
+            found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
+                     else type(s).__name__)
+            raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
+                                f"{t.dtype} (live model), found {found}")

@@ -1,0 +1,165 @@
+"""Pure bytes codec for safetensors: named CPU tensors <-> one buffer (header first), and a
+strict validation of any header read back. Nothing here touches files; the store reads and
+writes them (see DESIGN.md: a pure bytes codec split from file I/O, as safetensors does)."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from ..errors import CorruptCheckpoint, UnsupportedValue
+from .jsontext import loads_json
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
+# safetensors dtype names; dtypes outside this table are stored as raw bytes (U8) with
+# the real dtype and shape kept in the skeleton reference.
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+}
+_ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
+_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
+
+
+
+def encode_safetensors(tensors: Mapping[str, torch.Tensor],
+                       metadata: Mapping[str, str] | None = None,
+                       data_hash_key: str | None = None) -> list[memoryview]:
+    """Serialize to the safetensors format as a list of buffers (header first), without
+    concatenating them, so the store can hash and write them straight from tensor memory.
+    With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
+    (a single file that carries its own checksum)."""
+    # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
+    # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
+    # size first, which keeps every tensor aligned to its element size.
+    order = sorted(tensors, key=lambda k: (tensors[k].numel() * tensors[k].element_size() % 64
+                                           != 0, -tensors[k].element_size(), k))
+    header: dict[str, Any] = {}
+    chunks: list[memoryview] = []
+    offset = 0
+    for key in order:
+        t = tensors[key].detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        if nbytes:
+            chunks.append(t.reshape(-1).view(torch.uint8).numpy().data)
+    meta = dict(metadata or {})
+    if data_hash_key:
+        h = xxhash.xxh3_128()
+        for chunk in chunks:
+            h.update(chunk)
+        meta[data_hash_key] = h.hexdigest()
+    if meta:
+        header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
+    if len(raw) > MAX_HEADER_BYTES:  # what read_safetensors_header refuses is never written
+        raise UnsupportedValue(
+            f"{len(tensors)} tensors need a {len(raw)}-byte safetensors header, over the "
+            f"{MAX_HEADER_BYTES}-byte limit readers apply; store fewer, larger tensors")
+    return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
+
+
+def read_safetensors_header(data: bytes | memoryview, where: str,
+                            limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], dict[str, str]]:
+    """Validate a safetensors header against the buffer and return (entries, metadata).
+
+    Checks everything the format promises (size limit, dtypes, shapes, offsets that tile the
+    data exactly) so that the parser behind it only ever sees a well-formed file."""
+    if len(data) < 8:
+        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, too short for a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n > limit or n > len(data) - 8:
+        raise CorruptCheckpoint(
+            f"{where}: header claims {n} bytes; the file has {len(data) - 8} after the length "
+            f"field and the limit is {limit}")
+    header = loads_json(bytes(data[8:8 + n]), where, limit)
+    if not isinstance(header, dict):
+        raise CorruptCheckpoint(f"{where}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
+    spans = []
+    for key, entry in header.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = (dtype in _ITEMSIZE and isinstance(shape, list) and len(shape) <= 64
+                  and all(type(d) is int and d >= 0 for d in shape)
+                  # strides must fit torch's int64 even when a zero makes the product 0
+                  and math.prod(max(d, 1) for d in shape) < 1 << 62
+                  and type(begin) is int and type(end) is int)
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
+        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+            raise CorruptCheckpoint(
+                f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
+                f"{shape} need {math.prod(shape) * _ITEMSIZE[dtype]}")
+        spans.append((begin, end, key))
+    expected = 0
+    for begin, end, key in sorted(spans):
+        if begin != expected:
+            raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, expected "
+                                    f"{expected} (overlapping or missing data)")
+        expected = end
+    if expected != len(data) - 8 - n:
+        raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file holds "
+                                f"{len(data) - 8 - n}")
+    return header, metadata
+
+
+def decode_safetensors(data: bytes | memoryview, where: str
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Parse a safetensors buffer (validated first) into CPU tensors and its metadata.
+
+    From a writable memoryview (``LocalFS.read_file(..., aligned=True)``) each tensor is a
+    view into it, without a copy, when it sits 64-byte aligned, and an aligned copy
+    otherwise: vectorized reductions (``dot``) round differently at other alignments, and a
+    restored run must compute exactly as the uninterrupted one did."""
+    from safetensors.torch import load
+
+    header, metadata = read_safetensors_header(data, where)
+    if not header:
+        return {}, metadata
+    if isinstance(data, memoryview) and not data.readonly:
+        # The header check proved every span in bounds, tiling the data exactly, and sized
+        # for its dtype and shape.
+        base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
+        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
+        out = {}
+        for key, e in header.items():
+            dtype, (begin, end) = _ST_BY_NAME[e["dtype"]], e["data_offsets"]
+            count = (end - begin) // _ITEMSIZE[e["dtype"]]
+            if end == begin:
+                t = torch.empty(0, dtype=dtype)
+            elif (address + base + begin) % 64 == 0:
+                # its own storage object (APIs such as set_rng_state assume offset 0)
+                t = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin)
+            else:
+                t = torch.empty(count, dtype=dtype)
+                t.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8,
+                                                           count=end - begin, offset=base + begin))
+            out[key] = t.reshape(e["shape"])
+        return out, metadata
+    try:
+        return load(bytes(data)), metadata
+    except Exception as e:  # the parser's own error type; we already validated the header
+        raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None

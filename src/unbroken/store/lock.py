@@ -1,0 +1,80 @@
+"""The single-writer lock of a run folder: ``RUN/LOCK``, a POSIX ``fcntl`` lock (released by
+the kernel when its holder dies; not inherited by forked DataLoader workers).
+
+Two ways to fail, told apart: another live process writes the run (`StoreLocked`, naming the
+holder), or this folder cannot be written or locked here at all (`ReadOnlyRun`, naming the
+cause: read-only media, no permission, a full disk, a filesystem without POSIX locks). Reading
+needs no lock, so a caller may go on read-only after the second."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+import stat
+import time
+
+from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+
+LOCK = "LOCK"
+_LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
+
+
+def errno_text(e: OSError) -> str:
+    """An OS error as ``strerror [ENAME]``."""
+    name = errno.errorcode.get(e.errno or 0)
+    return f"{e.strerror or e}" + (f" [{name}]" if name else "")
+
+
+def _unwritable(path: str, e: OSError, what: str) -> ReadOnlyRun:
+    return ReadOnlyRun(f"{path}: {what}: {errno_text(e)}. Restoring from this folder works; "
+                       "saving needs a writable folder with POSIX locks (use another folder, "
+                       "or fix the mount or the disk)")
+
+
+def acquire_writer_lock(root: str) -> int:
+    """Lock ``root`` for this process (creating the folder) and return the lock's descriptor,
+    or raise `StoreLocked` / `ReadOnlyRun` (see module doc)."""
+    path = os.path.join(root, LOCK)
+    key = os.path.realpath(path)
+    if key in _LOCKED_HERE:
+        raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
+                          "close() it before opening the run folder again")
+    try:  # never follow a symlink: a planted LOCK -> ~/.bashrc would be truncated below
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
+                     os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
+                                    "regular file inside the run folder (remove it)") from None
+        raise _unwritable(path, e, "cannot be created or opened for writing") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CorruptCheckpoint(f"{path}: not a regular file; the lock file must be a "
+                                "regular file inside the run folder (remove it)")
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            os.close(fd)
+            raise _unwritable(path, e, "cannot be locked (the filesystem offers no POSIX "
+                              "locks, e.g. NFS without a lock daemon or a FUSE mount)") from None
+        holder = os.pread(fd, 256, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise StoreLocked(f"{path}: another live process writes this run ({holder}); stop "
+                          "it, or point this run at another folder") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode(), 0)
+    except OSError:
+        pass  # the holder note is for people; the lock itself is held
+    _LOCKED_HERE.add(key)
+    return fd
+
+
+def release_writer_lock(root: str, fd: int) -> None:
+    os.close(fd)  # closing releases the fcntl lock
+    _LOCKED_HERE.discard(os.path.realpath(os.path.join(root, LOCK)))

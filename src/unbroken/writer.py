@@ -1,0 +1,120 @@
+"""The writer side of a run folder, for one Checkpointer: the single-writer lock (taken late
+when the folder could not be written at first), refused and abandoned generations moved
+aside (or left in place and retried), the first-save rule, and retention decided on verified
+generations."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+from .errors import CorruptCheckpoint, ReadOnlyRun, RunNotRestored, SaveFailed, UnbrokenWarning
+from .store.generations import GenerationInfo, GenerationStore
+from .store.retention import Keep, select_kept
+
+
+class RunWriter:
+    """Changes to ``store`` on behalf of a Checkpointer (see module doc)."""
+
+    def __init__(self, store: GenerationStore, keep: Keep) -> None:
+        self.store = store
+        self.keep = keep
+        # Why this writer cannot write (None: it holds the lock). Restoring needs no lock, so
+        # read-only media still restore; a save raises this.
+        self.read_only: ReadOnlyRun | None = None
+        self._pending: list[tuple[GenerationInfo, str]] = []  # to move aside once writing
+        try:
+            store.lock()
+        except ReadOnlyRun as e:
+            self.read_only = e
+            warnings.warn(f"opened read-only: {e}", UnbrokenWarning, stacklevel=3)
+
+    def become_writer(self) -> None:
+        """Take the lock if the folder opened read-only (the disk may have been freed since),
+        then do what had to wait for a writer; else `ReadOnlyRun`."""
+        if not self.store.locked:
+            try:
+                self.store.lock()
+            except ReadOnlyRun as e:
+                self.read_only = e
+                raise ReadOnlyRun(f"cannot save: {e}") from None
+            self.read_only = None
+        pending, self._pending = self._pending, []
+        for info, why in pending:
+            self.set_aside(info, why)
+
+    def check_first_save(self) -> None:
+        """The first save of a Checkpointer that never restored must start a new run: into a
+        folder that holds generations it would branch from, or be pruned against, a history
+        it never loaded."""
+        found = self.store.scan()
+        if not found:
+            return
+        good = [g.manifest for g in found if g.ok and g.manifest is not None]
+        newest = (f"the newest complete one is step {good[-1].step} of run {good[-1].run_id}"
+                  if good else "none of them is complete")
+        raise RunNotRestored(
+            f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer did not "
+            f"call restore(); {newest}. Call ckpt.restore() before training to continue that "
+            "run, or point this run at another (empty) folder")
+
+    def clear_the_way(self, step: int) -> None:
+        """A folder named like the generation about to be written can only be a leftover that
+        restore could not move aside (abandoned or corrupt): move it now, never overwrite."""
+        existing = self.store.scan_one(step)
+        if not os.path.lexists(existing.path):
+            return
+        why = "abandoned" if existing.ok else existing.status
+        try:
+            self.store.move_aside(existing, why, keep=self.keep.aside)
+        except (OSError, CorruptCheckpoint) as e:
+            raise SaveFailed(f"{existing.path}: a leftover generation ({why}) is in the way of "
+                             f"generation {step} and could not be moved aside ({e}); move it "
+                             "out of the run folder by hand") from e
+
+    def set_aside(self, info: GenerationInfo, why: str) -> None:
+        """Move a refused or abandoned generation aside; if that fails (a read-only folder, an
+        I/O error) leave it where it is and say so: restore never depends on it."""
+        if not self.store.locked:
+            self._pending.append((info, why))  # a writer moves it (become_writer)
+            return
+        if not os.path.lexists(info.path):
+            return
+        try:
+            self.store.move_aside(info, why, keep=self.keep.aside)
+        except (OSError, CorruptCheckpoint) as e:
+            self._pending.append((info, why))  # tried again at the next save
+            warnings.warn(f"{info.path}: {why}; could not be moved aside ({e}), left in place "
+                          "(restore refuses it; moving it is retried at the next save)",
+                          UnbrokenWarning, stacklevel=4)
+
+    def apply_retention(self, just_saved: int) -> None:
+        """Delete what the policy does not keep, deciding on verified generations only: the
+        one just saved and the newest that verifies are never deleted, and a generation that
+        fails verification is reported and moved aside, never counted as a kept copy."""
+        gens = self.store.scan()
+        complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
+        failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}
+
+        def good(n: int) -> bool:
+            why = self.store.verified(complete[n])
+            if why is not None:
+                failed[n] = why
+            return why is None
+
+        kept = select_kept([(n, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
+                            for n, g in complete.items()], self.keep, {just_saved}, good)
+        by_number = {g.generation: g for g in gens}
+        for n, why in failed.items():
+            warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
+                          UnbrokenWarning, stacklevel=5)
+            self.set_aside(by_number[n], "corrupt")
+        oldest_kept = min(kept)
+        for g in gens:
+            # Torn leftovers older than everything kept are remains of an interrupted deletion.
+            if g.generation not in kept and g.generation not in failed and (
+                    g.ok or g.generation < oldest_kept):
+                self.store.delete(g)
+
+    def close(self) -> None:
+        self.store.unlock()
