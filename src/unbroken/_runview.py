@@ -59,10 +59,11 @@ def _disk_bytes(folder: str) -> int | None:
 
 def folder_run_record(store: GenerationStore, scanned: list[GenerationInfo]
                       ) -> RunRecord | None:
-    """The run the folder holds (RUN.json, or its oldest complete generation's run)."""
-    record, _, _ = folder_run(store.root, store.fs, (g.manifest.run_id for g in scanned
-                                                    if g.ok and g.manifest is not None))
-    return record
+    """The run the folder holds (RUN.json, or the run that wrote most of its complete
+    generations); None when that cannot be told (then no generation is called foreign)."""
+    found = folder_run(store.root, store.fs, (g.manifest.run_id for g in scanned
+                                              if g.ok and g.manifest is not None))
+    return None if found.ambiguous else found.record
 
 
 def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None

@@ -133,6 +133,7 @@ class Preemption:
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
         self._expired = False
+        self._warned: set[signal.Signals] = set()
         if self.signals and threading.current_thread() is not threading.main_thread():
             raise UnbrokenError("signals= needs the Checkpointer to be built in the main thread "
                                 "(Python delivers signals there)")
@@ -170,6 +171,17 @@ class Preemption:
         os.kill(os.getpid(), self.requested)
         time.sleep(_GRACE)
         os.kill(os.getpid(), signal.SIGKILL)
+
+    def check_handlers(self) -> None:
+        """Warn (once) when the script replaced a handler after the Checkpointer took the
+        signal: its requests would then never reach ``step_done``."""
+        for s in self.signals:
+            if signal.getsignal(s) != self._handler and s not in self._warned:
+                self._warned.add(s)
+                log.warning("%s was given a handler of the script's own after the Checkpointer "
+                            "took it: signals=%s no longer stops the run at an update "
+                            "boundary (set the script's handler before building the "
+                            "Checkpointer, or drop it)", s.name, s.name)
 
     @property
     def due(self) -> bool:

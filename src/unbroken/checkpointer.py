@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import errno
 import functools
 import gc
 import logging
 import os
-import re
 import time
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import numpy as np
 import torch
+import xxhash
 
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
@@ -25,18 +23,18 @@ from .errors import (
     SaveFailed,
     UnbrokenError,
     UnbrokenWarning,
-    UnsupportedValue,
     UpdateBoundaryError,
 )
 from .faults import DROP_ENV, drop_parts
+from .inputs import EXTRA_NAME, dry_encode, metric, same_number, steps_from_env
 from .picking import Pick, pick_generation
 from .state import parts as S
-from .state.codec import encode_tree
 from .state.identity import Identity, environment
 from .state.optim import check_optimizer_params, param_group_changes
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo, GenerationStore, generation_name
+from .store.lock import errno_text
 from .store.manifest import Artifact, Manifest
 from .store.retention import Keep
 from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
@@ -48,49 +46,12 @@ ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
 
 
-def _steps_from_env(name: str) -> frozenset[int]:
-    value = os.environ.get(name, "")
-    try:
-        return frozenset(int(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise UnbrokenError(f"${name}={value!r}: expected comma-separated step numbers") from None
-_EXTRA_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}", re.ASCII)  # used with fullmatch
-
-
-def _dry_encode(parts: Mapping[str, Any]) -> None:
-    """Encode every part but the model and optimizer (tensors only, checked at save) once, so
-    that a value the format cannot store (a deque, a set) is named with its part and key when
-    the Checkpointer is built."""
-    small = {name: obj for name, obj in parts.items() if name not in (S.MODEL, S.OPTIMIZER)}
-    for name, tree in S.capture(small, torch.nn.Module()).items():
-        try:
-            encode_tree(tree, "")
-        except UnsupportedValue as e:
-            raise UnsupportedValue(f"part {name!r}: {e}; make its state_dict() return "
-                                   "tensors, arrays, numbers, strings, bytes, lists, tuples or "
-                                   "dicts") from None
-
-
-def _metric(name: str, value: object) -> float:
-    """A metric as a float (NaN and inf are kept: an AMP overflow step has a NaN loss), or
-    ``UnsupportedValue`` naming it: checked before anything is written."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise UnsupportedValue(f"metric {name!r}: a tensor of {value.numel()} elements; "
-                                   "pass one number")
-        value = value.detach().item()
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.number)):
-        raise UnsupportedValue(f"metric {name!r}: {type(value).__name__} {value!r:.40}; "
-                               "metrics are numbers")
-    try:
-        return float(value)
-    except (OverflowError, TypeError, ValueError):
-        raise UnsupportedValue(f"metric {name!r}: {value!r:.40} is not a float") from None
-
-
-def _errno_name(e: OSError) -> str:
-    name = errno.errorcode.get(e.errno or 0)
-    return f" [{name}]" if name else ""
+def _size_and_hash(chunks: Iterable[memoryview]) -> tuple[int, str]:
+    h, size = xxhash.xxh3_128(), 0
+    for c in chunks:
+        h.update(c)
+        size += memoryview(c).nbytes
+    return size, h.hexdigest()
 
 
 def _gc_paused(fn: Any) -> Any:
@@ -156,7 +117,7 @@ class Checkpointer:
             if obj is not None:
                 self._parts[name] = obj
         for name, obj in (extras or {}).items():
-            if not isinstance(name, str) or not _EXTRA_NAME.fullmatch(name):
+            if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
                 raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
             if not isinstance(obj, S.Stateful):
                 raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
@@ -166,10 +127,10 @@ class Checkpointer:
                 raise TypeError(f"{name} needs state_dict() and load_state_dict()")
         self._parts[S.RNG] = RNGStreams(generators or {})
         self._parts[S.COUNTERS] = self._counters
-        _dry_encode(self._parts)  # a value save cannot store fails now, not hours in
+        dry_encode(self._parts)  # a value save cannot store fails now, not hours in
         self._preemption = Preemption(signals, stop_deadline)  # validated before the lock
 
-        self._save_at = _steps_from_env(SAVE_AT_ENV)
+        self._save_at = steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
         self._writer = RunWriter(self.store, self.keep)
         self.fstype = filesystem_type(self.store.root)
@@ -206,14 +167,15 @@ class Checkpointer:
 
     def _run_record(self) -> tuple[RunRecord, bool]:
         """The folder's run record and whether it is on disk as it stands."""
-        record, on_disk, problem = folder_run(
+        found = folder_run(
             self.store.root, self.store.fs,
             (g.manifest.run_id for g in self.store.scan() if g.ok and g.manifest is not None))
-        if problem is not None:
-            warnings.warn(f"{problem}; the run is taken from the oldest complete generation and "
-                          "the record is rewritten at the next save", UnbrokenWarning,
-                          stacklevel=3)
-        return record or RunRecord(new_run_id()), on_disk
+        self._ambiguous = found.ambiguous  # a continuation refuses to guess (restore)
+        if found.problem is not None and found.ambiguous is None:
+            warnings.warn(f"{found.problem}; the run is taken from the run that wrote most of "
+                          "the generations, and the record is rewritten at the next save",
+                          UnbrokenWarning, stacklevel=3)
+        return found.record or RunRecord(new_run_id()), found.on_disk
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -251,17 +213,22 @@ class Checkpointer:
             raise UpdateBoundaryError(
                 f"step_done({step}) in the middle of an update window of the data loader; "
                 "call it after the optimizer step that ends the window")
-        values = {name: _metric(name, v) for name, v in metrics.items()}
-        self._counters.step = step
+        # Everything given is checked before anything changes: a bad value leaves the run as
+        # it was, whether or not a trace is kept.
+        values = {name: metric(name, v) for name, v in metrics.items()}
+        loss_value = None if loss is None else metric("loss", loss)
+        grad_value = None if grad_norm is None else metric("grad_norm", grad_norm)
+        self._preemption.check_handlers()
         if self._trace is not None:
-            self._trace.update(step, self._watch.epoch, loss, batch, grad_norm,
+            self._trace.update(step, self._watch.epoch, loss_value, batch, grad_value,
                                self._watch.applied_lrs(), self._watch.steps, values)
+        self._counters.step = step
         self._watch.boundary(step, self._counters.epoch)
         saved = False
         stop = self._preemption.due
         if self.every and step % self.every == 0 or step in self._save_at or stop:
-            if loss is not None:
-                values.setdefault("loss", _metric("loss", loss))
+            if loss_value is not None:
+                values.setdefault("loss", loss_value)
             saved = self._save(step, values) is not None
         if stop:
             self._preemption.done()
@@ -277,7 +244,8 @@ class Checkpointer:
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:
         """Write generation ``step`` synchronously, read it back, verify it, then apply
-        retention. Saving the same step twice is a no-op.
+        retention. Saving the same step again is a no-op when nothing changed since, and
+        supersedes that generation when something did (an end-of-epoch scheduler step).
 
         Without ``step`` (the count ``step_done`` reached), the call must come at an update
         boundary: if ``optimizer.step()`` ran or the data loader handed out a batch since the
@@ -286,15 +254,14 @@ class Checkpointer:
         many completed updates (for loops that do not call ``step_done``)."""
         if step is None or step == self._counters.step:
             self._watch.check_boundary(self._counters.step)
-        return self._save(step, {name: _metric(name, v) for name, v in (metrics or {}).items()})
+        return self._save(step, {name: metric(name, v) for name, v in (metrics or {}).items()})
 
     @_gc_paused
     def _save(self, step: int | None, values: dict[str, float]) -> GenerationInfo | None:
         step = self._counters.step if step is None else step
         if type(step) is not int or step < 0:
             raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")
-        if step == self._last_saved:
-            return None
+        again = step == self._last_saved
         if step < self._counters.step:
             raise UpdateBoundaryError(
                 f"save({step}) after {self._counters.step} completed updates: a generation holds "
@@ -308,10 +275,13 @@ class Checkpointer:
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
+        if again and self._saved_unchanged(step, tree, values):
+            return None  # the same state saved twice
         meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
                 "unbroken.incarnation": str(self.incarnation)}
         encoded = S.encode_generation(tree, meta)  # refuses what restore could not read
-        self._writer.clear_the_way(step)
+        if not again:
+            self._writer.clear_the_way(step)
         total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
         artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
@@ -329,12 +299,12 @@ class Checkpointer:
             if not self._run_written:  # before the first generation that names the run
                 write_run_record(self.store.root, self.store.fs, self._run)
                 self._run_written = True
-            info = self.store.commit(step, artifacts, make_manifest)
+            info = self.store.commit(step, artifacts, make_manifest, supersede=again)
         except OSError as e:
             progress.close()
             raise SaveFailed(
                 f"{self.store.root}: saving generation {step} failed: "
-                f"{e.strerror or e}{_errno_name(e)} ({e.filename or 'run folder'}); older "
+                f"{errno_text(e)} ({e.filename or 'run folder'}); older "
                 "generations are "
                 "untouched and training may continue; free space or fix the disk before the "
                 "next save") from e
@@ -345,7 +315,7 @@ class Checkpointer:
                 progress.close()
         except CorruptCheckpoint as e:
             try:
-                self.store.move_aside(info, "corrupt", keep=self.keep.aside)
+                self.store.move_aside(info, "corrupt")
             except OSError as moving:
                 raise SaveFailed(f"generation {step} did not read back as written ({e}) and "
                                  f"could not be moved aside ({moving}); restore refuses it, "
@@ -392,9 +362,14 @@ class Checkpointer:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
         scanned = self.store.scan()
         if not scanned:
+            if self.read_only is not None:  # nothing to read, and nothing could be written
+                raise ReadOnlyRun(f"nothing to restore, and no save could be written: "
+                                  f"{self.read_only}")
             self._restored = True
             self._after_restore(0, None)
             return 0
+        if self._ambiguous and not adopt:
+            raise CorruptCheckpoint(self._ambiguous)
         pick = self._pick(self.store, scanned, generation, "continue", allow, adopt)
         info, ready, tree = pick.info, pick.ready, pick.tree
         assert info is not None and info.manifest is not None
@@ -423,6 +398,24 @@ class Checkpointer:
         log.info("restored %s (step %d)", info.path, manifest.step)
         self._after_restore(manifest.step, info)
         return manifest.step
+
+    def _saved_unchanged(self, step: int, tree: dict[str, Any], values: dict[str, float]
+                         ) -> bool:
+        """Whether generation ``step`` already holds ``tree`` (and the ``values`` given): its
+        files, encoded again with that generation's own stamps, hash the same. A save of the
+        same step after the state changed (an end-of-epoch scheduler step, weights averaged)
+        supersedes it instead of being dropped."""
+        info = self.store.scan_one(step)
+        m = info.manifest
+        if not info.ok or m is None or any(not same_number(m.metrics.get(k), v)
+                                           for k, v in values.items()):
+            return False
+        stamps = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
+                  "unbroken.incarnation": str(m.incarnation)}
+        listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
+        encoded = S.encode_generation(tree, stamps)
+        return set(encoded) == set(listed) and all(
+            listed[name] == _size_and_hash(chunks) for name, chunks in encoded.items())
 
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
               generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -48,6 +49,32 @@ _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
 
 Argument = tuple[tuple[str, ...], dict[str, Any]]
 Runner = Callable[[argparse.Namespace], int]
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: at least {minimum}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def _tolerance(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a finite number >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    value = _tolerance(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text}: more than 0 seconds")
+    return value
 
 
 def arg(*flags: str, **kwargs: Any) -> Argument:
@@ -147,10 +174,21 @@ def _printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
 
 
+def _json_safe(obj: Any) -> Any:
+    """Standard JSON: NaN and infinities (a NaN loss metric) become "nan", "inf", "-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
 def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool) -> int:
     """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``."""
     if args.json:
-        print(json.dumps(payload, indent=2))
+        print(json.dumps(_json_safe(payload), indent=2, allow_nan=False))
     else:
         print(_printable(text))
     return EXIT_OK if ok else EXIT_PROBLEM
@@ -229,18 +267,20 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
 
 
 @command("check", "prove that a training script resumes exactly: kill it, resume, compare",
-         arg("--at", type=int, action="append", default=[], metavar="K",
+         arg("--at", type=_count(1), action="append", default=[], metavar="K",
              help="interrupt at update K only (repeatable; each its own case)"),
-         arg("--random", type=int, default=0, metavar="N",
+         arg("--random", type=_count(0), default=0, metavar="N",
              help="add N random interruption points to the default plan"),
          arg("--seed", type=int, default=0, metavar="S", help="seed of the random points"),
          arg("--phase", action="append", default=[], choices=PHASES,
              help="how to interrupt (repeatable): after-update, mid-save, after-commit, "
                   "mid-update (SIGKILL) or sigterm (the script must stop cleanly); default: "
                   "each place's own"),
-         arg("--rtol", type=float, default=0.0, help="relative tolerance (default: exact)"),
-         arg("--atol", type=float, default=0.0, help="absolute tolerance (default: exact)"),
-         arg("--exact-steps", type=int, default=None, metavar="N",
+         arg("--rtol", type=_tolerance, default=0.0,
+             help="relative tolerance (default: exact)"),
+         arg("--atol", type=_tolerance, default=0.0,
+             help="absolute tolerance (default: exact)"),
+         arg("--exact-steps", type=_count(0), default=None, metavar="N",
              help="with a tolerance: still exact for the first N updates after each resume"),
          arg("--plot", metavar="FILE.png", help="draw losses and their differences"),
          arg("--workdir", metavar="DIR", help="keep runs, traces and logs in DIR"),
@@ -250,7 +290,7 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
              "(optimizer, scheduler, scaler, data, rng, rng.<stream>, weights_only)"),
          arg("--reference", metavar="TRACE", help="reuse the trace of an earlier uninterrupted "
              "run of the same command (its workdir's reference/trace.jsonl)"),
-         arg("--timeout", type=float, default=600.0, help="seconds allowed per process"),
+         arg("--timeout", type=_seconds, default=600.0, help="seconds allowed per process"),
          arg("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
              help="the training command"))
 def _check(args: argparse.Namespace) -> int:
@@ -275,11 +315,7 @@ def _check(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("no command: unbroken check [options] -- python train.py ...")
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401  -- checked before minutes of training, not after
-        except ImportError:
-            raise UsageError("--plot needs matplotlib: pip install 'unbroken[plot]'") from None
+    _check_inputs_first(args)
     temporary = args.workdir is None and not args.keep
     workdir = args.workdir or tempfile.mkdtemp(prefix="unbroken-check-")
     say = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -293,8 +329,10 @@ def _check(args: argparse.Namespace) -> int:
             from .proof.plot import plot_check
 
             plot_check(report, args.plot)
-    except BaseException:
-        temporary = False  # the error names files in it: keep them
+    except UnbrokenError as e:
+        if temporary:  # the message may name logs in the folder about to go
+            raise type(e)(f"{e}\n(the working folder was removed; rerun with --keep or "
+                          "--workdir DIR to keep its runs and logs)") from None
         raise
     finally:
         if temporary:
@@ -302,6 +340,27 @@ def _check(args: argparse.Namespace) -> int:
     kept = None if temporary else workdir
     payload = {**report.to_json(), "workdir": kept, "plot": args.plot}
     return emit(args, payload, format_report(report, kept), report.verdict == "equivalent")
+
+
+def _check_inputs_first(args: argparse.Namespace) -> None:
+    """What can be refused before minutes of training: a plot without matplotlib or without a
+    writable path, a reference trace that is not there."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'unbroken[plot]'") from None
+        existed = os.path.lexists(args.plot)
+        try:
+            with open(args.plot, "ab"):
+                pass
+        except OSError as e:
+            raise UsageError(f"--plot {args.plot}: cannot be written ({e.strerror or e})"
+                             ) from None
+        if not existed:
+            os.unlink(args.plot)
+    if args.reference and not os.path.isfile(args.reference):
+        raise UsageError(f"--reference {args.reference}: no such trace file")
 
 
 @command("demo", "kill a training run, resume it, prove equivalence, show defective resumes",

@@ -19,7 +19,7 @@ from typing import IO, Any
 
 import torch
 
-from .errors import CorruptCheckpoint
+from .errors import CorruptCheckpoint, UnsupportedValue
 from .state import parts as S
 from .state._digest import digest_modules, digest_optimizer, digest_tree
 from .state.rng import rng_digests
@@ -127,10 +127,15 @@ class TraceRecorder:
         """One completed update: ``lrs`` are the rates its optimizer step used, ``opt_steps``
         how many times ``optimizer.step()`` ran (0: the GradScaler skipped it)."""
         ids = getattr(self._parts.get(S.DATA), "last_update_ids", None)
+        try:
+            batch_digest = digest_tree(batch) if batch is not None else None
+        except TypeError as e:
+            raise UnsupportedValue(f"step_done(batch=...): {e}; pass tensors, arrays, numbers, "
+                                   "strings or lists and dicts of them") from None
         self._out.write({
             "event": "update", "step": step, "epoch": epoch, "lr": [v.hex() for v in lrs],
             "opt_steps": opt_steps, "ids": list(ids) if ids is not None else None,
-            "batch": digest_tree(batch) if batch is not None else None,
+            "batch": batch_digest,
             "loss": float_hex(loss), "grad_norm": float_hex(grad_norm),
             "metrics": {k: float_hex(v) for k, v in metrics.items()},
             **self.digests(optimizer=step % self._hash_every == 0)})

@@ -66,22 +66,23 @@ class RunWriter:
             return
         why = "abandoned" if existing.ok else existing.status
         try:
-            self.store.move_aside(existing, why, keep=self.keep.aside)
+            self.store.move_aside(existing, why)
         except (OSError, CorruptCheckpoint) as e:
             raise SaveFailed(f"{existing.path}: a leftover generation ({why}) is in the way of "
                              f"generation {step} and could not be moved aside ({e}); move it "
                              "out of the run folder by hand") from e
 
     def set_aside(self, info: GenerationInfo, why: str) -> None:
-        """Move a refused or abandoned generation aside; if that fails (a read-only folder, an
-        I/O error) leave it where it is and say so: restore never depends on it."""
+        """Move a refused or abandoned generation aside (never deleting anything); if that
+        fails (a read-only folder, an I/O error) leave it where it is and say so: restore never
+        depends on it."""
         if not self.store.locked:
             self._pending.append((info, why))  # a writer moves it (become_writer)
             return
         if not os.path.lexists(info.path):
             return
         try:
-            self.store.move_aside(info, why, keep=self.keep.aside)
+            self.store.move_aside(info, why)
         except (OSError, CorruptCheckpoint) as e:
             self._pending.append((info, why))  # tried again at the next save
             warnings.warn(f"{info.path}: {why}; could not be moved aside ({e}), left in place "
@@ -115,6 +116,9 @@ class RunWriter:
             if g.generation not in kept and g.generation not in failed and (
                     g.ok or g.generation < oldest_kept):
                 self.store.delete(g)
+        # Only now, with a new generation committed and verified, may aside/ shrink: what a
+        # restore moved there (an abandoned branch) stays until the run has moved on.
+        self.store.prune_aside(self.keep.aside)
 
     def close(self) -> None:
         self.store.unlock()

@@ -92,3 +92,28 @@ def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch
 def test_every_command_prints_json_on_errors(capsys, argv):
     code, out, err = run(capsys, *argv, "--json")
     assert code == 2 and json.loads(out)["ok"] is False and "no such run folder" in err
+
+
+def test_an_unwritable_plot_path_fails_before_any_training(capsys, tmp_path):
+    work = tmp_path / "work"
+    code, out, err = run(capsys, "check", "--plot", str(tmp_path / "no" / "dir" / "x.png"),
+                         "--workdir", str(work), "--", sys.executable, "-c", "pass")
+    assert code == 2 and "cannot be written" in err and not work.exists()
+
+
+@pytest.mark.parametrize("bad", [["--random", "-1"], ["--rtol", "-1"], ["--rtol", "nan"],
+                                 ["--atol", "inf"], ["--at", "0"], ["--timeout", "0"],
+                                 ["--exact-steps", "-2"], ["--reference", "/nonexistent"]])
+def test_invalid_check_options_are_usage_errors(capsys, tmp_path, bad):
+    work = tmp_path / "work"
+    code, out, err = run(capsys, "check", *bad, "--workdir", str(work), "--", sys.executable,
+                         "-c", "pass")
+    assert code == 2 and not work.exists(), err
+
+
+def test_a_failing_check_removes_its_temporary_folder(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = write(tmp_path, "bad.py", "raise SystemExit('no data')\n")
+    code, out, err = run(capsys, "check", "--", sys.executable, script)
+    assert code == 2 and "no data" in err and "rerun with --keep" in err
+    assert not glob.glob(str(tmp_path / "unbroken-check-*"))

@@ -493,3 +493,20 @@ def test_verify_of_a_1_gib_generation_stays_within_128_mib(tmp_path: Path) -> No
     assert result["code"] == 0, r.stdout
     assert result["grew_kib"] < 128 * 1024, result
     print(f"verify of {size} bytes: peak RSS +{result['grew_kib'] / 1024:.1f} MiB")
+
+
+def test_inspect_json_is_standard_json_with_non_finite_metrics(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]
+                                                               ) -> None:
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, every=1) as c:
+        c.restore()
+        c.step_done(1, loss=float("nan"), val=-float("inf"))
+    code, out, _ = cli(capsys, "inspect", str(tmp_path / "run"), "--json")
+
+    def strict(name: str) -> Any:
+        raise ValueError(f"not standard JSON: {name}")
+
+    doc = json.loads(out, parse_constant=strict)
+    assert code == 0 and doc["newest_complete"]["metrics"] == {"val": "-inf", "loss": "nan"}

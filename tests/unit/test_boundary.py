@@ -159,3 +159,22 @@ def test_signals_need_the_main_thread(tmp_path):
     t.start()
     t.join(60)
     assert "main thread" in str(box["e"])
+
+
+def test_a_handler_replaced_after_the_checkpointer_is_reported(tmp_path, caplog):
+    previous = signal.getsignal(signal.SIGUSR2)
+    model, opt, sched, loader, ckpt = setup(tmp_path / "run", signals=[signal.SIGUSR2])
+    try:
+        ckpt.restore()
+        signal.signal(signal.SIGUSR2, lambda *a: None)  # the script's own, installed later
+        for x, y in loader:
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            sched.step()
+            with caplog.at_level("WARNING", logger="unbroken"):
+                ckpt.step_done(1)
+            break
+        assert "SIGUSR2 was given a handler of the script's own" in caplog.text
+    finally:
+        ckpt.close()
+        signal.signal(signal.SIGUSR2, previous)

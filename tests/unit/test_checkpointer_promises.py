@@ -19,6 +19,7 @@ import torch
 import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import (
+    CorruptCheckpoint,
     ReadOnlyRun,
     RunNotRestored,
     SaveFailed,
@@ -496,9 +497,190 @@ def test_aside_is_labelled_by_reason_and_bounded(tmp_path):
         assert ckpt.restore() == step - 1
         ckpt.close()
     entries = ckpt.store.aside()
-    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000004", "corrupt"),
+    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000005", "corrupt"),
+                                                          ("gen-000000004", "corrupt"),
                                                           ("gen-000000003", "corrupt")]
     model, opt, ckpt = build(root, keep=unbroken.Keep(last=5, aside=2))
-    assert ckpt.restore(generation=1) == 1
+    assert ckpt.restore(generation=1) == 1  # gen 2 is abandoned: moved aside, not deleted
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"] * 3 + ["abandoned"]
+    update(model, opt, ckpt, save=True)  # the run moved on: aside/ shrinks to Keep(aside=2)
     ckpt.close()
     assert [e.reason for e in ckpt.store.aside()] == ["corrupt", "abandoned"]
+
+
+def test_restoring_an_older_generation_deletes_nothing(tmp_path):
+    """restore(generation=N) only reads: newer generations go to aside/ whole, even with
+    Keep(aside=0); they may only be pruned once the new branch has committed a save."""
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=10, aside=0))
+    ckpt.restore()
+    for _ in range(6):
+        update(model, opt, ckpt, save=True)
+    ckpt.close()
+    model, opt, ckpt = build(root, keep=unbroken.Keep(last=10, aside=0))
+    assert ckpt.restore(generation=2) == 2
+    ckpt.close()
+    assert gens(root) == ["gen-000000001", "gen-000000002"]
+    assert sorted(e.name[:13] for e in ckpt.store.aside()) == [
+        f"gen-{n:09d}" for n in range(3, 7)]
+
+
+# -- found by an outside review ------------------------------------------------------------------
+
+
+def _damage_run_record(root: Path, how: str) -> None:
+    record = root / RUN_FILE
+    if how == "delete":
+        record.unlink()
+    else:
+        flip(record, 10)
+
+
+@pytest.mark.parametrize("how", ["delete", "flip"])
+def test_without_a_trustworthy_run_record_the_majority_run_holds_the_folder(tmp_path, how):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, steps, seed in ((a, 3, 1), (b, 1, 2)):
+        model, opt, ckpt = build(root, seed=seed)
+        ckpt.restore()
+        for _ in range(steps):
+            update(model, opt, ckpt, save=True)
+        at_last = weights(model)
+        ckpt.close()
+        if root == a:
+            a_last = at_last
+    shutil.copytree(b / "gen-000000001", a / "gen-000000000")  # older, of another run
+    _damage_run_record(a, how)
+    model, opt, ckpt = build(a, seed=3)
+    assert ckpt.restore() == 3 and same(weights(model), a_last)
+    assert ckpt.rejected == [] and ckpt.store.aside() == []  # nothing of this run set aside
+    ckpt.close()
+
+
+def test_a_tie_between_two_runs_without_a_record_is_refused_unless_adopted(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for root, seed in ((a, 1), (b, 2)):
+        model, opt, ckpt = build(root, seed=seed)
+        ckpt.restore()
+        update(model, opt, ckpt, save=root == a)
+        update(model, opt, ckpt, save=root == b)
+        ckpt.close()
+    shutil.copytree(b / "gen-000000002", a / "gen-000000002")  # one generation each
+    (a / RUN_FILE).unlink()
+    model, opt, ckpt = build(a, seed=3)
+    with pytest.raises(CorruptCheckpoint, match=r"RUN.json: missing, and the generations "
+                                                r"name 2 runs.*adopt=True"):
+        ckpt.restore()
+    assert ckpt.restore(adopt=True) == 2
+    ckpt.close()
+
+
+def test_a_later_save_of_the_same_step_with_changed_state_supersedes_it(tmp_path):
+    """The per-epoch scheduler pattern: step_done saved the epoch's last update, then the
+    scheduler steps and the script saves again: that state must be the one kept."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    root = tmp_path / "run"
+    ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt, scheduler=sched, every=2)
+    ckpt.restore()
+    for step in (1, 2):
+        model(torch.ones(3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.step_done(step)
+    assert ckpt.save() is None  # nothing changed since step_done saved 2: a no-op
+    sched.step()  # the end of the epoch
+    info = ckpt.save()
+    assert info is not None and info.generation == 2
+    assert [e.reason for e in ckpt.store.aside()] == ["superseded"]
+    ckpt.close()
+    model2 = torch.nn.Linear(3, 1)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    with unbroken.Checkpointer(root, model=model2, optimizer=opt2, scheduler=sched2) as c:
+        assert c.restore() == 2
+    assert sched2.last_epoch == 1 and opt2.param_groups[0]["lr"] == 0.05
+
+
+def test_an_extra_whose_state_is_not_a_dict_is_refused_when_built(tmp_path):
+    class Ids:
+        def state_dict(self):
+            return [1, 2, 3]
+
+        def load_state_dict(self, state):
+            pass
+
+    with pytest.raises(UnsupportedValue, match=r"part 'extra.ids'.*returned a list; it must "
+                                               r"return a dict"):
+        build(tmp_path / "run", extras={"ids": Ids()})
+
+
+_BAD = [({"loss": "abc"}, "metric 'loss'"),
+        ({"loss": torch.tensor([1.0, 2.0])}, "metric 'loss'"),
+        ({"grad_norm": torch.ones(3)}, "metric 'grad_norm'"),
+        ({"acc": np.complex64(1 + 1j)}, "'acc'")]
+
+
+# (a batch only feeds the trace: without one it is never looked at)
+@pytest.mark.parametrize("kw, what, traced", [(kw, what, t) for kw, what in _BAD
+                                              for t in (False, True)]
+                         + [({"batch": {"a": object()}}, "step_done.batch", True)])
+def test_bad_step_done_values_are_refused_before_anything_changes(tmp_path, kw, what, traced):
+    extra = {"trace": tmp_path / "t.jsonl"} if traced else {}
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, every=1, **extra)
+    ckpt.restore()
+    model(torch.ones(3)).sum().backward()
+    opt.step()
+    with pytest.raises(UnsupportedValue, match=what.replace("(", r"\(")):
+        ckpt.step_done(1, **kw)
+    assert ckpt.step == 0 and not gens(tmp_path / "run")
+    ckpt.step_done(1)  # the same update, reported properly
+    assert gens(tmp_path / "run") == ["gen-000000001"]
+    ckpt.close()
+
+
+def test_a_run_record_that_is_a_folder_is_named_with_the_remedy(tmp_path):
+    root = tmp_path / "run"
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    ckpt.close()
+    (root / RUN_FILE).mkdir()
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt)
+    with pytest.raises(SaveFailed, match="RUN.json: not a regular file.*remove it"):
+        ckpt.save()
+    ckpt.close()
+
+
+def test_an_empty_folder_that_cannot_be_written_is_refused_at_restore(tmp_path, monkeypatch):
+    _refuse_lock_file(monkeypatch, errno.EROFS)
+    with pytest.warns(UnbrokenWarning):
+        model, opt, ckpt = build(tmp_path / "run")
+    with pytest.raises(ReadOnlyRun, match="nothing to restore, and no save could be written"):
+        ckpt.restore()  # not hours later, at the first save
+    ckpt.close()
+
+
+def test_large_bytes_and_frozen_arrays_save_without_warnings(tmp_path):
+    frozen = np.arange(5000, dtype=np.int32)
+    frozen.setflags(write=False)
+
+    class Blob:
+        def state_dict(self):
+            return {"raw": bytes(range(256)) * 64, "ids": frozen}
+
+        def load_state_dict(self, state):
+            pass
+
+    model, opt, ckpt = build(tmp_path / "run", extras={"blob": Blob()})
+    ckpt.restore()
+    update(model, opt, ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.save()
+    ckpt.close()

@@ -90,9 +90,18 @@ def test_wrong_data_position_names_the_cursor():
 def test_injected_tiny_noise_is_drift_under_tolerance_and_exact_mode():
     ref = run_records()
     noisy = segments(run_records(noise=1e-7))
-    # Exact level: the first difference is tiny and grows, and nothing differed at the resume.
+    # Exact level: bitwise, a difference at the very update after a resume is a jump (missing
+    # state can move a loss by as little as noise does) ...
     d = compare(ref, noisy).first_divergence
-    assert d.kind == "drift" and d.step == RESUME + 1
+    assert d.kind == "jump" and d.step == RESUME + 1
+    # ... while the same noise starting later, away from the resume, is a drift.
+    late = run_records(noise=1e-7)
+    exact = {x["step"]: x for x in ref if x["event"] == "update"}
+    for r in late:
+        if r["event"] == "update" and r["step"] == RESUME + 1:
+            r.update(copy.deepcopy(exact[r["step"]]))
+    d = compare(ref, segments(late)).first_divergence
+    assert d.kind == "drift" and d.step == RESUME + 2 and d.state_part == "numerics"
     # A tolerance wider than the noise accepts it (digests of drifting state are not compared)
     result = compare(ref, noisy, rtol=1e-4)
     assert result.verdict == "equivalent"
@@ -122,14 +131,27 @@ def test_rng_is_compared_exactly_even_under_tolerance():
     for r in bad:
         if r["event"] == "update" and r["step"] > RESUME:
             r["rng"]["python"] = "other"
+            r["batch"] += "~"  # what the stream feeds differs too
     d = compare(ref, segments(bad), rtol=0.1).first_divergence
-    assert d.state_part.startswith("rng (python") and d.kind == "jump"
+    assert d.kind == "jump" and "rng (python)" in d.also
+
+
+def test_a_stream_that_feeds_nothing_is_a_note_not_a_divergence():
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update":
+            r["rng"]["python"] = f"unseeded{r['step']}"  # unseeded, never drawn from
+    result = compare(ref, segments(bad))
+    assert result.verdict == "equivalent"
+    assert any("rng.python differs from update 1" in n for n in result.notes)
 
 
 def test_difference_before_the_resume_is_irreproducible():
     ref = run_records()
     bad = copy.deepcopy(run_records())
     bad[3]["rng"]["python"] = "unseeded"
+    bad[3]["loss"] = "0x1p+3"
     d = compare(ref, segments(bad)).first_divergence
     assert d.kind == "irreproducible" and d.step == 3
 
@@ -161,3 +183,37 @@ def test_restore_is_judged_against_the_killed_process_own_state():
     got = segments(drifting)  # the resumed record copies the killed run's state at RESUME
     result = compare(ref, got, rtol=1e-4)
     assert result.restore_differs == [] and result.verdict == "equivalent"
+
+
+def test_state_acting_on_the_update_is_a_jump_not_a_drift():
+    """A gradient multiplier in a Python global leaves the first update's loss equal and
+    moves only the weights: bitwise, at the update after the resume, that is a jump."""
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["params"] += "*"
+    d = compare(ref, segments(bad)).first_divergence
+    assert d.kind == "jump" and d.step == RESUME + 1
+    assert d.state_part == "state the Checkpointer does not capture (first differs: params)"
+
+
+def test_non_persistent_buffers_lost_at_a_restore_are_named_when_the_run_diverges():
+    ref = run_records()
+    for r in ref:
+        r["buffers"] = f"b{r['step']}"
+    bad = copy.deepcopy(ref)
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["loss"] = (float.fromhex(r["loss"]) * 1.5).hex()
+            r["buffers"] = "rebuilt"
+    got = segments(bad, restore={"buffers": "rebuilt"})
+    d = compare(ref, got).first_divergence
+    assert "non-persistent buffers, never saved, differ after the restore" in d.state_part
+    # ... while the same buffers differing under an equal run are only a note.
+    fine = copy.deepcopy(ref)
+    for r in fine:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["buffers"] = "rebuilt"
+    result = compare(ref, segments(fine, restore={"buffers": "rebuilt"}))
+    assert result.verdict == "equivalent" and "non-persistent buffers" in result.notes[0]

@@ -589,16 +589,19 @@ def test_only_ascii_generation_names_are_generations(root, stores, name):
 
 def test_aside_is_bounded_oldest_first(root, stores):
     store = stores(root)
-    for g in range(1, 5):
+    for g in range(1, 6):
         commit(store, g)
-    for g in range(1, 5):
-        store.move_aside(store.scan_one(g), "corrupt" if g % 2 else "abandoned", keep=2)
+    for g, why in zip(range(1, 6), ("corrupt", "abandoned", "foreign", "corrupt", "abandoned")):
+        store.move_aside(store.scan_one(g), why)
+    assert len(store.aside()) == 5  # moving never deletes
+    store.prune_aside(2)
     entries = store.aside()
-    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000003", "corrupt"),
-                                                          ("gen-000000004", "abandoned")]
+    assert [(e.name[:13], e.reason) for e in entries] == [("gen-000000003", "foreign"),
+                                                          ("gen-000000004", "corrupt"),
+                                                          ("gen-000000005", "abandoned")]
     assert all(e.moved for e in entries) and not debris(root)
     with pytest.raises(ValueError, match="why="):
-        store.move_aside(store.scan_one(4), "because")
+        store.move_aside(store.scan_one(5), "because")
 
 
 def test_verified_is_cached_by_file_identity(root, stores):

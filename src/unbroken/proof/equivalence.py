@@ -217,11 +217,20 @@ def _loss_rel(ref: Mapping[str, Any], got: Mapping[str, Any]) -> float | None:
     return abs(x - y) / max(abs(y), 1e-30)
 
 
+@dataclass
+class _Resume:
+    """What a resume brought back, against the interrupted process at the same step."""
+
+    step: int
+    differs: list[str]  # registered parts whose digest right after the restore differs
+    buffers_lost: bool  # non-persistent buffers differ (never saved: a cache, or lost state)
+
+
 def _restore_checks(segments: list[list[dict[str, Any]]], ref_updates: Mapping[int, Any]
-                    ) -> list[tuple[int, list[str]]]:
-    """For each resume: (its step, the registered parts whose digest right after it differs).
-    Compared with the interrupted process's own record at that step, so that numerical drift
-    before the kill (on nondeterministic hardware) is not mistaken for lost state."""
+                    ) -> list[_Resume]:
+    """Each resume, compared with the interrupted process's own record at its step, so that
+    numerical drift before the kill (on nondeterministic hardware) is not mistaken for lost
+    state."""
     out = []
     for i in range(1, len(segments)):
         restore = next((r for r in segments[i] if r["event"] == "restore"), None)
@@ -230,10 +239,13 @@ def _restore_checks(segments: list[list[dict[str, Any]]], ref_updates: Mapping[i
         step = restore["step"]
         saved_at = stitch(segments[:i])[0].get(step) or ref_updates.get(step)
         differs: list[str] = []
+        lost = False
         if saved_at is not None and step > 0:
             differs = sorted({part_of_state(n) for n in _differs(saved_at, restore, True, 0, 0)
                               if n.startswith(("rng.", "state.", "params"))}, key=_rank)
-        out.append((step, differs))
+            lost = ("buffers" in saved_at and "buffers" in restore
+                    and saved_at["buffers"] != restore["buffers"])
+        out.append(_Resume(step, differs, lost))
     return out
 
 
@@ -243,11 +255,11 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
     ref_updates, _ = stitch([reference])
     got_updates, _ = stitch(segments)
     checks = _restore_checks(segments, ref_updates)
-    resumes = [s for s, _ in checks]
+    resumes = [c.step for c in checks]
     tolerant = rtol > 0 or atol > 0
     loss: list[tuple[int, float]] = []
     loss_diff: list[tuple[int, float]] = []
-    notes: list[str] = []
+    notes: dict[str, str] = {}
     first: Divergence | None = None
     steps = sorted(ref_updates)
     for step in steps:
@@ -261,20 +273,29 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         if x is not None and y is not None:
             loss.append((step, x))
             loss_diff.append((step, abs(x - y)))
-        if not notes and "buffers" in ref and "buffers" in got and \
-                ref["buffers"] != got["buffers"]:
-            notes.append(f"non-persistent buffers differ from update {step} on (caches the "
-                         "model rebuilds, never saved): information, not a divergence")
+        if "buffers" in ref and "buffers" in got and ref["buffers"] != got["buffers"]:
+            notes.setdefault("buffers", f"non-persistent buffers differ from update {step} on "
+                             "(never saved: fine for a cache the model rebuilds; a buffer that "
+                             "is state must be persistent): information, not a divergence")
         if first is not None:
             continue
-        before = [(s, d) for s, d in checks if s < step]
-        resumed_from, restore_differs = before[-1] if before else (None, [])
+        before = [c for c in checks if c.step < step]
+        resume = before[-1] if before else None
+        resumed_from = resume.step if resume else None
         exact = not tolerant or (exact_steps is not None and resumed_from is not None
                                  and resumed_from < step <= resumed_from + exact_steps)
         diff = _differs(ref, got, exact, rtol, atol)
+        lost = set(resume.differs) if resume else set()
+        if diff and all(n.startswith("rng.") and part_of_state(n) not in lost for n in diff):
+            # A stream nothing traced depends on (unseeded, or never drawn from): said, but
+            # it is a divergence only once something it feeds differs. (A stream the restore
+            # did not bring back is lost state, whatever it feeds.)
+            for n in diff:
+                notes.setdefault(n, f"{n} differs from update {step} on while nothing it feeds "
+                                 "does (seed every stream the script uses)")
+            continue
         if diff:
-            first = _divergence(step, diff, ref, got, got_updates.get(step - 1),
-                                resumed_from, restore_differs)
+            first = _divergence(step, diff, ref, got, got_updates.get(step - 1), resume, exact)
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
     if first is None and extra:
         first = Divergence(extra[0], "extra", "run", "jump", expected=None,
@@ -285,17 +306,20 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
     else:
         verdict = "equivalent" if first is None else "diverged"
     last = resumes[-1] if resumes else None
-    at_first = ([d for s, d in checks if first is not None and s < first.step] or [[]])[-1]
+    at_first = ([c.differs for c in checks if first is not None and c.step < first.step]
+                or [[]])[-1]
     restore_differs = at_first if first is not None else next(
-        (d for _, d in reversed(checks) if d), [])
+        (c.differs for c in reversed(checks) if c.differs), [])
     return Comparison(verdict, last, len(steps), first, restore_differs, loss, loss_diff,
-                      resumes, notes)
+                      resumes, list(notes.values()))
 
 
 def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping[str, Any],
-                before: Mapping[str, Any] | None, resumed_from: int | None,
-                restore_differs: list[str]) -> Divergence:
+                before: Mapping[str, Any] | None, resume: _Resume | None,
+                exact: bool) -> Divergence:
     """Name the first difference: which part explains it, and what kind it is."""
+    resumed_from = resume.step if resume else None
+    restore_differs = resume.differs if resume else []
     lead = diff[0]
     rel = _loss_rel(ref, got)
     at_resume = resumed_from is not None and step == resumed_from + 1
@@ -304,8 +328,12 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
     else:
         # Numerical nondeterminism moves the loss, gradients, parameters and the optimizer
         # and scaler state built from them; anything else differing means different state.
+        # Compared bitwise, anything differing at the very update after a resume is a jump:
+        # nondeterminism does not wait for a resume to start (it shows before the kill as
+        # "irreproducible"); state acting on the update (a gradient multiplier, a guard) may
+        # leave that update's loss equal and move only the weights.
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
-            at_resume and rel is not None and rel > DRIFT_THRESHOLD)
+            at_resume and (exact or rel is not None and rel > DRIFT_THRESHOLD))
         kind = "jump" if jump else "drift"
     if restore_differs:
         part = restore_differs[0]
@@ -315,6 +343,9 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
         part = "numerics"
     else:
         named = _changed_after_restore(diff, got, before)
+        if named is None and resume is not None and resume.buffers_lost:
+            named = (f"{NOT_CAPTURED}: non-persistent buffers, never saved, differ after the "
+                     "restore (register_buffer(..., persistent=True) if they are state)")
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
     also = sorted(({part_of_state(n) if n.startswith(("rng.", "state.")) else n for n in diff}
                    | set(restore_differs[1:])) - {part}, key=_rank)

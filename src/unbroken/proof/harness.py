@@ -250,7 +250,7 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
             result.note = problem
             verdict = "error" if result.kill.phase == "sigterm" or code not in (0, -9) else \
                 "untested"
-            if code not in (0, -signal.SIGKILL, -signal.SIGTERM):
+            if result.kill.phase == "sigterm" or code not in (0, -signal.SIGKILL):
                 problem += f"; the end of its output ({log}):\n{_tail(log)}"
             return CaseResult(results, verdict, note=problem)
         result.reached = True

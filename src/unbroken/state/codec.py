@@ -127,12 +127,15 @@ class _Encoder:
         whole, and limited to ``MAX_STATE_BYTES``."""
         key = self._key(path)
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if not flat.flags.writeable:  # torch shares only writable memory (bytes, a frozen array)
+            flat = flat.copy()
         self.tensors[key] = torch.from_numpy(flat)
         return {TAG: tag, **fields, "key": key}
 
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
-            raise UnsupportedValue(f"{path}: nested deeper than {MAX_DEPTH} levels")
+            shown = path if len(path) < 80 else f"{path[:60]}...{path[-16:]}"
+            raise UnsupportedValue(f"{shown}: nested deeper than {MAX_DEPTH} levels")
         t = type(obj)
         if obj is None or t is bool or t is str:
             return obj

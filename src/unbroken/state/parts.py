@@ -160,6 +160,14 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
 # -- a generation's files ---------------------------------------------------------------------
 
 
+def check_part_tree(name: str, tree: Any) -> None:
+    """A part's state must be a mapping: restore validates every part as one (so a list or a
+    tensor from an extra's state_dict() would save, and never restore)."""
+    if not isinstance(tree, Mapping):
+        raise UnsupportedValue(f"state_dict() of part {name!r} returned a "
+                               f"{type(tree).__name__}; it must return a dict")
+
+
 def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
                       ) -> dict[str, list[memoryview]]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
@@ -170,6 +178,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
     artifacts: dict[str, list[memoryview]] = {}
     for part, value in tree.items():
         try:
+            check_part_tree(part, value)
             skeleton, tensors = encode_tree(value, "")
             skeletons[part] = skeleton
             if tensors:

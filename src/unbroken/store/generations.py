@@ -51,7 +51,7 @@ STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 ASIDE = "aside"
 # Why a generation was moved aside: the label in its name under aside/.
-ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned")
+ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned", "superseded")
 
 
 def _memory_bytes() -> int:
@@ -307,14 +307,19 @@ class GenerationStore:
     # -- changing the folder (writer only) -----------------------------------------------------
 
     def commit(self, generation: int, artifacts: Mapping[str, Iterable[memoryview | bytes]],
-               make_manifest: Callable[[list[Artifact]], Manifest]) -> GenerationInfo:
+               make_manifest: Callable[[list[Artifact]], Manifest],
+               supersede: bool = False) -> GenerationInfo:
         """Write a generation: staging folder, every artifact fsynced, manifest last, rename.
 
         A crash at any point leaves either the complete generation or debris that listing
-        ignores; older generations are never touched."""
+        ignores; older generations are never touched. With ``supersede``, an existing
+        generation of that number (a save of the same step whose state has changed since) is
+        moved aside as "superseded" once the new one is complete, just before its rename: a
+        crash between the two leaves the previous generation newest and the superseded one in
+        ``aside/``, never a mixture."""
         self._need_lock()
         final = os.path.join(self.root, generation_name(generation))
-        if os.path.lexists(final):
+        if os.path.lexists(final) and not supersede:
             raise FileExistsError(f"{final} already exists; move it aside before saving over it")
         bad = [n for n in artifacts if not valid_artifact_name(n)]
         if bad:
@@ -333,6 +338,8 @@ class GenerationStore:
             fault_point("manifest-written", generation)
             self.fs.fsync_dir(staging)
             fault_point("before-rename", generation)
+            if supersede and os.path.lexists(final):
+                self.move_aside(self.scan_one(generation), "superseded")
             self.fs.rename(staging, final)
         except BaseException:
             self._discard(staging)
@@ -359,10 +366,10 @@ class GenerationStore:
         except OSError:
             pass  # the next writer removes staging debris on lock()
 
-    def move_aside(self, info: GenerationInfo, why: str, keep: int | None = None) -> str:
+    def move_aside(self, info: GenerationInfo, why: str) -> str:
         """Move a generation to ``aside/`` under a unique name labelled with the reason (one of
-        ``ASIDE_REASONS``) and the time; it is kept for inspection, never loaded. With
-        ``keep``, the oldest entries beyond that many are then deleted."""
+        ``ASIDE_REASONS``) and the time; it is kept for inspection, never loaded. Nothing is
+        deleted here: `prune_aside` bounds the folder, after a save succeeded."""
         self._need_lock()
         if why not in ASIDE_REASONS:
             raise ValueError(f"why={why!r}: one of {ASIDE_REASONS}")
@@ -378,8 +385,6 @@ class GenerationStore:
         self.fs.rename(info.path, dest)
         self.fs.fsync_dir(self.root)
         self._verified.pop(info.path, None)
-        if keep is not None:
-            self.prune_aside(keep)
         return dest
 
     def aside(self) -> list[AsideEntry]:
@@ -398,9 +403,11 @@ class GenerationStore:
         return sorted(out, key=lambda e: (e.moved, e.name))
 
     def prune_aside(self, keep: int) -> None:
-        """Delete the oldest entries of ``aside/`` beyond the newest ``keep``."""
+        """Delete the oldest entries of ``aside/`` beyond the newest ``keep``. Foreign
+        generations (another run's, copied in) are never deleted: they may be the only copy of
+        that run's state."""
         self._need_lock()
-        entries = self.aside()
+        entries = [e for e in self.aside() if e.reason != "foreign"]
         for e in entries[:max(0, len(entries) - keep)]:
             self._remove(e.path)
 

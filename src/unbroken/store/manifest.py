@@ -97,12 +97,14 @@ def seal(fields: Mapping[str, Any]) -> bytes:
     return dumps_json({**body, CHECKSUM: checksum(body)})
 
 
-def check_seal(raw: dict[str, Any], where: str) -> None:
-    """Refuse a manifest whose checksum is absent or does not match its other fields."""
+def check_seal(raw: dict[str, Any], where: str, schema: str = SCHEMA,
+               what: str = "manifest") -> None:
+    """Refuse a sealed record (a manifest, or the ``what`` of ``schema``) whose checksum is
+    absent or does not match its other fields."""
     try:
         expected = checksum(raw)
     except (ValueError, TypeError, RecursionError) as e:  # e.g. 1e999 parses as inf
-        raise CorruptCheckpoint(f"{where}: manifest cannot be checksummed ({e}); the manifest "
+        raise CorruptCheckpoint(f"{where}: {what} cannot be checksummed ({e}); the {what} "
                                 "changed after commit") from None
     recorded = raw.get(CHECKSUM)
     if recorded == expected:
@@ -112,11 +114,11 @@ def check_seal(raw: dict[str, Any], where: str) -> None:
     else:
         listed = recorded if isinstance(recorded, str) and _HASH.fullmatch(recorded) \
             else f"{recorded!r:.40}"
-    schema = raw.get("schema")
-    hint = "" if schema == SCHEMA else (
-        f"; it declares schema {schema!r:.40}, this version of unbroken reads {SCHEMA!r}")
-    raise CorruptCheckpoint(f"{where}: manifest checksum {expected}, expected {listed} (the "
-                            f"manifest changed after commit){hint}")
+    declared = raw.get("schema")
+    hint = "" if declared == schema else (
+        f"; it declares schema {declared!r:.40}, this version of unbroken reads {schema!r}")
+    raise CorruptCheckpoint(f"{where}: {what} checksum {expected}, expected {listed} (the "
+                            f"{what} changed after commit){hint}")
 
 
 def valid_artifact_name(name: object) -> bool:

@@ -8,18 +8,21 @@ of the folder is committed (and again when a run is adopted), atomically: a temp
 fsync, rename over the old record, fsync of the folder. It is sealed with the same checksum
 as a manifest, so an edit reads as corruption, never as another run id.
 
-A folder written before this record existed has none; its run is then the run of its oldest
-complete generation, and the record is written at the next save."""
+A folder written before this record existed has none; its run is then the run that wrote
+most of its complete generations (refused as ambiguous on a tie), and the record is written at
+the next save."""
 
 from __future__ import annotations
 
 import os
+import stat
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, SaveFailed
 from ..state.jsontext import loads_json
 from .backends.local import LocalFS
 from .manifest import check_seal, seal
@@ -55,7 +58,7 @@ def parse_run_record(data: bytes, where: str) -> RunRecord:
     raw = loads_json(data, where, MAX_RUN_BYTES)
     if not isinstance(raw, dict):
         raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
-    check_seal(raw, where)
+    check_seal(raw, where, RUN_SCHEMA, "run record")
     run_id, lineage, created = raw.get("run_id"), raw.get("lineage"), raw.get("created")
     if raw.get("schema") != RUN_SCHEMA:
         raise CorruptCheckpoint(f"{where}: schema {raw.get('schema')!r:.40}, this version of "
@@ -67,11 +70,25 @@ def parse_run_record(data: bytes, where: str) -> RunRecord:
     return RunRecord(run_id, lineage, created)
 
 
+def _not_a_file(where: str) -> str:
+    """The problem with a RUN.json that is a folder, a link or a device, if it is one."""
+    try:
+        mode = os.lstat(where).st_mode
+    except OSError:
+        return ""
+    if stat.S_ISREG(mode):
+        return ""
+    return (f"{where}: not a regular file (mode {oct(mode)}); the run record must be a regular "
+            "file: remove it (the run is then taken from the folder's generations)")
+
+
 def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
     """The folder's record, ``None`` when it has none; ``CorruptCheckpoint`` when unreadable."""
     where = os.path.join(root, RUN_FILE)
     if not os.path.lexists(where):
         return None
+    if _not_a_file(where):
+        raise CorruptCheckpoint(_not_a_file(where))
     try:
         data = fs.read_file(where, MAX_RUN_BYTES)
     except OSError as e:
@@ -79,27 +96,53 @@ def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
     return parse_run_record(data, where)
 
 
-def folder_run(root: str, fs: LocalFS, complete_run_ids: Iterable[str]
-               ) -> tuple[RunRecord | None, bool, str | None]:
-    """The run a folder holds: ``(record, on_disk, problem)``. Without a readable RUN.json
-    (a folder of an older version, or a damaged record: ``problem`` says which) it is the
-    run of the oldest complete generation (``complete_run_ids`` oldest first), and ``None``
-    for a folder without any."""
+@dataclass
+class FolderRun:
+    """The run a folder holds, as far as it can be told (see `folder_run`)."""
+
+    record: RunRecord | None  # None: a folder without RUN.json and without any generation
+    on_disk: bool  # the record is RUN.json as it stands
+    problem: str | None = None  # why RUN.json could not be used (damaged), if it exists
+    ambiguous: str | None = None  # no RUN.json to tell, and the generations name two runs
+
+
+def folder_run(root: str, fs: LocalFS, complete_run_ids: Iterable[str]) -> FolderRun:
+    """The run a folder holds: its RUN.json. Without a readable one (a folder of an older
+    version, or a damaged record: ``problem`` says which), the run that wrote most of the
+    complete generations (``complete_run_ids``, oldest first); when two runs wrote equally
+    many, nothing can tell which one the folder holds: ``ambiguous`` says so, and the record
+    is the newest generation's run, only ever used when the user adopts it."""
     problem = None
     try:
         record = read_run_record(root, fs)
     except CorruptCheckpoint as e:
         record, problem = None, str(e)
     if record is not None:
-        return record, True, None
-    oldest = next(iter(complete_run_ids), None)
-    return (RunRecord(oldest) if oldest is not None else None), False, problem
+        return FolderRun(record, True)
+    ids = list(complete_run_ids)
+    if not ids:
+        return FolderRun(None, False, problem)
+    counts = Counter(ids)
+    (first, n), *rest = counts.most_common()
+    if rest and rest[0][1] == n:
+        tied = sorted(r for r, c in counts.items() if c == n)
+        ambiguous = (f"{os.path.join(root, RUN_FILE)}: "
+                     f"{'damaged' if problem else 'missing'}, and the generations name "
+                     f"{len(counts)} runs ({', '.join(f'{r} ({counts[r]})' for r in tied)}): "
+                     "which one this folder continues cannot be told. restore(adopt=True) "
+                     "continues from the newest generation and records the other runs in the "
+                     "lineage; or move the other run's generations out of the folder")
+        return FolderRun(RunRecord(ids[-1]), False, problem, ambiguous)
+    return FolderRun(RunRecord(first), False, problem)
 
 
 def write_run_record(root: str, fs: LocalFS, record: RunRecord) -> None:
     """Replace the folder's record atomically (the caller holds the writer lock)."""
     if not record.created:
         record.created = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    where = os.path.join(root, RUN_FILE)
+    if _not_a_file(where):  # replacing a folder would fail with a bare EISDIR
+        raise SaveFailed(_not_a_file(where))
     tmp = os.path.join(root, f"{_TMP_PREFIX}{uuid.uuid4().hex[:12]}")
     try:
         fs.write_file(tmp, [record.to_bytes()])

@@ -1,6 +1,7 @@
 """A small deterministic training run that, once it has been resumed, perturbs its weights by
-a tiny relative amount after every update: numerical nondeterminism on demand, for testing
-the checker's drift classification (``NOISE`` sets the size; 0 = none)."""
+a tiny relative amount after every update but the first: numerical nondeterminism on demand
+(which, unlike missing state, does not start exactly at the resume), for testing the
+checker's drift classification (``NOISE`` sets the size; 0 = none)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Li
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 ckpt = unbroken.Checkpointer("runs/noisy", model=model, optimizer=opt, every=5)
 step = ckpt.restore()
-resumed = step > 0
+resumed_at = step
 noise = float(os.environ.get("NOISE", "0"))
 g = torch.Generator().manual_seed(1)
 xs, ys = torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g)
@@ -27,7 +28,7 @@ while step < 20:
     opt.zero_grad()
     loss.backward()
     opt.step()
-    if resumed and noise:
+    if resumed_at and noise and step > resumed_at:
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(1 + noise)
