@@ -412,14 +412,19 @@ def test_inspect_shows_the_run_and_aside_with_reasons(run: Path,
     data = bytearray(gen.read_bytes())
     data[-1] ^= 1
     gen.write_bytes(bytes(data))
+    assert restore_pristine(run) == 4
+    code, out, _ = cli(capsys, "inspect", str(run))
+    assert code == 0 and "aside/" in out and "corrupt" in out and "gen-000000005-corrupt-" in out
+
+
+def restore_pristine(run: Path) -> int:
+    """Restore a copy of the pristine run with the objects that wrote it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     with unbroken.Checkpointer(run, model=model, optimizer=opt,
                                identity=unbroken.Identity(config={"lr": 1e-2}, data="v1")) as c:
-        assert c.restore() == 4
-    code, out, _ = cli(capsys, "inspect", str(run))
-    assert code == 0 and "aside/" in out and "corrupt" in out and "gen-000000005-corrupt-" in out
+        return c.restore()
 
 
 def _sparse_state(run: Path, size: int) -> Path:
@@ -450,12 +455,7 @@ def test_an_over_limit_state_file_is_refused_without_reading_it(
     assert code == 1 and "over the 268435456-byte limit" in doc["generations"][0]["reason"]
     assert not [p for p in touched if p.endswith("state.json")]
     touched.clear()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    with unbroken.Checkpointer(run, model=model, optimizer=opt,
-                               identity=unbroken.Identity(config={"lr": 1e-2}, data="v1")) as c:
-        assert c.restore() == 4
+    assert restore_pristine(run) == 4
     assert not [p for p in touched if NEWEST in p and p.endswith("state.json")]
 
 

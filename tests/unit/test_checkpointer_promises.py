@@ -95,6 +95,17 @@ def reseal_listing(gen: Path, name: str, data: bytes) -> None:
     (gen / MANIFEST).write_bytes(seal(doc))
 
 
+def two_generations(root) -> dict:
+    """Generations 1 and 2 of a fresh run; returns the weights saved in generation 1."""
+    model, opt, ckpt = build(root)
+    ckpt.restore()
+    update(model, opt, ckpt, save=True)
+    at_one = weights(model)
+    update(model, opt, ckpt, save=True)
+    ckpt.close()
+    return at_one
+
+
 # -- 1. save never deletes what it just saved; the first save into a used folder is refused ---
 
 
@@ -362,12 +373,7 @@ def test_a_metric_that_is_not_a_number_is_refused_before_writing(tmp_path, value
 @pytest.mark.parametrize("number", [b"1e999", b"-1e999", b"1" + b"0" * 5000])
 def test_an_out_of_range_number_in_a_state_file_falls_back(tmp_path, number):
     root = tmp_path / "run"
-    model, opt, ckpt = build(root)
-    ckpt.restore()
-    update(model, opt, ckpt, save=True)
-    at_one = weights(model)
-    update(model, opt, ckpt, save=True)
-    ckpt.close()
+    at_one = two_generations(root)
     gen = root / "gen-000000002"
     text = (gen / "state.json").read_bytes().replace(b'"step":2', b'"step":' + number, 1)
     reseal_listing(gen, "state.json", text)
@@ -383,12 +389,7 @@ def test_an_out_of_range_number_in_a_state_file_falls_back(tmp_path, number):
 
 def test_restore_falls_back_when_a_refused_generation_cannot_be_moved_aside(tmp_path):
     root = tmp_path / "run"
-    model, opt, ckpt = build(root)
-    ckpt.restore()
-    update(model, opt, ckpt, save=True)
-    at_one = weights(model)
-    update(model, opt, ckpt, save=True)
-    ckpt.close()
+    at_one = two_generations(root)
     flip(root / "gen-000000002" / "model.safetensors")
     for err in (errno.EPERM, errno.EIO):
         model, opt, ckpt = build(root, seed=4)
@@ -417,12 +418,7 @@ def _refuse_lock_file(monkeypatch, err):
 def test_a_folder_that_cannot_be_written_restores_and_refuses_only_the_save(tmp_path,
                                                                            monkeypatch, err):
     root = tmp_path / "run"
-    model, opt, ckpt = build(root)
-    ckpt.restore()
-    update(model, opt, ckpt, save=True)
-    at_one = weights(model)
-    update(model, opt, ckpt, save=True)
-    ckpt.close()
+    at_one = two_generations(root)
     flip(root / "gen-000000002" / "model.safetensors")  # restore must not try to move it
     _refuse_lock_file(monkeypatch, err)
     before = sorted(os.listdir(root))
