@@ -316,24 +316,48 @@ class GenerationStore:
         generation of that number (a save of the same step whose state has changed since) is
         moved aside as "superseded" once the new one is complete, just before its rename: a
         crash between the two leaves the previous generation newest and the superseded one in
-        ``aside/``, never a mixture."""
+        ``aside/``, never a mixture. (A job of many ranks runs the same steps apart:
+        `stage`, `write_artifacts` on every rank, `publish` on the leader.)"""
+        staging = self.stage(generation, supersede)
+        try:
+            manifest = make_manifest(self.write_artifacts(staging, artifacts, generation))
+        except BaseException:
+            self._discard(staging)
+            raise
+        return self.publish(staging, generation, manifest, supersede)
+
+    def stage(self, generation: int, supersede: bool = False) -> str:
+        """Create the staging folder of ``generation`` (writer only) and return its path."""
         self._need_lock()
         final = os.path.join(self.root, generation_name(generation))
         if os.path.lexists(final) and not supersede:
             raise FileExistsError(f"{final} already exists; move it aside before saving over it")
-        bad = [n for n in artifacts if not valid_artifact_name(n)]
-        if bad:
-            raise ValueError(f"artifact names {bad} are not plain file names")
         staging = os.path.join(self.root,
                                f"{STAGING_PREFIX}{generation:09d}-{uuid.uuid4().hex[:12]}")
         self.fs.mkdir(staging)
+        return staging
+
+    def write_artifacts(self, staging: str,
+                        artifacts: Mapping[str, Iterable[memoryview | bytes]],
+                        generation: int, first: int = 1) -> list[Artifact]:
+        """Write and fsync each artifact into ``staging`` (any rank may, without the lock);
+        return their names, sizes and content hashes. ``first`` numbers the fault points."""
+        bad = [n for n in artifacts if not valid_artifact_name(n)]
+        if bad:
+            raise ValueError(f"artifact names {bad} are not plain file names")
+        written = []
+        for name, chunks in artifacts.items():
+            size, digest = self.fs.write_file(os.path.join(staging, name), chunks)
+            written.append(Artifact(name, size, digest))
+            fault_point(f"artifact-{first + len(written) - 1}-written", generation)
+        return written
+
+    def publish(self, staging: str, generation: int, manifest: Manifest,
+                supersede: bool = False) -> GenerationInfo:
+        """Write the manifest last, fsync, rename into place and fsync the run folder (writer
+        only); on any failure nothing is committed and the staging folder goes."""
+        final = os.path.join(self.root, generation_name(generation))
         try:
-            written = []
-            for name, chunks in artifacts.items():
-                size, digest = self.fs.write_file(os.path.join(staging, name), chunks)
-                written.append(Artifact(name, size, digest))
-                fault_point(f"artifact-{len(written)}-written", generation)
-            manifest = make_manifest(written)
             self.fs.write_file(os.path.join(staging, MANIFEST), [manifest.to_bytes()])
             fault_point("manifest-written", generation)
             self.fs.fsync_dir(staging)
@@ -359,6 +383,10 @@ class GenerationStore:
             raise
         fault_point("after-rename", generation)
         return GenerationInfo(generation, final, "complete", "", manifest)
+
+    def discard(self, staging: str) -> None:
+        """Remove a staging folder whose generation will not be committed."""
+        self._discard(staging)
 
     def _discard(self, staging: str) -> None:
         try:
