@@ -13,9 +13,12 @@ from typing import Any
 
 import torch
 import xxhash
+from torch.nn.parallel import DistributedDataParallel
 
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
+from .dist.commit import check_replicas, commit_job, own_names, rank_prefix, verify_own
+from .dist.group import Group, RankFailed
 from .errors import (
     CorruptCheckpoint,
     NoCheckpoint,
@@ -97,9 +100,15 @@ class Checkpointer:
                  generators: Mapping[str, Any] | None = None, identity: Identity | None = None,
                  every: int | None = None, keep: Keep | None = None,
                  trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10,
-                 signals: Iterable[int] = (), stop_deadline: float | None = None) -> None:
+                 signals: Iterable[int] = (), stop_deadline: float | None = None,
+                 process_group: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
+            model = model.module
+        # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
+        # one rank of a job: every rank builds one on the same folder, rank 0 writes.
+        self._group = Group(process_group)
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
         if type(trace_hash_every) is not int or trace_hash_every < 1:
@@ -132,7 +141,7 @@ class Checkpointer:
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
-        self._writer = RunWriter(self.store, self.keep)
+        self._writer = RunWriter(self.store, self.keep, leader=self._group.leader)
         self.fstype = filesystem_type(self.store.root)
         if not rename_is_atomic(self.fstype):
             warnings.warn(f"{self.store.root} is on {self.fstype}: directory rename may not be "
@@ -147,6 +156,8 @@ class Checkpointer:
         self._restored = False  # restore() ran: saving into a used folder is then a continuation
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
+        if trace and self._group.active:  # one trace per rank, compared rank by rank
+            trace = f"{os.fspath(trace)}.rank{self._group.rank}"
         hash_every = int(os.environ.get(TRACE_HASH_ENV) or trace_hash_every)
         self._trace = TraceRecorder(trace, self._parts, hash_every) if trace else None
         self._watch = UpdateWatch(optimizer, data)
@@ -166,16 +177,26 @@ class Checkpointer:
         return self._run.run_id
 
     def _run_record(self) -> tuple[RunRecord, bool]:
-        """The folder's run record and whether it is on disk as it stands."""
-        found = folder_run(
-            self.store.root, self.store.fs,
-            (g.manifest.run_id for g in self.store.scan() if g.ok and g.manifest is not None))
-        self._ambiguous = found.ambiguous  # a continuation refuses to guess (restore)
-        if found.problem is not None and found.ambiguous is None:
-            warnings.warn(f"{found.problem}; the run is taken from the run that wrote most of "
-                          "the generations, and the record is rewritten at the next save",
-                          UnbrokenWarning, stacklevel=3)
-        return found.record or RunRecord(new_run_id()), found.on_disk
+        """The folder's run record and whether it is on disk as it stands (in a job, as the
+        leader read it: every rank names the same run)."""
+        decided: dict[str, Any] | None = None
+        if self._group.leader:
+            found = folder_run(self.store.root, self.store.fs,
+                               (g.manifest.run_id for g in self.store.scan()
+                                if g.ok and g.manifest is not None))
+            if found.problem is not None and found.ambiguous is None:
+                warnings.warn(f"{found.problem}; the run is taken from the run that wrote most "
+                              "of the generations, and the record is rewritten at the next "
+                              "save", UnbrokenWarning, stacklevel=3)
+            record = found.record or RunRecord(new_run_id())
+            decided = {"run_id": record.run_id, "lineage": record.lineage,
+                       "created": record.created, "on_disk": found.on_disk,
+                       "ambiguous": found.ambiguous}
+        decided = self._group.broadcast(decided, "agreeing on the run")
+        assert decided is not None
+        self._ambiguous = decided["ambiguous"]  # a continuation refuses to guess (restore)
+        return (RunRecord(decided["run_id"], decided["lineage"], decided["created"]),
+                decided["on_disk"])
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -269,19 +290,17 @@ class Checkpointer:
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
-        self._writer.become_writer()
-        if not self._restored and self._last_saved is None:
-            self._writer.check_first_save()
+        group = self._group
+        if not group.active:
+            self._prepare_write(step, again)
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
         if again and self._saved_unchanged(step, tree, values):
             return None  # the same state saved twice
-        meta = {"unbroken.run_id": self.run_id, "unbroken.generation": str(step),
-                "unbroken.incarnation": str(self.incarnation)}
-        encoded = S.encode_generation(tree, meta)  # refuses what restore could not read
-        if not again:
-            self._writer.clear_the_way(step)
+        if group.active:
+            check_replicas(group, self._replicated(tree))
+        encoded = self._encode(step, tree)  # refuses what restore could not read
         total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
         artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
@@ -293,35 +312,26 @@ class Checkpointer:
                 generation=step, step=step, run_id=self.run_id, incarnation=self.incarnation,
                 artifacts=written, parts=sorted(tree), parent=self._parent, origin=self._origin,
                 identity=fingerprint, environment=env, retention=self.keep.to_json(),
-                metrics=values, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+                metrics=values, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                world_size=group.size)
 
         try:
-            if not self._run_written:  # before the first generation that names the run
-                write_run_record(self.store.root, self.store.fs, self._run)
-                self._run_written = True
-            info = self.store.commit(step, artifacts, make_manifest, supersede=again)
+            if group.active:
+                info = commit_job(group, self.store, step,
+                                  lambda: self._prepare_write(step, again), artifacts,
+                                  make_manifest, again)
+            else:
+                info = self.store.commit(step, artifacts, make_manifest, supersede=again)
         except OSError as e:
             progress.close()
             raise SaveFailed(
-                f"{self.store.root}: saving generation {step} failed: "
-                f"{errno_text(e)} ({e.filename or 'run folder'}); older "
-                "generations are "
-                "untouched and training may continue; free space or fix the disk before the "
-                "next save") from e
-        try:
-            try:  # read back, streaming: hashes every byte, holds none of them
-                self.store.verify(self.store.scan_one(step), advance=progress.advance)
-            finally:
-                progress.close()
-        except CorruptCheckpoint as e:
-            try:
-                self.store.move_aside(info, "corrupt")
-            except OSError as moving:
-                raise SaveFailed(f"generation {step} did not read back as written ({e}) and "
-                                 f"could not be moved aside ({moving}); restore refuses it, "
-                                 "and older generations are untouched") from e
-            raise SaveFailed(f"generation {step} did not read back as written ({e}); it was "
-                             "moved aside and older generations are untouched") from e
+                f"{self.store.root}: saving generation {step} failed: {errno_text(e)} "
+                f"({e.filename or 'run folder'}); older generations are untouched and training "
+                "may continue; free space or fix the disk before the next save") from e
+        except BaseException:
+            progress.close()
+            raise
+        self._read_back(info, progress)
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
@@ -336,6 +346,80 @@ class Checkpointer:
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
+
+    def _prepare_write(self, step: int, again: bool) -> None:
+        """(The writer, the leader of a job.) Become the writer, apply the first-save rule,
+        clear a leftover out of the way, and record the run before its first generation."""
+        self._writer.become_writer()
+        if not self._restored and self._last_saved is None:
+            self._writer.check_first_save()
+        if not again:
+            self._writer.clear_the_way(step)
+        if not self._run_written:
+            write_run_record(self.store.root, self.store.fs, self._run)
+            self._run_written = True
+
+    def _stamps(self, generation: int, incarnation: int, run_id: str) -> dict[str, str]:
+        return {"unbroken.run_id": run_id, "unbroken.generation": str(generation),
+                "unbroken.incarnation": str(incarnation)}
+
+    def _encode(self, step: int, tree: dict[str, Any],
+                stamps: dict[str, str] | None = None) -> dict[str, list[memoryview]]:
+        """This process's files of generation ``step``: all of them alone; in a job, the
+        shared parts written once by the leader, and each rank's RNG streams in its own
+        ``rankNNNNN.*`` files."""
+        meta = stamps or self._stamps(step, self.incarnation, self.run_id)
+        group = self._group
+        if not group.active:
+            return S.encode_generation(tree, meta)
+        shared = {k: v for k, v in tree.items() if k != S.RNG}
+        out = S.encode_generation(shared, meta) if group.leader else {}
+        out.update(S.encode_generation({S.RNG: tree[S.RNG]},
+                                       {**meta, "unbroken.rank": str(group.rank)},
+                                       prefix=rank_prefix(group.rank)))
+        return out
+
+    def _replicated(self, tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+        """What every rank of a data-parallel job holds alike, by name: the model's tensors,
+        each parameter's optimizer state, and every other shared part."""
+        for name, value in tree[S.MODEL].items():
+            yield f"model {name}", value
+        if S.OPTIMIZER in tree:
+            for name, value in tree[S.OPTIMIZER]["state"].items():
+                yield f"optimizer state of {name}", value
+        for part in sorted(tree):
+            if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
+                yield part, tree[part]
+
+    def _read_back(self, info: GenerationInfo, progress: Progress) -> None:
+        """Re-hash what was just committed (every rank its own files); a generation that
+        does not read back as written is moved aside, and the save fails."""
+        group = self._group
+        assert info.manifest is not None
+        try:
+            if group.active:
+                problems = verify_own(group, self.store, info,
+                                      own_names(info.manifest, group.rank))
+            else:
+                try:
+                    self.store.verify(info, advance=progress.advance)
+                    problems = []
+                except CorruptCheckpoint as e:
+                    problems = [str(e)]
+        finally:
+            progress.close()
+        if not problems:
+            return
+        why = "; ".join(problems)
+        if group.leader:
+            try:
+                self.store.move_aside(info, "corrupt")
+            except OSError as moving:
+                raise SaveFailed(f"generation {info.generation} did not read back as written "
+                                 f"({why}) and could not be moved aside ({moving}); restore "
+                                 "refuses it, and older generations are untouched") from None
+        raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
+                         "it was moved aside and older generations are untouched")
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -402,20 +486,21 @@ class Checkpointer:
     def _saved_unchanged(self, step: int, tree: dict[str, Any], values: dict[str, float]
                          ) -> bool:
         """Whether generation ``step`` already holds ``tree`` (and the ``values`` given): its
-        files, encoded again with that generation's own stamps, hash the same. A save of the
-        same step after the state changed (an end-of-epoch scheduler step, weights averaged)
-        supersedes it instead of being dropped."""
+        files (in a job, every rank its own), encoded again with that generation's own stamps,
+        hash the same. A save of the same step after the state changed (an end-of-epoch
+        scheduler step, weights averaged) supersedes it instead of being dropped."""
         info = self.store.scan_one(step)
         m = info.manifest
-        if not info.ok or m is None or any(not same_number(m.metrics.get(k), v)
-                                           for k, v in values.items()):
-            return False
-        stamps = {"unbroken.run_id": m.run_id, "unbroken.generation": str(m.generation),
-                  "unbroken.incarnation": str(m.incarnation)}
-        listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
-        encoded = S.encode_generation(tree, stamps)
-        return set(encoded) == set(listed) and all(
-            listed[name] == _size_and_hash(chunks) for name, chunks in encoded.items())
+        same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
+                                                 for k, v in values.items())
+        if same:
+            assert m is not None
+            listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
+            encoded = self._encode(step, tree, self._stamps(m.generation, m.incarnation,
+                                                            m.run_id))
+            same = (self._group.active or set(encoded) == set(listed)) and all(
+                listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
+        return all(self._group.all_gather(same, "comparing with the saved generation"))
 
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
               generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:
@@ -425,7 +510,7 @@ class Checkpointer:
         self.rejected = pick.rejected
         return pick_generation(store, scanned, generation, intent, allow, adopt,
                                parts=self._parts, model=self.model, identity=self.identity,
-                               run=self._run, pick=pick)
+                               run=self._run, pick=pick, group=self._group)
 
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
         self._watch.boundary(step, self._counters.epoch)
@@ -462,7 +547,13 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
-        close the trace."""
+        close the trace. In a job, every rank waits for the others here (the leader may still
+        be applying retention), so the job can tear down its process group safely."""
+        if self._group.active:
+            try:
+                self._group.all_gather(None, "closing")
+            except RankFailed:
+                pass  # a rank already gone: nothing left to wait for
         self._writer.close()
         self._watch.close()
         self._preemption.close()

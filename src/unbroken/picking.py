@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from ._progress import Progress
+from .dist.commit import describe, own_names, rank_prefix, rebuild
+from .dist.group import Group
 from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
@@ -40,23 +42,45 @@ class Pick:
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
                     generation: int | None, intent: str, allow: Iterable[str], adopt: bool, *,
                     parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-                    run: RunRecord, pick: Pick) -> Pick:
+                    run: RunRecord, pick: Pick, group: Group | None = None) -> Pick:
     """Fill ``pick`` with the newest loadable candidate among ``scanned`` (or generation
     ``generation``); raise `CorruptCheckpoint` listing every refusal when none loads.
-    ``pick`` is filled in place, so the refusals are known even when this raises."""
-    candidates = [g for g in reversed(scanned) if generation is None or g.generation == generation]
+    ``pick`` is filled in place, so the refusals are known even when this raises.
+
+    In a job (``group``) the leader names the candidates, every rank loads its share of each,
+    and the verdict is agreed: a candidate any rank refuses is refused by all, and a mismatch
+    with the live run on any rank raises on every rank, so no rank continues from another step
+    than the others."""
+    group = group or Group()
+    candidates = [g.generation for g in reversed(scanned)
+                  if generation is None or g.generation == generation]
+    candidates = group.broadcast(candidates, "choosing the generation to restore")
     if not candidates:
         raise NoCheckpoint(f"{store.root}: no generation {generation}; found "
                            f"{[g.generation for g in scanned]}")
-    for info in candidates:
+    by_number = {g.generation: g for g in scanned}
+    for number in candidates:
+        info = by_number.get(number) or store.scan_one(number)
+        mine: dict[str, Any] = {"refused": None, "foreign": False, "fatal": None}
         try:
             pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
-                                          identity, run)
+                                          identity, run, group)
         except CorruptCheckpoint as e:
-            pick.rejected.append((info.path, str(e)))
-            pick.labels[info.path] = ("foreign" if isinstance(e, ForeignGeneration) else
+            mine.update(refused=str(e), foreign=isinstance(e, ForeignGeneration))
+        except UnbrokenError as e:
+            mine["fatal"] = describe(e)
+        everyone = group.all_gather(mine, "agreeing on the generation to restore")
+        for r, x in enumerate(everyone):
+            if x["fatal"]:
+                raise rebuild(x["fatal"], r if group.active else None)
+        refused = [(r, x) for r, x in enumerate(everyone) if x["refused"]]
+        if refused:
+            why = "; ".join(f"rank {r}: {x['refused']}" if group.active else x["refused"]
+                            for r, x in refused)
+            pick.rejected.append((info.path, why))
+            pick.labels[info.path] = ("foreign" if any(x["foreign"] for _, x in refused) else
                                       "torn" if info.status == "torn" else "corrupt")
-            log.warning("rejected %s: %s", info.path, e)
+            log.warning("rejected %s: %s", info.path, why)
             continue
         pick.info = info
         if pick.rejected:
@@ -74,7 +98,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
 
 def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iterable[str],
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-          run: RunRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+          run: RunRecord, group: Group) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
     if not info.ok or info.manifest is None:
         raise CorruptCheckpoint(info.reason)
@@ -86,7 +110,10 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
             "generation copied from another run is never continued silently; "
             "restore(adopt=True) continues from it deliberately")
     S.check_sizes(manifest, info.path)  # before reading a byte
-    names = None if intent == "continue" else [S.STATE_FILE, "model.safetensors"]
+    sharded = intent == "continue" and manifest.world_size > 1
+    names: Iterable[str] | None = (
+        own_names(manifest, group.rank) if sharded else
+        None if intent == "continue" else [S.STATE_FILE, "model.safetensors"])
     progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
     try:
         files = store.read_verified(info, names, advance=progress.advance)
@@ -94,6 +121,12 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         progress.close()
     tree, meta = S.decode_generation(files, info.path,
                                      None if intent == "continue" else {S.MODEL})
+    if sharded:
+        tree[S.RNG] = _rank_streams(files, info.path, meta, manifest.world_size, group, parts)
+    elif intent == "continue" and group.size > 1:
+        log.warning("%s was saved by one process: every rank of this job restores the same "
+                    "random streams (equal data order and weights; dropout draws alike on "
+                    "every rank)", info.path)
     S.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
     where = os.path.join(info.path, "MANIFEST.json")
     live = parts if intent == "continue" else {S.MODEL: model}
@@ -112,3 +145,26 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
                                 f"({type(e).__name__}: {e!s:.200})") from None
     return ready, tree
+
+
+def _rank_streams(files: Mapping[str, Any], folder: str, meta: Mapping[str, str],
+                  saved_ranks: int, group: Group, parts: Mapping[str, Any]) -> Any:
+    """This rank's RNG streams from its own files of a generation of ``saved_ranks`` ranks.
+    A rank the saving job did not have keeps its live streams (said: the same data order
+    and weights, other dropout draws); streams of ranks this job lacks are dropped (said)."""
+    if group.rank >= saved_ranks:
+        log.warning("%s: saved by %d ranks, this is rank %d of %d: its random streams start "
+                    "afresh (equal data order and weights, other random draws than a run of "
+                    "%d ranks)", folder, saved_ranks, group.rank, group.size, saved_ranks)
+        return parts[S.RNG].state_dict()
+    if group.leader and group.size < saved_ranks:
+        log.warning("%s: saved by %d ranks, restored on %d: the random streams of ranks "
+                    "%d..%d are dropped (equal data order and weights, other random draws)",
+                    folder, saved_ranks, group.size, group.size, saved_ranks - 1)
+    prefix = rank_prefix(group.rank)
+    own, own_meta = S.decode_generation(files, folder, {S.RNG}, prefix)
+    expected = {**meta, "unbroken.rank": str(group.rank)}
+    if own_meta != expected or S.RNG not in own:
+        raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: stamped {own_meta}, expected "
+                                f"{expected}: the file belongs to another rank or generation")
+    return own[S.RNG]

@@ -16,13 +16,19 @@ from .store.retention import Keep, select_kept
 class RunWriter:
     """Changes to ``store`` on behalf of a Checkpointer (see module doc)."""
 
-    def __init__(self, store: GenerationStore, keep: Keep) -> None:
+    def __init__(self, store: GenerationStore, keep: Keep, leader: bool = True) -> None:
         self.store = store
         self.keep = keep
+        # In a job of many ranks only the leader (rank 0) writes: it holds the lock, moves
+        # generations aside and deletes; the other ranks only write their own files into the
+        # staging folder it creates (dist.commit).
+        self.leader = leader
         # Why this writer cannot write (None: it holds the lock). Restoring needs no lock, so
         # read-only media still restore; a save raises this.
         self.read_only: ReadOnlyRun | None = None
         self._pending: list[tuple[GenerationInfo, str]] = []  # to move aside once writing
+        if not leader:
+            return
         try:
             store.lock()
         except ReadOnlyRun as e:
@@ -32,6 +38,8 @@ class RunWriter:
     def become_writer(self) -> None:
         """Take the lock if the folder opened read-only (the disk may have been freed since),
         then do what had to wait for a writer; else `ReadOnlyRun`."""
+        if not self.leader:
+            return
         if not self.store.locked:
             try:
                 self.store.lock()
@@ -76,6 +84,8 @@ class RunWriter:
         """Move a refused or abandoned generation aside (never deleting anything); if that
         fails (a read-only folder, an I/O error) leave it where it is and say so: restore never
         depends on it."""
+        if not self.leader:
+            return
         if not self.store.locked:
             self._pending.append((info, why))  # a writer moves it (become_writer)
             return
@@ -93,6 +103,8 @@ class RunWriter:
         """Delete what the policy does not keep, deciding on verified generations only: the
         one just saved and the newest that verifies are never deleted, and a generation that
         fails verification is reported and moved aside, never counted as a kept copy."""
+        if not self.leader:
+            return
         gens = self.store.scan()
         complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
         failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}

@@ -93,7 +93,8 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
         shuffle: False keeps positions in dataset order.
         drop_last: drop each epoch's final partial global batch.
         rank, world_size: this rank's share of each global batch (contiguous slice,
-            see the module doc); B must divide by world_size.
+            see the module doc); B must divide by world_size. Default: the rank and world
+            size of the initialized ``torch.distributed`` job, else 0 and 1.
     """
 
     def __init__(
@@ -104,10 +105,17 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
         seed: int = 0,
         shuffle: bool = True,
         drop_last: bool = False,
-        rank: int = 0,
-        world_size: int = 1,
+        rank: int | None = None,
+        world_size: int | None = None,
     ) -> None:
         super().__init__()
+        if rank is None or world_size is None:  # this rank's share of a torch.distributed job
+            import torch.distributed as dist
+
+            joined = dist.is_available() and dist.is_initialized()
+            rank = (dist.get_rank() if joined else 0) if rank is None else rank
+            world_size = (dist.get_world_size() if joined else 1) if world_size is None \
+                else world_size
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size),
                             ("seed", seed), ("rank", rank), ("world_size", world_size)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool):

@@ -168,11 +168,12 @@ def check_part_tree(name: str, tree: Any) -> None:
                                f"{type(tree).__name__}; it must return a dict")
 
 
-def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
+def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = ""
                       ) -> dict[str, list[memoryview]]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
     ``state.json`` with every part's skeleton. ``meta`` (run id, generation, incarnation) is
-    stamped into every tensor file so a file moved between generations is recognised."""
+    stamped into every tensor file so a file moved between generations is recognised.
+    ``prefix`` names one rank's own files (``rank00001.state.json``, ...)."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
     artifacts: dict[str, list[memoryview]] = {}
@@ -182,7 +183,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
             skeleton, tensors = encode_tree(value, "")
             skeletons[part] = skeleton
             if tensors:
-                files[part] = f"{part}.safetensors"
+                files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
                     tensors, {**meta, "unbroken.part": part})
         except UnsupportedValue as e:
@@ -198,25 +199,26 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str]
             ", ".join(f"{k!r} {n} bytes" for n, k in sizes[:3]) +
             ". Return bulk data from state_dict() as tensors or NumPy arrays (they go to "
             "safetensors), not as lists, strings or dicts")
-    artifacts[STATE_FILE] = [memoryview(text)]
+    artifacts[prefix + STATE_FILE] = [memoryview(text)]
     return artifacts
 
 
 def check_sizes(manifest: Any, folder: str) -> None:
     """Refuse, before reading a byte, a generation whose manifest lists a ``state.json``
     larger than restore parses: reading it first would cost its whole size in memory."""
-    a = manifest.artifact(STATE_FILE)
-    if a is not None and a.size > MAX_STATE_BYTES:
-        raise CorruptCheckpoint(f"{folder}/{STATE_FILE}: {a.size} bytes, over the "
-                                f"{MAX_STATE_BYTES}-byte limit; refusing to read it")
+    for a in manifest.artifacts:  # state.json, and each rank's rankNNNNN.state.json
+        if a.name.endswith(STATE_FILE) and a.size > MAX_STATE_BYTES:
+            raise CorruptCheckpoint(f"{folder}/{a.name}: {a.size} bytes, over the "
+                                    f"{MAX_STATE_BYTES}-byte limit; refusing to read it")
 
 
 def decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
-                      parts: set[str] | None = None) -> tuple[dict[str, Any], dict[str, str]]:
+                      parts: set[str] | None = None, prefix: str = ""
+                      ) -> tuple[dict[str, Any], dict[str, str]]:
     """Inverse of ``encode_generation`` over verified file contents; returns (tree, meta).
     ``parts`` limits decoding to some parts (a warm start reads only the model)."""
     try:
-        return _decode_generation(files, folder, parts)
+        return _decode_generation(files, folder, parts, prefix)
     except UnbrokenError:
         raise
     except Exception as e:  # noqa: BLE001 -- any failure on untrusted input is corruption
@@ -225,12 +227,12 @@ def decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
 
 
 def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
-                       parts: set[str] | None
+                       parts: set[str] | None, prefix: str
                        ) -> tuple[dict[str, Any], dict[str, str]]:
-    where = f"{folder}/{STATE_FILE}"
-    if STATE_FILE not in files:
+    where = f"{folder}/{prefix}{STATE_FILE}"
+    if prefix + STATE_FILE not in files:
         raise CorruptCheckpoint(f"{where}: missing from the generation")
-    doc = loads_json(files[STATE_FILE], where, MAX_STATE_BYTES)
+    doc = loads_json(files[prefix + STATE_FILE], where, MAX_STATE_BYTES)
     try:
         if doc["schema"] != STATE_SCHEMA:
             raise CorruptCheckpoint(f"{where}: schema {doc['schema']!r}, expected {STATE_SCHEMA!r}")

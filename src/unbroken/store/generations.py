@@ -279,16 +279,19 @@ class GenerationStore:
         return data
 
     def verify(self, info: GenerationInfo, from_disk: bool = False,
-               advance: Callable[[int], None] | None = None) -> None:
+               advance: Callable[[int], None] | None = None,
+               names: set[str] | None = None) -> None:
         """Re-hash every artifact of a generation, streaming (no file is held in memory);
         raise ``CorruptCheckpoint`` on the first bad one. ``from_disk``: evict each file's
-        cached pages first, so a just-written generation is read from the disk itself."""
+        cached pages first, so a just-written generation is read from the disk itself.
+        ``names``: only those artifacts (one rank's share of a generation of many ranks)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
-        ident = self._file_identity(info)
-        for a in info.manifest.artifacts:
+        ident = self._file_identity(info) if names is None else None
+        chosen = [a for a in info.manifest.artifacts if names is None or a.name in names]
+        for a in chosen:
             self._check_loadable(os.path.join(info.path, a.name), a)
-        for a in info.manifest.artifacts:
+        for a in chosen:
             path = os.path.join(info.path, a.name)
             try:
                 size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)

@@ -64,6 +64,7 @@ class Manifest:
     metrics: dict[str, float] = field(default_factory=dict)
     created: str = ""
     schema: str = SCHEMA
+    world_size: int = 1  # ranks that wrote it (each its own rankNNNNN.* files when > 1)
 
     def to_bytes(self) -> bytes:
         """The committed bytes: canonical JSON of every field, sealed with its checksum.
@@ -178,7 +179,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         else:
             raise CorruptCheckpoint(f"{where}: metric {k!r:.60} should be a number, found "
                                     f"{v!r:.60}")
+    world_size = raw.get("world_size", 1)  # absent in manifests of a single process
+    if type(world_size) is not int or not 1 <= world_size <= 1 << 20:
+        raise CorruptCheckpoint(f"{where}: field 'world_size' should be a rank count, found "
+                                f"{world_size!r:.40}")
     return Manifest(
+        world_size=world_size,
         generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
         artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
         origin=need("origin", dict, optional=True), identity=need("identity", dict),

@@ -1,0 +1,150 @@
+"""Many ranks (torch.distributed, gloo on CPU): the README loop under torchrun with DDP, one
+committed generation per job, a rank dying mid-save, a corrupt shard, replica divergence, and
+a job of 2 resumed on 1. Every collective runs under a 30 s process-group timeout and every
+process under a subprocess timeout: nothing here can hang the suite."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import SCRIPTS
+
+from unbroken.proof.equivalence import compare
+from unbroken.trace import read_trace
+
+SCRIPT = str(SCRIPTS / "ddp_train.py")
+
+
+def torchrun(n: int, folder: Path, trace: Path, *args: str, env: dict[str, str] | None = None
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+         "--master-port", str(_free_port()), SCRIPT, "--folder", str(folder), *args],
+        env={**os.environ, "UNBROKEN_TRACE": str(trace), **(env or {})},
+        capture_output=True, text=True, timeout=240)
+
+
+def by_hand(n: int, folder: Path, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
+    """The ranks as plain processes (no torchrun agent to kill the survivors for us)."""
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "--folder", str(folder)],
+                              env={**os.environ, **env, "RANK": str(r), "WORLD_SIZE": str(n),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def gens(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("gen-"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("ddp-ref")
+    r = torchrun(2, tmp / "run", tmp / "ref.jsonl")
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp
+
+
+def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path):
+    folder = tmp_path / "run"
+    killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17"})
+    assert killed.returncode != 0
+    resumed = torchrun(2, folder, tmp_path / "r.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
+                         [read_trace(tmp_path / f"k.jsonl.rank{rank}"),
+                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
+        assert result.verdict == "equivalent" and result.resumed_from == 15, (
+            rank, result.first_divergence)
+    names = os.listdir(folder / "gen-000000030")
+    assert {"model.safetensors", "rank00000.state.json", "rank00001.rng.safetensors"} <= set(
+        names)  # shared parts once, each rank's RNG streams its own
+
+
+def test_a_rank_dying_mid_save_commits_nothing_and_the_survivor_raises(tmp_path):
+    folder = tmp_path / "run"
+    results = by_hand(2, folder, {"KILL_RANK": "1", "KILL_AT": "artifact-1-written@10"})
+    assert results[1].returncode == -9
+    assert results[0].returncode != 0 and "SaveFailed" in results[0].stderr, results[0].stderr
+    assert "generation 10 was not committed" in results[0].stderr
+    assert gens(folder) == ["gen-000000005"]  # the previous generation, intact
+    assert not [p for p in os.listdir(folder) if p.startswith(".staging")]
+
+
+def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(reference, tmp_path):
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(reference / "run", folder)
+    shard = folder / "gen-000000030" / "rank00001.rng.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    r = torchrun(2, folder, tmp_path / "t.jsonl", "--epochs", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        restores = [x for x in read_trace(tmp_path / f"t.jsonl.rank{rank}")
+                    if x["event"] == "restore"]
+        assert restores[0]["step"] == 25 and restores[0]["rejected"] == ["gen-000000030"]
+
+
+def test_replicas_that_differ_are_refused_naming_the_parameter(tmp_path):
+    r = torchrun(2, tmp_path / "run", tmp_path / "t.jsonl", env={"DIVERGE": "1"})
+    assert r.returncode != 0
+    assert "replicas differ across ranks: 'model 0.weight' on rank(s) [1]" in r.stderr
+    assert not gens(tmp_path / "run")
+
+
+def test_a_job_of_two_resumes_on_one_rank_with_the_global_order(reference, tmp_path):
+    folder = tmp_path / "run"
+    killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17",
+                                                            "UNBROKEN_TRACE_HASH_EVERY": "1"})
+    assert killed.returncode != 0
+    one = torchrun(1, folder, tmp_path / "one.jsonl")
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "random streams of ranks 1..1 are dropped" in one.stderr
+    records = read_trace(tmp_path / "one.jsonl")
+    restore = next(x for x in records if x["event"] == "restore")
+    saved = next(x for x in read_trace(tmp_path / "k.jsonl.rank0")
+                 if x["event"] == "update" and x["step"] == 15)
+    assert restore["step"] == 15
+    assert restore["params"] == saved["params"]  # model and optimizer as saved
+    assert restore["state"]["optimizer"] == saved["state"]["optimizer"]
+    ref = {r: {x["step"]: x for x in read_trace(reference / f"ref.jsonl.rank{r}")
+               if x["event"] == "update"} for r in (0, 1)}
+    first = next(x for x in records if x["event"] == "update")
+    assert first["step"] == 16  # the global batch of update 16: rank 0's share, then rank 1's
+    assert first["ids"] == ref[0][16]["ids"] + ref[1][16]["ids"]
+
+
+def test_a_job_of_two_resumes_on_four_ranks(reference, tmp_path):
+    folder = tmp_path / "run"
+    killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17"})
+    assert killed.returncode != 0
+    four = torchrun(4, folder, tmp_path / "four.jsonl", "--workers", "0")
+    assert four.returncode == 0, four.stderr[-3000:]
+    assert "its random streams start afresh" in four.stderr  # ranks 2 and 3 had none saved
+    ref = [x for x in read_trace(reference / "ref.jsonl.rank0") + read_trace(
+        reference / "ref.jsonl.rank1") if x["event"] == "update" and x["step"] == 16]
+    global_batch = ref[0]["ids"] + ref[1]["ids"]
+    shares = [next(x for x in read_trace(tmp_path / f"four.jsonl.rank{r}")
+                   if x["event"] == "update")["ids"] for r in range(4)]
+    assert sum(shares, []) == global_batch  # the global order continues, re-split over 4
