@@ -12,12 +12,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-import xxhash
 from torch.nn.parallel import DistributedDataParallel
 
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
-from .dist.commit import check_replicas, commit_job, own_names, rank_prefix, verify_own
+from .dist.commit import check_replicas, commit_job
 from .dist.group import Group, RankFailed
 from .errors import (
     CorruptCheckpoint,
@@ -29,8 +28,9 @@ from .errors import (
     UpdateBoundaryError,
 )
 from .faults import DROP_ENV, drop_parts
-from .inputs import EXTRA_NAME, dry_encode, metric, same_number, steps_from_env
+from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
 from .picking import Pick, pick_generation
+from .saving import encode_share, read_back, replicated, saved_unchanged, stamps
 from .state import parts as S
 from .state.identity import Identity, environment
 from .state.optim import check_optimizer_params, param_group_changes
@@ -40,21 +40,12 @@ from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.lock import errno_text
 from .store.manifest import Artifact, Manifest
 from .store.retention import Keep
-from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 from .writer import RunWriter
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
-
-
-def _size_and_hash(chunks: Iterable[memoryview]) -> tuple[int, str]:
-    h, size = xxhash.xxh3_128(), 0
-    for c in chunks:
-        h.update(c)
-        size += memoryview(c).nbytes
-    return size, h.hexdigest()
 
 
 def _gc_paused(fn: Any) -> Any:
@@ -148,7 +139,7 @@ class Checkpointer:
                           "atomic there, so a crash during commit may leave a torn generation "
                           "(it is still detected and refused on load)", UnbrokenWarning,
                           stacklevel=2)
-        self._run, self._run_written = self._run_record()
+        self._run, self._run_written, self._ambiguous = self._writer.agreed_run(self._group)
         self.incarnation = 0
         self._parent: dict[str, Any] | None = None
         self._origin: dict[str, Any] | None = None
@@ -175,28 +166,6 @@ class Checkpointer:
     def run_id(self) -> str:
         """The id of the run this folder holds (``RUN.json``); every generation carries it."""
         return self._run.run_id
-
-    def _run_record(self) -> tuple[RunRecord, bool]:
-        """The folder's run record and whether it is on disk as it stands (in a job, as the
-        leader read it: every rank names the same run)."""
-        decided: dict[str, Any] | None = None
-        if self._group.leader:
-            found = folder_run(self.store.root, self.store.fs,
-                               (g.manifest.run_id for g in self.store.scan()
-                                if g.ok and g.manifest is not None))
-            if found.problem is not None and found.ambiguous is None:
-                warnings.warn(f"{found.problem}; the run is taken from the run that wrote most "
-                              "of the generations, and the record is rewritten at the next "
-                              "save", UnbrokenWarning, stacklevel=3)
-            record = found.record or RunRecord(new_run_id())
-            decided = {"run_id": record.run_id, "lineage": record.lineage,
-                       "created": record.created, "on_disk": found.on_disk,
-                       "ambiguous": found.ambiguous}
-        decided = self._group.broadcast(decided, "agreeing on the run")
-        assert decided is not None
-        self._ambiguous = decided["ambiguous"]  # a continuation refuses to guess (restore)
-        return (RunRecord(decided["run_id"], decided["lineage"], decided["created"]),
-                decided["on_disk"])
 
     # -- counters ------------------------------------------------------------------------------
 
@@ -296,11 +265,12 @@ class Checkpointer:
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
-        if again and self._saved_unchanged(step, tree, values):
+        if again and saved_unchanged(self.store, group, step, tree, values):
             return None  # the same state saved twice
         if group.active:
-            check_replicas(group, self._replicated(tree))
-        encoded = self._encode(step, tree)  # refuses what restore could not read
+            check_replicas(group, replicated(tree))
+        meta = stamps(step, self.incarnation, self.run_id)
+        encoded = encode_share(group, tree, meta)  # refuses what restore could not read
         total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
         artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
@@ -331,7 +301,7 @@ class Checkpointer:
         except BaseException:
             progress.close()
             raise
-        self._read_back(info, progress)
+        read_back(group, self.store, info, progress)
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}
@@ -348,78 +318,10 @@ class Checkpointer:
         return info
 
     def _prepare_write(self, step: int, again: bool) -> None:
-        """(The writer, the leader of a job.) Become the writer, apply the first-save rule,
-        clear a leftover out of the way, and record the run before its first generation."""
-        self._writer.become_writer()
-        if not self._restored and self._last_saved is None:
-            self._writer.check_first_save()
-        if not again:
-            self._writer.clear_the_way(step)
-        if not self._run_written:
-            write_run_record(self.store.root, self.store.fs, self._run)
-            self._run_written = True
-
-    def _stamps(self, generation: int, incarnation: int, run_id: str) -> dict[str, str]:
-        return {"unbroken.run_id": run_id, "unbroken.generation": str(generation),
-                "unbroken.incarnation": str(incarnation)}
-
-    def _encode(self, step: int, tree: dict[str, Any],
-                stamps: dict[str, str] | None = None) -> dict[str, list[memoryview]]:
-        """This process's files of generation ``step``: all of them alone; in a job, the
-        shared parts written once by the leader, and each rank's RNG streams in its own
-        ``rankNNNNN.*`` files."""
-        meta = stamps or self._stamps(step, self.incarnation, self.run_id)
-        group = self._group
-        if not group.active:
-            return S.encode_generation(tree, meta)
-        shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = S.encode_generation(shared, meta) if group.leader else {}
-        out.update(S.encode_generation({S.RNG: tree[S.RNG]},
-                                       {**meta, "unbroken.rank": str(group.rank)},
-                                       prefix=rank_prefix(group.rank)))
-        return out
-
-    def _replicated(self, tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
-        """What every rank of a data-parallel job holds alike, by name: the model's tensors,
-        each parameter's optimizer state, and every other shared part."""
-        for name, value in tree[S.MODEL].items():
-            yield f"model {name}", value
-        if S.OPTIMIZER in tree:
-            for name, value in tree[S.OPTIMIZER]["state"].items():
-                yield f"optimizer state of {name}", value
-        for part in sorted(tree):
-            if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
-                yield part, tree[part]
-
-    def _read_back(self, info: GenerationInfo, progress: Progress) -> None:
-        """Re-hash what was just committed (every rank its own files); a generation that
-        does not read back as written is moved aside, and the save fails."""
-        group = self._group
-        assert info.manifest is not None
-        try:
-            if group.active:
-                problems = verify_own(group, self.store, info,
-                                      own_names(info.manifest, group.rank))
-            else:
-                try:
-                    self.store.verify(info, advance=progress.advance)
-                    problems = []
-                except CorruptCheckpoint as e:
-                    problems = [str(e)]
-        finally:
-            progress.close()
-        if not problems:
-            return
-        why = "; ".join(problems)
-        if group.leader:
-            try:
-                self.store.move_aside(info, "corrupt")
-            except OSError as moving:
-                raise SaveFailed(f"generation {info.generation} did not read back as written "
-                                 f"({why}) and could not be moved aside ({moving}); restore "
-                                 "refuses it, and older generations are untouched") from None
-        raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
-                         "it was moved aside and older generations are untouched")
+        """(The writer: the leader of a job.) See `RunWriter.prepare`."""
+        self._writer.prepare(step, again, not self._restored and self._last_saved is None,
+                             self._run, self._run_written)
+        self._run_written = True
 
     # -- restoring -----------------------------------------------------------------------------
 
@@ -482,25 +384,6 @@ class Checkpointer:
         log.info("restored %s (step %d)", info.path, manifest.step)
         self._after_restore(manifest.step, info)
         return manifest.step
-
-    def _saved_unchanged(self, step: int, tree: dict[str, Any], values: dict[str, float]
-                         ) -> bool:
-        """Whether generation ``step`` already holds ``tree`` (and the ``values`` given): its
-        files (in a job, every rank its own), encoded again with that generation's own stamps,
-        hash the same. A save of the same step after the state changed (an end-of-epoch
-        scheduler step, weights averaged) supersedes it instead of being dropped."""
-        info = self.store.scan_one(step)
-        m = info.manifest
-        same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
-                                                 for k, v in values.items())
-        if same:
-            assert m is not None
-            listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
-            encoded = self._encode(step, tree, self._stamps(m.generation, m.incarnation,
-                                                            m.run_id))
-            same = (self._group.active or set(encoded) == set(listed)) and all(
-                listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
-        return all(self._group.all_gather(same, "comparing with the saved generation"))
 
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
               generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:

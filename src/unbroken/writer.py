@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Any
 
+from .dist.group import Group
 from .errors import CorruptCheckpoint, ReadOnlyRun, RunNotRestored, SaveFailed, UnbrokenWarning
 from .store.generations import GenerationInfo, GenerationStore
 from .store.retention import Keep, select_kept
+from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
 
 
 class RunWriter:
@@ -35,6 +38,28 @@ class RunWriter:
             self.read_only = e
             warnings.warn(f"opened read-only: {e}", UnbrokenWarning, stacklevel=3)
 
+    def agreed_run(self, group: Group) -> tuple[RunRecord, bool, str | None]:
+        """The run the folder holds, whether RUN.json says so as it stands, and why a
+        continuation cannot tell (None: it can). In a job, as the leader read it: every rank
+        names the same run."""
+        decided: dict[str, Any] | None = None
+        if group.leader:
+            found = folder_run(self.store.root, self.store.fs,
+                               (g.manifest.run_id for g in self.store.scan()
+                                if g.ok and g.manifest is not None))
+            if found.problem is not None and found.ambiguous is None:
+                warnings.warn(f"{found.problem}; the run is taken from the run that wrote most "
+                              "of the generations, and the record is rewritten at the next "
+                              "save", UnbrokenWarning, stacklevel=4)
+            record = found.record or RunRecord(new_run_id())
+            decided = {"run_id": record.run_id, "lineage": record.lineage,
+                       "created": record.created, "on_disk": found.on_disk,
+                       "ambiguous": found.ambiguous}
+        decided = group.broadcast(decided, "agreeing on the run")
+        assert decided is not None
+        return (RunRecord(decided["run_id"], decided["lineage"], decided["created"]),
+                decided["on_disk"], decided["ambiguous"])
+
     def become_writer(self) -> None:
         """Take the lock if the folder opened read-only (the disk may have been freed since),
         then do what had to wait for a writer; else `ReadOnlyRun`."""
@@ -50,6 +75,19 @@ class RunWriter:
         pending, self._pending = self._pending, []
         for info, why in pending:
             self.set_aside(info, why)
+
+    def prepare(self, step: int, again: bool, first_save: bool, run: RunRecord,
+                run_written: bool) -> None:
+        """Before a save: become the writer, apply the first-save rule, clear a leftover out
+        of the way (unless ``again``: the same step superseded), and record the run before
+        its first generation."""
+        self.become_writer()
+        if first_save:
+            self.check_first_save()
+        if not again:
+            self.clear_the_way(step)
+        if not run_written:
+            write_run_record(self.store.root, self.store.fs, run)
 
     def check_first_save(self) -> None:
         """The first save of a Checkpointer that never restored must start a new run: into a

@@ -19,8 +19,9 @@ import torch
 
 import unbroken
 from unbroken.errors import SaveFailed, UnbrokenWarning
+from unbroken.store.aside import ASIDE
 from unbroken.store.backends.local import MUTATING, FaultyFS, LocalFS
-from unbroken.store.generations import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
+from unbroken.store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 
 
 def make(root):

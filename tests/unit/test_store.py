@@ -18,8 +18,9 @@ import xxhash
 
 import unbroken
 from unbroken.errors import CorruptCheckpoint, StoreLocked
+from unbroken.store.aside import ASIDE
 from unbroken.store.backends.local import LocalFS
-from unbroken.store.generations import ASIDE, GenerationStore, generation_name
+from unbroken.store.generations import GenerationStore, generation_name
 from unbroken.store.lock import LOCK
 from unbroken.store.manifest import MANIFEST, Artifact, Manifest, seal
 

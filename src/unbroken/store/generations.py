@@ -21,7 +21,6 @@ vanishes from the listing; it is never reported ``corrupt`` for that reason.
 
 from __future__ import annotations
 
-import datetime
 import os
 import re
 import stat
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import CorruptCheckpoint
+from .aside import AsideFolder
 from .backends.local import LocalFS, fault_point
 from .lock import acquire_writer_lock, release_writer_lock
 from .manifest import (
@@ -44,14 +44,8 @@ from .manifest import (
 )
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"
-# gen-N-<reason>-<YYYYmmddTHHMMSS>-<id> (versions before 0.2 wrote no time)
-_ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0-9a-f]{8}",
-                         re.ASCII)
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
-ASIDE = "aside"
-# Why a generation was moved aside: the label in its name under aside/.
-ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned", "superseded")
 
 
 def _memory_bytes() -> int:
@@ -64,17 +58,6 @@ def _memory_bytes() -> int:
 
 def generation_name(generation: int) -> str:
     return f"gen-{generation:09d}"
-
-
-@dataclass(frozen=True)
-class AsideEntry:
-    """One folder under ``aside/``: why it was moved there and when (``YYYYmmddTHHMMSSffffff``,
-    local time)."""
-
-    name: str
-    path: str
-    reason: str
-    moved: str
 
 
 @dataclass
@@ -92,7 +75,7 @@ class GenerationInfo:
         return self.status == "complete"
 
 
-class GenerationStore:
+class GenerationStore(AsideFolder):
     """The run folder. Reading needs no lock; every method that changes it needs ``lock()``."""
 
     def __init__(self, root: str | os.PathLike[str], fs: LocalFS | None = None) -> None:
@@ -396,51 +379,6 @@ class GenerationStore:
             self.fs.rmtree(staging)
         except OSError:
             pass  # the next writer removes staging debris on lock()
-
-    def move_aside(self, info: GenerationInfo, why: str) -> str:
-        """Move a generation to ``aside/`` under a unique name labelled with the reason (one of
-        ``ASIDE_REASONS``) and the time; it is kept for inspection, never loaded. Nothing is
-        deleted here: `prune_aside` bounds the folder, after a save succeeded."""
-        self._need_lock()
-        if why not in ASIDE_REASONS:
-            raise ValueError(f"why={why!r}: one of {ASIDE_REASONS}")
-        aside = os.path.join(self.root, ASIDE)
-        if not os.path.lexists(aside):
-            self.fs.mkdir(aside)
-        elif not stat.S_ISDIR(os.lstat(aside).st_mode):
-            raise CorruptCheckpoint(f"{aside}: not a folder (a symbolic link or file); "
-                                    "generations are moved aside only inside the run folder")
-        moved = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")  # sorts oldest first
-        dest = os.path.join(aside, f"{generation_name(info.generation)}-{why}-{moved}-"
-                                   f"{uuid.uuid4().hex[:8]}")
-        self.fs.rename(info.path, dest)
-        self.fs.fsync_dir(self.root)
-        self._verified.pop(info.path, None)
-        return dest
-
-    def aside(self) -> list[AsideEntry]:
-        """What ``aside/`` holds, oldest first (entries named by an older version sort first,
-        with reason "unknown")."""
-        folder = os.path.join(self.root, ASIDE)
-        try:
-            names = os.listdir(folder) if stat.S_ISDIR(os.lstat(folder).st_mode) else []
-        except OSError:
-            names = []
-        out = []
-        for name in names:
-            m = _ASIDE_NAME.fullmatch(name)
-            out.append(AsideEntry(name, os.path.join(folder, name),
-                                  m.group(2) if m else "unknown", m and m.group(3) or ""))
-        return sorted(out, key=lambda e: (e.moved, e.name))
-
-    def prune_aside(self, keep: int) -> None:
-        """Delete the oldest entries of ``aside/`` beyond the newest ``keep``. Foreign
-        generations (another run's, copied in) are never deleted: they may be the only copy of
-        that run's state."""
-        self._need_lock()
-        entries = [e for e in self.aside() if e.reason != "foreign"]
-        for e in entries[:max(0, len(entries) - keep)]:
-            self._remove(e.path)
 
     def delete(self, info: GenerationInfo) -> None:
         """Delete a generation: manifest first (so a half-deleted folder can never verify),

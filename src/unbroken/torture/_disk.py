@@ -8,7 +8,8 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import CorruptCheckpoint
-from ..store.generations import ASIDE, STAGING_PREFIX, TRASH_PREFIX, GenerationStore
+from ..store.aside import ASIDE
+from ..store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 
 
 @dataclass

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptCheckpoint, UnbrokenError
-from ..store.generations import ASIDE
+from ..store.aside import ASIDE
 from ._case import Case
 from ._job import build, prepare_parent, state_digest, train, update
 from ._probe import Probe, Timeout, deadline, run_cli, snapshot

@@ -1,0 +1,109 @@
+"""What one process writes of a generation, and checks around it: its share (everything
+alone; in a job, the shared parts from the leader and each rank's RNG streams in its own
+``rankNNNNN.*`` files), the state every rank of a data-parallel job must hold alike, the
+read-back after the commit, and whether a repeated save of a step changed anything."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import xxhash
+
+from ._progress import Progress
+from .dist.commit import own_names, rank_prefix, verify_own
+from .dist.group import Group
+from .errors import CorruptCheckpoint, SaveFailed
+from .inputs import same_number
+from .state import parts as S
+from .store.generations import GenerationInfo, GenerationStore
+
+
+def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
+    """The stamps every file of a generation carries (a file moved between generations or
+    runs is recognised)."""
+    return {"unbroken.run_id": run_id, "unbroken.generation": str(generation),
+            "unbroken.incarnation": str(incarnation)}
+
+
+def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str]
+                 ) -> dict[str, list[memoryview]]:
+    """This process's files of a generation (see module doc)."""
+    if not group.active:
+        return S.encode_generation(tree, meta)
+    shared = {k: v for k, v in tree.items() if k != S.RNG}
+    out = S.encode_generation(shared, meta) if group.leader else {}
+    out.update(S.encode_generation({S.RNG: tree[S.RNG]},
+                                   {**meta, "unbroken.rank": str(group.rank)},
+                                   prefix=rank_prefix(group.rank)))
+    return out
+
+
+def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+    """What every rank of a data-parallel job holds alike, by name: the model's tensors,
+    each parameter's optimizer state, and every other shared part."""
+    for name, value in tree[S.MODEL].items():
+        yield f"model {name}", value
+    if S.OPTIMIZER in tree:
+        for name, value in tree[S.OPTIMIZER]["state"].items():
+            yield f"optimizer state of {name}", value
+    for part in sorted(tree):
+        if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
+            yield part, tree[part]
+
+
+def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
+              progress: Progress) -> None:
+    """Re-hash what was just committed (every rank its own files); a generation that does
+    not read back as written is moved aside, and the save fails (on every rank)."""
+    assert info.manifest is not None
+    try:
+        if group.active:
+            problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
+        else:
+            try:
+                store.verify(info, advance=progress.advance)
+                problems = []
+            except CorruptCheckpoint as e:
+                problems = [str(e)]
+    finally:
+        progress.close()
+    if not problems:
+        return
+    why = "; ".join(problems)
+    if group.leader:
+        try:
+            store.move_aside(info, "corrupt")
+        except OSError as moving:
+            raise SaveFailed(f"generation {info.generation} did not read back as written "
+                             f"({why}) and could not be moved aside ({moving}); restore "
+                             "refuses it, and older generations are untouched") from None
+    raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
+                     "it was moved aside and older generations are untouched")
+
+
+def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[str, Any],
+                    values: dict[str, float]) -> bool:
+    """Whether generation ``step`` already holds ``tree`` (and the metric ``values``): its
+    files (in a job, every rank its own), encoded again with that generation's own stamps,
+    hash the same. A save of the same step after the state changed (an end-of-epoch
+    scheduler step, weights averaged) supersedes it instead of being dropped."""
+    info = store.scan_one(step)
+    m = info.manifest
+    same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
+                                             for k, v in values.items())
+    if same:
+        assert m is not None
+        listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
+        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id))
+        same = (group.active or set(encoded) == set(listed)) and all(
+            listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
+    return all(group.all_gather(same, "comparing with the saved generation"))
+
+
+def _size_and_hash(chunks: Iterable[memoryview]) -> tuple[int, str]:
+    h, size = xxhash.xxh3_128(), 0
+    for c in chunks:
+        h.update(c)
+        size += memoryview(c).nbytes
+    return size, h.hexdigest()

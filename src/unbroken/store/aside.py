@@ -1,0 +1,98 @@
+"""``RUN/aside/``: generations taken out of the listing, never loaded, kept for inspection:
+refused (corrupt, torn, foreign), abandoned by a restore of an older one, or superseded by a
+later save of the same step. Each is named ``gen-N-<reason>-<time>-<id>``. The folder is
+bounded (`prune_aside`) only after a later save has committed, and foreign generations (maybe
+another run's only copy) are never deleted."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import stat
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptCheckpoint
+
+if TYPE_CHECKING:
+    from .generations import GenerationInfo
+
+ASIDE = "aside"
+# Why a generation was moved aside: the label in its name under aside/.
+ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned", "superseded")
+# gen-N-<reason>-<YYYYmmddTHHMMSS>-<id> (versions before 0.2 wrote no time)
+_ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0-9a-f]{8}",
+                         re.ASCII)
+
+
+@dataclass(frozen=True)
+class AsideEntry:
+    """One folder under ``aside/``: why it was moved there and when (``YYYYmmddTHHMMSSffffff``,
+    local time)."""
+
+    name: str
+    path: str
+    reason: str
+    moved: str
+
+
+class AsideFolder:
+    """The ``aside/`` operations of a `GenerationStore` (a mixin: it needs the store's
+    ``root``, ``fs``, ``_need_lock``, ``_remove`` and ``_verified``)."""
+
+    root: str
+    fs: Any
+    _verified: dict[str, Any]
+
+    def _need_lock(self) -> None:
+        raise NotImplementedError
+
+    def _remove(self, path: str) -> None:
+        raise NotImplementedError
+
+    def move_aside(self, info: GenerationInfo, why: str) -> str:
+        """Move a generation to ``aside/`` under a unique name labelled with the reason (one of
+        ``ASIDE_REASONS``) and the time; it is kept for inspection, never loaded. Nothing is
+        deleted here: `prune_aside` bounds the folder, after a save succeeded."""
+        self._need_lock()
+        if why not in ASIDE_REASONS:
+            raise ValueError(f"why={why!r}: one of {ASIDE_REASONS}")
+        aside = os.path.join(self.root, ASIDE)
+        if not os.path.lexists(aside):
+            self.fs.mkdir(aside)
+        elif not stat.S_ISDIR(os.lstat(aside).st_mode):
+            raise CorruptCheckpoint(f"{aside}: not a folder (a symbolic link or file); "
+                                    "generations are moved aside only inside the run folder")
+        moved = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")  # sorts oldest first
+        dest = os.path.join(aside, f"gen-{info.generation:09d}-{why}-{moved}-"
+                                   f"{uuid.uuid4().hex[:8]}")
+        self.fs.rename(info.path, dest)
+        self.fs.fsync_dir(self.root)
+        self._verified.pop(info.path, None)
+        return dest
+
+    def aside(self) -> list[AsideEntry]:
+        """What ``aside/`` holds, oldest first (entries named by an older version sort first,
+        with reason "unknown")."""
+        folder = os.path.join(self.root, ASIDE)
+        try:
+            names = os.listdir(folder) if stat.S_ISDIR(os.lstat(folder).st_mode) else []
+        except OSError:
+            names = []
+        out = []
+        for name in names:
+            m = _ASIDE_NAME.fullmatch(name)
+            out.append(AsideEntry(name, os.path.join(folder, name),
+                                  m.group(2) if m else "unknown", m and m.group(3) or ""))
+        return sorted(out, key=lambda e: (e.moved, e.name))
+
+    def prune_aside(self, keep: int) -> None:
+        """Delete the oldest entries of ``aside/`` beyond the newest ``keep``. Foreign
+        generations (another run's, copied in) are never deleted: they may be the only copy of
+        that run's state."""
+        self._need_lock()
+        entries = [e for e in self.aside() if e.reason != "foreign"]
+        for e in entries[:max(0, len(entries) - keep)]:
+            self._remove(e.path)
