@@ -1,0 +1,136 @@
+"""One committed generation per job: the two-phase commit of many ranks, and the replica
+check that comes before it.
+
+1. The leader (rank 0, the writer-lock holder) prepares: the first-save rule, a leftover in
+   the way, the staging folder. Its outcome is broadcast, so every rank refuses together.
+2. Every rank writes its own artifacts into that staging folder and fsyncs and hashes them;
+   the (name, size, hash) lists are gathered on the leader.
+3. The leader writes the manifest naming every rank's files, last, and renames; the outcome
+   is broadcast. A rank that fails or dies leaves nothing committed: the leader discards the
+   staging folder and every surviving rank raises `SaveFailed` (a dead rank is seen by the
+   next collective, within the process group's timeout).
+4. Every rank re-hashes its own files; a generation any rank cannot read back is moved aside.
+
+A rank's failure travels as ``{"type": ..., "message": ...}`` and is raised again, with the
+same `UnbrokenError` type, on every rank."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict
+from typing import Any
+
+from .. import errors
+from ..errors import CorruptCheckpoint, SaveFailed, StateMismatch, UnbrokenError
+from ..state._digest import digest_tree
+from ..store.generations import GenerationInfo, GenerationStore
+from ..store.lock import errno_text
+from ..store.manifest import Artifact, Manifest
+from .group import Group, RankFailed
+
+_RANK_FILE = re.compile(r"rank[0-9]{5}\.", re.ASCII)
+_TYPES = {name: cls for name, cls in vars(errors).items()
+          if isinstance(cls, type) and issubclass(cls, UnbrokenError)}
+
+
+def rank_prefix(rank: int) -> str:
+    """The prefix of one rank's own files in a generation of many ranks."""
+    return f"rank{rank:05d}."
+
+
+def describe(e: BaseException) -> dict[str, str]:
+    """An exception as it travels between ranks."""
+    if isinstance(e, OSError) and not isinstance(e, UnbrokenError):
+        return {"type": "SaveFailed", "message": f"{errno_text(e)} ({e.filename or 'run folder'})"}
+    name = type(e).__name__ if type(e).__name__ in _TYPES else "UnbrokenError"
+    return {"type": name, "message": str(e)}
+
+
+def rebuild(failure: Mapping[str, str], rank: int | None = None) -> UnbrokenError:
+    """The exception a rank's ``failure`` becomes on this rank."""
+    where = "" if rank is None else f"rank {rank}: "
+    return _TYPES.get(failure["type"], UnbrokenError)(where + failure["message"])
+
+
+def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
+    """Refuse to save replicas (DDP) that differ across ranks, naming the first differing
+    parameter: ``named`` yields (name, tensor or state) in the same order on every rank."""
+    if not group.active:
+        return
+    digests = [(name, digest_tree(value)) for name, value in named]
+    everyone = group.all_gather([d for _, d in digests], "comparing replicas")
+    for i, (name, mine) in enumerate(digests):
+        ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
+        if ranks:
+            raise StateMismatch(
+                f"replicas differ across ranks: {name!r} on rank(s) {ranks} differs from rank "
+                "0 (a DDP replica divergence: a rank stepped alone, or a buffer is not "
+                "synchronised); refusing to save one copy for all")
+
+
+def commit_job(group: Group, store: GenerationStore, generation: int,
+               prepare: Callable[[], None], mine: Mapping[str, Iterable[memoryview | bytes]],
+               make_manifest: Callable[[list[Artifact]], Manifest], supersede: bool
+               ) -> GenerationInfo:
+    """Steps 1-3 of the module doc; returns the committed generation on every rank."""
+    plan: Any = None
+    if group.leader:
+        try:
+            prepare()
+            plan = {"staging": store.stage(generation, supersede)}
+        except (UnbrokenError, OSError) as e:
+            plan = {"error": describe(e)}
+    plan = group.broadcast(plan, "preparing the save")
+    if "error" in plan:
+        raise rebuild(plan["error"])
+    staging = plan["staging"]
+    report: dict[str, Any] = {"artifacts": [], "error": None}
+    try:
+        report["artifacts"] = [asdict(a) for a in store.write_artifacts(staging, mine,
+                                                                       generation)]
+    except (UnbrokenError, OSError) as e:
+        report["error"] = describe(e)
+    outcome: Any = None
+    try:
+        reports = group.all_gather(report, "writing the generation")
+    except RankFailed as e:
+        if group.leader:
+            store.discard(staging)
+        raise SaveFailed(f"{e}; generation {generation} was not committed, older ones are "
+                         "untouched") from None
+    if group.leader:
+        failed = [(r, x["error"]) for r, x in enumerate(reports) if x["error"]]
+        try:
+            if failed:
+                store.discard(staging)
+                r, failure = failed[0]
+                outcome = {"error": failure, "rank": r}
+            else:
+                written = [Artifact(**a) for x in reports for a in x["artifacts"]]
+                store.publish(staging, generation, make_manifest(written), supersede)
+                outcome = {"ok": True}
+        except (UnbrokenError, OSError) as e:
+            outcome = {"error": describe(e), "rank": 0}
+    outcome = group.broadcast(outcome, "committing the generation")
+    if "error" in outcome:
+        raise rebuild(outcome["error"], outcome["rank"])
+    return store.scan_one(generation)
+
+
+def verify_own(group: Group, store: GenerationStore, info: GenerationInfo,
+               names: set[str], advance: Callable[[int], None] | None = None) -> list[str]:
+    """Step 4: every rank re-hashes its own files; the problems of every rank."""
+    problem = None
+    try:
+        store.verify(info, advance=advance, names=names)
+    except CorruptCheckpoint as e:
+        problem = str(e)
+    return group.agree(problem, "reading the generation back")
+
+
+def own_names(manifest: Manifest, rank: int) -> set[str]:
+    """The files of a generation one rank reads: the shared ones and its own."""
+    mine = rank_prefix(rank)
+    return {a.name for a in manifest.artifacts
+            if not _RANK_FILE.match(a.name) or a.name.startswith(mine)}

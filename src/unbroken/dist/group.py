@@ -1,0 +1,76 @@
+"""The ranks of a job, as one Checkpointer sees them, and the few collectives unbroken needs.
+
+A process outside ``torch.distributed`` (or with ``world_size == 1``) is a group of one and
+every collective is the identity, so single-process code pays nothing. Payloads travel as
+JSON in ``uint8`` tensors (``torch.distributed``'s object collectives pickle; unbroken never
+does). A collective that fails (a rank died: gloo sees the connection close; or it stayed away
+past the process group's timeout) raises `RankFailed`, never hangs beyond that timeout."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UnbrokenError
+
+
+class RankFailed(UnbrokenError):
+    """Another rank of the job failed, died or stayed away from a collective."""
+
+
+class Group:
+    """The job's ranks (``process_group``: default, the initialized default group)."""
+
+    def __init__(self, process_group: Any = None) -> None:
+        self.active = dist.is_available() and dist.is_initialized() and (
+            dist.get_world_size(process_group) > 1)
+        self.pg = process_group
+        self.rank = dist.get_rank(process_group) if self.active else 0
+        self.size = dist.get_world_size(process_group) if self.active else 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the writer lock, the manifest, retention and every decision."""
+        return self.rank == 0
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args, group=self.pg)
+        except RuntimeError as e:
+            raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed, another rank "
+                             f"failed or died ({str(e).splitlines()[0][:200]})") from None
+
+    def all_gather(self, value: Any, what: str) -> list[Any]:
+        """Every rank's JSON-able ``value``, in rank order, on every rank."""
+        if not self.active:
+            return [value]
+        data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        self._call(what, dist.all_gather, sizes, torch.tensor([data.numel()]))
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[:data.numel()] = data
+        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
+        self._call(what, dist.all_gather, out, padded)
+        return [json.loads(bytes(t[:int(n.item())].numpy()).decode())
+                for t, n in zip(out, sizes)]
+
+    def broadcast(self, value: Any, what: str) -> Any:
+        """The leader's JSON-able ``value`` on every rank."""
+        if not self.active:
+            return value
+        data = json.dumps(value).encode() if self.leader else b""
+        size = torch.tensor([len(data)])
+        self._call(what, dist.broadcast, size, 0)
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader
+               else torch.zeros(int(size.item()), dtype=torch.uint8))
+        if buf.numel():
+            self._call(what, dist.broadcast, buf, 0)
+        return json.loads(bytes(buf.numpy()).decode())
+
+    def agree(self, problem: str | None, what: str) -> list[str]:
+        """Each rank's problem (None: fine) gathered: the problems of every rank, named."""
+        return [f"rank {r}: {p}" for r, p in enumerate(self.all_gather(problem, what)) if p]
