@@ -123,10 +123,14 @@ def _signal_at() -> int | None:
 class Preemption:
     """Record stop requests from ``signals``; `due` tells ``step_done`` to save and stop."""
 
-    def __init__(self, signals: Iterable[int | signal.Signals], deadline: float | None) -> None:
+    def __init__(self, signals: Iterable[int | signal.Signals], deadline: float | None,
+                 check_every: int = 1) -> None:
         self.signals = tuple(signal.Signals(s) for s in signals)
         if deadline is not None and not deadline > 0:
             raise ValueError(f"stop_deadline={deadline!r}: seconds > 0, or None")
+        if type(check_every) is not int or check_every < 1:
+            raise ValueError(f"stop_check_every={check_every!r}: an int >= 1")
+        self.check_every = check_every
         self.deadline = deadline
         self.requested: signal.Signals | None = None
         self.requested_at = 0.0
@@ -186,6 +190,19 @@ class Preemption:
     @property
     def due(self) -> bool:
         return self.requested is not None
+
+    def agree(self, group: Any, step: int) -> None:
+        """In a job, a request any rank received is every rank's, at the same update: every
+        ``check_every`` updates the ranks exchange the signal number (0: none), one small
+        all-reduce, so all of them save that update and stop."""
+        if not (group.active and self.signals and step % self.check_every == 0):
+            return
+        signum = group.max_int(int(self.requested or 0), "agreeing on a stop request")
+        if signum and self.requested is None:
+            self.requested = signal.Signals(signum)
+            self.requested_at = time.monotonic()
+            log.warning("%s received by another rank: saving now, then stopping",
+                        self.requested.name)
 
     def done(self) -> None:
         """The stop save is committed: the deadline no longer applies."""

@@ -79,7 +79,11 @@ class Checkpointer:
     ``trace`` (or ``$UNBROKEN_TRACE``) appends one record per completed update to a JSON-lines
     file: lr, sample ids, batch, loss, gradient norm, and digests of the parameters, RNG
     streams and every state part; the optimizer's (the costliest) every ``trace_hash_every``
-    updates and at every restore.
+    updates and at every restore. ``signals`` (e.g. ``[signal.SIGTERM]``) turn a preemption
+    notice into a save at the next update boundary and ``should_stop``; ``stop_deadline``
+    bounds the wait. In a job of many ranks (torch.distributed initialized, or
+    ``process_group``) a signal received by any one rank stops every rank at the same update:
+    they compare notes every ``stop_check_every`` updates (one all-reduce of one integer).
 
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
@@ -92,7 +96,7 @@ class Checkpointer:
                  every: int | None = None, keep: Keep | None = None,
                  trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10,
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
-                 process_group: Any = None) -> None:
+                 stop_check_every: int = 1, process_group: Any = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -128,7 +132,8 @@ class Checkpointer:
         self._parts[S.RNG] = RNGStreams(generators or {})
         self._parts[S.COUNTERS] = self._counters
         dry_encode(self._parts)  # a value save cannot store fails now, not hours in
-        self._preemption = Preemption(signals, stop_deadline)  # validated before the lock
+        self._preemption = Preemption(signals, stop_deadline,
+                                      stop_check_every)  # validated before the lock
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
         self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
@@ -215,6 +220,7 @@ class Checkpointer:
         self._counters.step = step
         self._watch.boundary(step, self._counters.epoch)
         saved = False
+        self._preemption.agree(self._group, step)
         stop = self._preemption.due
         if self.every and step % self.every == 0 or step in self._save_at or stop:
             if loss_value is not None:

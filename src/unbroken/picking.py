@@ -8,6 +8,7 @@ shapes, a missing part) is not the checkpoint's fault and raises at once."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -19,6 +20,7 @@ import torch
 from ._progress import Progress
 from .dist.commit import describe, own_names, rank_prefix, rebuild
 from .dist.group import Group
+from .dist.sharded import SHARDS_FILE, load_shards, read_index
 from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
@@ -113,7 +115,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
     sharded = intent == "continue" and manifest.world_size > 1
     names: Iterable[str] | None = (
         own_names(manifest, group.rank) if sharded else
-        None if intent == "continue" else [S.STATE_FILE, "model.safetensors"])
+        None if intent == "continue" else [S.STATE_FILE, "model.safetensors", SHARDS_FILE])
     progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
     try:
         files = store.read_verified(info, names, advance=progress.advance)
@@ -131,6 +133,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
     where = os.path.join(info.path, "MANIFEST.json")
     live = parts if intent == "continue" else {S.MODEL: model}
     try:
+        if SHARDS_FILE in files:
+            _load_shards(store, info, files, tree, meta, live, model)
         check_identity(manifest.identity, identity.fingerprint(), intent=intent, allow=allow,
                        where=where)
         check_environment(manifest.environment, environment(), where=where)
@@ -145,6 +149,28 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
                                 f"({type(e).__name__}: {e!s:.200})") from None
     return ready, tree
+
+
+def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],
+                 tree: dict[str, Any], meta: Mapping[str, str], live: Mapping[str, Any],
+                 model: torch.nn.Module) -> None:
+    """The sharded tensors of the parts being loaded, resharded to this job (`dist.sharded`);
+    each shard file is hash-verified as it is first read."""
+    index = read_index(files[SHARDS_FILE], f"{info.path}/{SHARDS_FILE}")
+    index["tensors"] = {k: v for k, v in index["tensors"].items()
+                        if json.loads(k)[0] in live}  # a warm start reads the model only
+
+    def read(name: str) -> Any:
+        if name not in files:
+            files.update(store.read_verified(info, [name]))
+        if name not in files:
+            raise CorruptCheckpoint(f"{info.path}/{name}: named in {SHARDS_FILE}, missing "
+                                    "from the manifest")
+        return files[name]
+
+    load_shards(tree, index, S.capture(live, model), model, read, info.path,
+                {k: meta[k] for k in ("unbroken.run_id", "unbroken.generation",
+                                      "unbroken.incarnation")})
 
 
 def _rank_streams(files: Mapping[str, Any], folder: str, meta: Mapping[str, str],

@@ -13,6 +13,7 @@ import xxhash
 from ._progress import Progress
 from .dist.commit import own_names, rank_prefix, verify_own
 from .dist.group import Group
+from .dist.sharded import encode_shards, split
 from .errors import CorruptCheckpoint, SaveFailed
 from .inputs import same_number
 from .state import parts as S
@@ -28,20 +29,27 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
 
 def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str]
                  ) -> dict[str, list[memoryview]]:
-    """This process's files of a generation (see module doc)."""
+    """This process's files of a generation (see module doc); sharded tensors (DTensors)
+    go through DCP, each rank writing its own chunks (`dist.sharded`)."""
+    tree, shards = split(tree)
     if not group.active:
-        return S.encode_generation(tree, meta)
-    shared = {k: v for k, v in tree.items() if k != S.RNG}
-    out = S.encode_generation(shared, meta) if group.leader else {}
-    out.update(S.encode_generation({S.RNG: tree[S.RNG]},
-                                   {**meta, "unbroken.rank": str(group.rank)},
-                                   prefix=rank_prefix(group.rank)))
+        out = S.encode_generation(tree, meta)
+    else:
+        shared = {k: v for k, v in tree.items() if k != S.RNG}
+        out = S.encode_generation(shared, meta) if group.leader else {}
+        out.update(S.encode_generation({S.RNG: tree[S.RNG]},
+                                       {**meta, "unbroken.rank": str(group.rank)},
+                                       prefix=rank_prefix(group.rank)))
+    if shards or group.active:  # collective in a job: every rank takes part
+        out.update(encode_shards(group, shards, meta))
     return out
 
 
 def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     """What every rank of a data-parallel job holds alike, by name: the model's tensors,
-    each parameter's optimizer state, and every other shared part."""
+    each parameter's optimizer state, and every other shared part (not what is sharded:
+    every rank holds its own chunk of it)."""
+    tree = split(tree)[0]
     for name, value in tree[S.MODEL].items():
         yield f"model {name}", value
     if S.OPTIMIZER in tree:

@@ -1,58 +1,18 @@
 """Many ranks (torch.distributed, gloo on CPU): the README loop under torchrun with DDP, one
 committed generation per job, a rank dying mid-save, a corrupt shard, replica divergence, and
-a job of 2 resumed on 1. Every collective runs under a 30 s process-group timeout and every
+a job of 2 resumed on 1 and 4, a preemption notice to one rank. Every collective runs under a 30 s process-group timeout and every
 process under a subprocess timeout: nothing here can hang the suite."""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import SCRIPTS
+from _launch import by_hand, gens, torchrun
 
 from unbroken.proof.equivalence import compare
 from unbroken.trace import read_trace
-
-SCRIPT = str(SCRIPTS / "ddp_train.py")
-
-
-def torchrun(n: int, folder: Path, trace: Path, *args: str, env: dict[str, str] | None = None
-             ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-         "--master-port", str(_free_port()), SCRIPT, "--folder", str(folder), *args],
-        env={**os.environ, "UNBROKEN_TRACE": str(trace), **(env or {})},
-        capture_output=True, text=True, timeout=240)
-
-
-def by_hand(n: int, folder: Path, env: dict[str, str]) -> list[subprocess.CompletedProcess[str]]:
-    """The ranks as plain processes (no torchrun agent to kill the survivors for us)."""
-    port = str(_free_port())
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "--folder", str(folder)],
-                              env={**os.environ, **env, "RANK": str(r), "WORLD_SIZE": str(n),
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(n)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def gens(folder: Path) -> list[str]:
-    return sorted(p.name for p in folder.iterdir() if p.name.startswith("gen-"))
-
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
@@ -148,3 +108,23 @@ def test_a_job_of_two_resumes_on_four_ranks(reference, tmp_path):
     shares = [next(x for x in read_trace(tmp_path / f"four.jsonl.rank{r}")
                    if x["event"] == "update")["ids"] for r in range(4)]
     assert sum(shares, []) == global_batch  # the global order continues, re-split over 4
+
+
+def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(reference,
+                                                                             tmp_path):
+    folder = tmp_path / "run"
+    stopped = torchrun(2, folder, tmp_path / "s.jsonl",
+                       env={"SIGNAL_RANK": "1", "SIGNAL_AT": "13"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "rank 0 stopped after update 13" in stopped.stdout
+    assert "rank 1 stopped after update 13" in stopped.stdout
+    assert "SIGTERM received by another rank" in stopped.stderr
+    assert gens(folder)[-1] == "gen-000000013"
+    resumed = torchrun(2, folder, tmp_path / "r.jsonl")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
+                         [read_trace(tmp_path / f"s.jsonl.rank{rank}"),
+                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
+        assert result.verdict == "equivalent" and result.resumed_from == 13, (
+            rank, result.first_divergence)

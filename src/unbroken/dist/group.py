@@ -71,6 +71,14 @@ class Group:
             self._call(what, dist.broadcast, buf, 0)
         return json.loads(bytes(buf.numpy()).decode())
 
+    def max_int(self, value: int, what: str) -> int:
+        """The largest of every rank's ``value``: one all-reduce of one integer."""
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self._call(what, dist.all_reduce, t, dist.ReduceOp.MAX)
+        return int(t.item())
+
     def agree(self, problem: str | None, what: str) -> list[str]:
         """Each rank's problem (None: fine) gathered: the problems of every rank, named."""
         return [f"rank {r}: {p}" for r, p in enumerate(self.all_gather(problem, what)) if p]

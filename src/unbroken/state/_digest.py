@@ -62,7 +62,8 @@ def _feed(h: Any, obj: Any) -> None:
         else:
             h.update(b"Q%d;" % len(obj) + packed.tobytes())
     elif isinstance(obj, torch.Tensor):  # a Tensor subclass
-        _feed(h, obj.as_subclass(torch.Tensor))
+        local = getattr(obj, "to_local", None)  # a DTensor: this rank's chunk (traces are
+        _feed(h, local() if local is not None else obj.as_subclass(torch.Tensor))  # per rank)
     elif isinstance(obj, (np.ndarray, np.generic)):
         arr = np.ascontiguousarray(obj)
         h.update(f"A{arr.dtype.str}{arr.shape};".encode())

@@ -1,15 +1,23 @@
-"""The README's loop under DDP: every rank builds its Checkpointer on the same run folder.
+"""The README's loop under DDP or FSDP2: every rank builds its Checkpointer on the same run
+folder.
 
 Run with ``torchrun --nproc-per-node 2`` or with RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT set by hand. ``KILL_RANK`` and ``KILL_AT`` arm ``$UNBROKEN_KILL_AT`` on one rank
-only (a rank that dies alone); ``DIVERGE`` perturbs rank 1's weights (a replica divergence)."""
+only (a rank that dies alone), ``SIGNAL_RANK`` and ``SIGNAL_AT`` send SIGTERM to one rank
+inside an update (a preemption notice that rank alone receives); ``DIVERGE`` perturbs rank 1's weights (a replica divergence).
+``--fsdp`` shards the model with ``fully_shard`` (DTensors) instead of DDP; ``--dump FILE``
+writes, from rank 0, digests of the *full* model and optimizer state (gathered from every
+rank) at update ``--dump-at`` (right after its save, or right after a restore to it), and the
+global sample ids of the next update."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import random
+import signal
 import sys
 
 import numpy as np
@@ -18,6 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import unbroken
+from unbroken.state._digest import digest_tree
 
 
 class Points(torch.utils.data.Dataset):
@@ -33,43 +42,88 @@ class Points(torch.utils.data.Dataset):
         return self.x[i] + 0.05 * torch.randn(8), self.y[i], i
 
 
+def full(value):
+    """A DTensor gathered whole (collective); anything else as it is."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def full_state(model, opt) -> dict[str, str]:
+    """Digests of every model tensor and every optimizer state entry, whole, by name."""
+    out = {f"model {k}": digest_tree(full(v)) for k, v in model.state_dict().items()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, entry in opt.state.items():
+        for key, value in sorted(entry.items()):
+            out[f"optimizer {names[id(p)]} {key}"] = digest_tree(full(value))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", default="runs/ddp")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--dump")
+    ap.add_argument("--dump-at", type=int, default=-1)
     args = ap.parse_args()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
     if os.environ.get("KILL_RANK") == str(rank):
         os.environ["UNBROKEN_KILL_AT"] = os.environ["KILL_AT"]
+    if os.environ.get("SIGNAL_RANK") == str(rank):  # SIGTERM lands inside update SIGNAL_AT
+        os.environ["UNBROKEN_SIGNAL_AT"] = os.environ["SIGNAL_AT"]
     torch.manual_seed(0), np.random.seed(rank), random.seed(rank)
     data = Points()
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 3))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    if args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[3]):
+            fully_shard(layer, mesh=mesh)
+        net = fully_shard(model, mesh=mesh)
+    else:
+        net = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     sampler = unbroken.ResumableSampler(len(data), batch_size=16, seed=0)  # rank from dist
     loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler,
                                       num_workers=args.workers)
-    ckpt = unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, scheduler=sched,
-                                 data=loader, every=args.every)
+    ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, scheduler=sched,
+                                 data=loader, every=args.every,
+                                 signals=[signal.SIGTERM])
     step = ckpt.restore()
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     if os.environ.get("DIVERGE") and rank == 1:
         with torch.no_grad():
             model[0].weight.add_(1e-3)
-    while loader.epoch < args.epochs:
-        for x, y, _ in loader:
-            loss = F.cross_entropy(ddp(x), y)
+    dump: dict = {}
+    if step == args.dump_at:
+        dump["state"] = full_state(net, opt)
+    while loader.epoch < args.epochs and not ckpt.should_stop:
+        for x, y, ids in loader:
+            if "state" in dump and "ids" not in dump:
+                everyone = [None] * dist.get_world_size()
+                dist.all_gather_object(everyone, ids.tolist())
+                dump["ids"] = sum(everyone, [])
+            loss = F.cross_entropy(net(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
             sched.step()
             step += 1
             ckpt.step_done(step, loss=loss)
+            if step == args.dump_at:
+                dump["state"] = full_state(net, opt)
+            if ckpt.should_stop:
+                print(f"rank {rank} stopped after update {step}", flush=True)
+                break
+    if args.dump and rank == 0:
+        with open(args.dump, "w") as f:
+            json.dump(dump, f)
     ckpt.close()
     dist.destroy_process_group()
     # Past this point everything is saved; with 4 gloo ranks on 2 cores, interpreter teardown

@@ -1,0 +1,383 @@
+"""Sharded state (FSDP2's ``fully_shard``, any DTensor) inside unbroken's generation, through
+torch.distributed.checkpoint (DCP).
+
+DCP's planners decide what each rank writes (its local chunk of every DTensor, with the
+chunk's offsets in the global tensor) and, on restore, which saved chunks overlap each
+rank's new local shard: that is resharding, from any world size to any other. DCP's storage
+layer is replaced by ours (`_Writer`, `_Reader`): each rank's chunks go into its own
+``rankNNNNN.shards.safetensors``, written, fsynced and hashed by the two-phase commit like every
+other file of the generation, and the index DCP keeps as a pickled ``.metadata`` is written by
+us as ``shards.json`` (JSON, covered by the manifest). Nothing is pickled, and every shard file
+is hash-verified before a byte of it is decoded.
+
+DCP runs with ``no_dist=True`` on both sides: its own object collectives (which pickle) are
+not used; the index is gathered with unbroken's JSON collectives, and a restore is agreed by
+the same vote as every other file (`picking`), so a rank that refuses a generation can never
+leave another waiting inside DCP.
+
+In the state tree a DTensor leaf at path ``[part, key, ...]`` is taken out (`split`) and put
+back on restore (`load_shards`) under the DCP key ``json.dumps(path)``."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.futures import Future
+
+from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenError, UnsupportedValue
+from ..state.jsontext import dumps_json, loads_json
+from ..state.tensorfile import ST_DTYPES, decode_safetensors, encode_safetensors
+from .group import Group
+
+SHARDS_FILE = "shards.json"
+SHARDS_SCHEMA = "unbroken.shards/1"
+_MAX_INDEX_BYTES = 64 * 1024 * 1024
+_DTYPE_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
+_SHARD_FILE = re.compile(r"rank([0-9]{5})\.shards\.safetensors", re.ASCII)
+
+
+def _dtensor_type() -> type | None:
+    try:  # torch.distributed may be absent (some builds): then nothing is ever sharded
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
+
+def shard_file(rank: int) -> str:
+    """One rank's chunks of every sharded tensor."""
+    return f"rank{rank:05d}.shards.safetensors"
+
+
+def is_sharded(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (saved through DCP, by every rank its own chunk)."""
+    return _DTENSOR is not None and isinstance(value, _DTENSOR)
+
+
+def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the tree without its DTensor leaves, {DCP key: DTensor}); the tree is not changed.
+    Leaves are found in nested dicts (the model, the optimizer's per-parameter state, a
+    part's own dicts)."""
+    shards: dict[str, Any] = {}
+
+    def walk(node: Any, path: list[Any]) -> Any:
+        if not isinstance(node, Mapping):
+            return node
+        out = {}
+        for k, v in node.items():
+            if is_sharded(v):
+                shards[json.dumps([*path, k])] = v
+            else:
+                out[k] = walk(v, [*path, k])
+        return out
+
+    rest = {part: walk(value, [part]) for part, value in tree.items()}
+    return rest, shards
+
+
+# -- saving ------------------------------------------------------------------------------------
+
+
+def encode_shards(group: Group, shards: Mapping[str, Any], meta: Mapping[str, str]
+                  ) -> dict[str, list[memoryview]]:
+    """This rank's shard file and, on the leader, ``shards.json`` (every rank's chunks, gathered
+    as JSON). Collective: every rank of the job calls it, with or without shards of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    writer = _Writer()
+    if shards:
+        try:
+            with _quiet():
+                dcp.save(dict(shards), storage_writer=writer, no_dist=True,
+                         planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
+        except BaseException as e:  # noqa: BLE001 -- DCP wraps failures in a BaseException
+            raise UnsupportedValue(f"sharded state could not be planned by DCP: "
+                                   f"{_first_line(e)}") from None
+    stamped = {**meta, "unbroken.rank": str(group.rank), "unbroken.part": "shards"}
+    out: dict[str, list[memoryview]] = {}
+    if writer.tensors:
+        out[shard_file(group.rank)] = encode_safetensors(writer.tensors, stamped)
+    everyone = group.all_gather(writer.index, "gathering the sharded-state index")
+    if group.leader and any(everyone):
+        out[SHARDS_FILE] = [memoryview(dumps_json(_merge(everyone, meta)))]
+    return out
+
+
+class _Writer:
+    """A DCP StorageWriter that keeps this rank's chunks in memory (as safetensors keys) for
+    the generation's commit to write; `index` lists each chunk for ``shards.json``."""
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.index: list[dict[str, Any]] = []
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def write_data(self, plan: Any, planner: Any) -> Future[list[Any]]:
+        from torch.distributed.checkpoint.planner import WriteItemType
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        results = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:  # only DTensors are handed to DCP
+                raise UnsupportedValue(f"{item.index.fqn}: not a tensor")
+            t = planner.resolve_data(item).detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            key = str(len(self.tensors))
+            self.tensors[key] = t.contiguous()
+            chunk = item.tensor_data.chunk
+            self.index.append({"key_path": item.index.fqn, "key": key,
+                               "dtype": ST_DTYPES[t.dtype], "size": list(item.tensor_data.size),
+                               "offsets": list(chunk.offsets), "sizes": list(chunk.sizes)})
+            results.append(WriteResult(index=item.index, size_in_bytes=t.numel() *
+                                       t.element_size(), storage_data=key))
+        done: Future[list[Any]] = Future()
+        done.set_result(results)
+        return done
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        pass
+
+    def storage_meta(self) -> None:
+        return None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+def _merge(everyone: list[list[dict[str, Any]]], meta: Mapping[str, str]) -> dict[str, Any]:
+    """``shards.json``: per DCP key, the global size, dtype and every rank's chunks."""
+    tensors: dict[str, Any] = {}
+    for rank, index in enumerate(everyone):
+        for c in index:
+            entry = tensors.setdefault(c["key_path"], {"dtype": c["dtype"], "size": c["size"],
+                                                       "chunks": []})
+            if (entry["dtype"], entry["size"]) != (c["dtype"], c["size"]):
+                raise StateMismatch(f"sharded tensor {_name(c['key_path'])}: rank {rank} holds "
+                                    f"{c['dtype']} {c['size']}, another rank "
+                                    f"{entry['dtype']} {entry['size']}")
+            if any(x["offsets"] == c["offsets"] for x in entry["chunks"]):
+                continue  # a replica of a chunk (HSDP): the lowest rank's copy is read
+            entry["chunks"].append({"offsets": c["offsets"], "sizes": c["sizes"],
+                                    "file": shard_file(rank), "key": c["key"]})
+    return {"schema": SHARDS_SCHEMA, "meta": dict(meta), "tensors": tensors}
+
+
+# -- restoring ---------------------------------------------------------------------------------
+
+
+def read_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
+    """``shards.json``, validated: every chunk inside its tensor, every dtype known."""
+    doc = loads_json(data, where, _MAX_INDEX_BYTES)
+    try:
+        if doc["schema"] != SHARDS_SCHEMA:
+            raise CorruptCheckpoint(f"{where}: schema {doc['schema']!r}, expected "
+                                    f"{SHARDS_SCHEMA!r}")
+        for key, entry in doc["tensors"].items():
+            path = json.loads(key)
+            size, chunks = entry["size"], entry["chunks"]
+            ok = (isinstance(path, list) and len(path) >= 2 and isinstance(path[0], str)
+                  and all(type(k) in (str, int) for k in path)
+                  and entry["dtype"] in _DTYPE_BY_NAME and _ints(size) and chunks
+                  and all(_ints(c["offsets"]) and _ints(c["sizes"])
+                          and len(c["offsets"]) == len(c["sizes"]) == len(size)
+                          and all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], size))
+                          and _SHARD_FILE.fullmatch(c["file"]) is not None
+                          and isinstance(c["key"], str)
+                          for c in chunks))
+            if not ok:
+                raise ValueError(key)
+    except CorruptCheckpoint:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpoint(f"{where}: not an unbroken shard index ({e!s:.100})") from None
+    return doc
+
+
+def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mapping[str, Any],
+                model: torch.nn.Module, read: Callable[[str], bytes | memoryview], where: str,
+                meta: Mapping[str, str]) -> None:
+    """Put the sharded tensors of ``index`` back into ``tree``, each as the live run holds
+    it (`_target`): a DTensor with this job's mesh and placements, whatever the saving job's
+    were, or a plain tensor. ``read(name)`` returns a shard file's hash-verified bytes.
+    Nothing live is changed."""
+    import torch.distributed.checkpoint as dcp
+
+    _, live = split(live_tree)
+    params = dict(model.named_parameters())
+    wanted = {key: _target(key, entry, live, params) for key, entry in index["tensors"].items()}
+    reader = _Reader(index, read, where, meta)
+    try:
+        with _quiet():
+            dcp.load(wanted, storage_reader=reader, no_dist=True,
+                     planner=dcp.DefaultLoadPlanner(flatten_state_dict=False))
+    except BaseException as e:  # noqa: BLE001 -- DCP wraps every failure in a BaseException
+        if reader.error is not None:
+            raise reader.error from None
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise CorruptCheckpoint(f"{where}/{SHARDS_FILE}: the sharded state does not load "
+                                f"({_first_line(e)})") from None
+    for key, tensor in wanted.items():
+        path = json.loads(key)
+        node = tree.get(path[0])
+        for k in path[1:-1]:  # `split` keeps every dict on the way, emptied or not
+            node = node.get(k) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or path[-1] in node:
+            raise CorruptCheckpoint(f"{where}/{SHARDS_FILE}: {_name(key)} has no place in the "
+                                    "saved state")
+        node[path[-1]] = tensor
+
+
+def _target(key: str, entry: Mapping[str, Any], live: Mapping[str, Any],
+            params: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """The tensor a saved sharded tensor loads into: shaped like the live run's tensor at the
+    same path (for the state of a parameter a fresh optimizer has not created yet: like that
+    parameter), so a DTensor keeps this job's mesh and placements; a tensor the live run does
+    not hold sharded is read whole."""
+    dtype = _DTYPE_BY_NAME[entry["dtype"]]
+    size = torch.Size(entry["size"])
+    path = json.loads(key)
+    like = live.get(key)
+    if like is None and len(path) == 4 and path[:2] == ["optimizer", "state"]:
+        like = params.get(path[2])
+    if isinstance(like, torch.Tensor) and like.shape == size:
+        return torch.empty_like(like, dtype=dtype)
+    return torch.empty(size, dtype=dtype)
+
+
+class _Reader:
+    """A DCP StorageReader over ``shards.json`` and hash-verified shard files."""
+
+    def __init__(self, index: Mapping[str, Any], read: Callable[[str], bytes | memoryview],
+                 where: str, meta: Mapping[str, str]) -> None:
+        self.index, self.read, self.where, self.meta = index, read, where, meta
+        self.error: UnbrokenError | None = None
+        self._files: dict[str, dict[str, torch.Tensor]] = {}
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            Metadata,
+            MetadataIndex,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        md: dict[str, Any] = {}
+        storage: dict[Any, Any] = {}
+        for key, entry in self.index["tensors"].items():
+            md[key] = TensorStorageMetadata(
+                TensorProperties(dtype=_DTYPE_BY_NAME[entry["dtype"]]),
+                torch.Size(entry["size"]),
+                [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"]))
+                 for c in entry["chunks"]])
+            for c in entry["chunks"]:
+                storage[MetadataIndex(key, c["offsets"])] = (c["file"], c["key"])
+        return Metadata(state_dict_metadata=md, storage_data=storage)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        self.storage = metadata.storage_data
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        return plan
+
+    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
+        return plans
+
+    def read_data(self, plan: Any, planner: Any) -> Future[None]:
+        try:
+            for item in plan.items:
+                file, key = self.storage[item.storage_index]
+                src = self._tensors(file).get(key)
+                if src is None:
+                    raise CorruptCheckpoint(f"{self.where}/{file}: no tensor {key!r}, which "
+                                            f"{SHARDS_FILE} lists for "
+                                            f"{_name(item.storage_index.fqn)}")
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths)):
+                    src = src.narrow(dim, start, length)
+                dest = planner.resolve_tensor(item).detach()
+                if dest.shape != src.shape or dest.dtype != src.dtype:
+                    raise CorruptCheckpoint(
+                        f"{self.where}/{file}: {_name(item.storage_index.fqn)} chunk {key!r} is "
+                        f"{src.dtype} {tuple(src.shape)}, expected {dest.dtype} "
+                        f"{tuple(dest.shape)}")
+                dest.copy_(src)
+                planner.commit_tensor(item, dest)
+        except UnbrokenError as e:
+            self.error = e
+            raise
+        except (IndexError, RuntimeError, ValueError) as e:
+            self.error = CorruptCheckpoint(f"{self.where}: a shard does not fit its index "
+                                           f"({e!s:.200})")
+            raise self.error from None
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _tensors(self, file: str) -> dict[str, torch.Tensor]:
+        if file not in self._files:
+            where = f"{self.where}/{file}"
+            tensors, stamped = decode_safetensors(self.read(file), where)
+            match = _SHARD_FILE.fullmatch(file)
+            assert match is not None  # read_index checked every name
+            expected = {**self.meta, "unbroken.part": "shards",
+                        "unbroken.rank": str(int(match.group(1)))}
+            if stamped != expected:
+                raise CorruptCheckpoint(f"{where}: stamped {stamped}, expected {expected}: the "
+                                        "file belongs to another generation")
+            self._files[file] = tensors
+        return self._files[file]
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """DCP warns that it runs without torch.distributed: deliberately so (module doc)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _ints(v: Any) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def _name(key: str) -> str:
+    try:
+        return ".".join(str(k) for k in json.loads(key))
+    except ValueError:
+        return key
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[-1] if text else type(e).__name__)[:300]

@@ -1,0 +1,114 @@
+"""Sharded state (FSDP2's ``fully_shard``) through DCP inside unbroken's generation, on gloo:
+a job of 2 killed and resumed bitwise; its generation restored on 1, 2 and 4 ranks and into a
+plain model with every tensor equal element for element and the global sample order
+continuing; a corrupt shard of one rank makes every rank fall back together."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from _launch import SCRIPT, torchrun
+
+from unbroken.proof.equivalence import compare
+from unbroken.trace import read_trace
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """An uninterrupted job of 2 (digests of the whole state after update 15, and the global
+    batch of update 16), and the same job killed after update 17 (newest generation: 15)."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--dump", str(tmp / "ref.json"),
+                   "--dump-at", "15")
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp",
+                      env={"UNBROKEN_KILL_AT": "step-done@17"})
+    assert killed.returncode != 0
+    return tmp
+
+
+def resume(runs: Path, tmp_path: Path, n: int, *args: str) -> dict:
+    folder = tmp_path / "run"
+    shutil.copytree(runs / "killed", folder)
+    r = torchrun(n, folder, tmp_path / "r.jsonl", "--fsdp", "--dump", str(tmp_path / "d.json"),
+                 "--dump-at", "15", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads((tmp_path / "d.json").read_text())
+
+
+def test_the_generation_holds_each_ranks_chunks_once(runs):
+    names = set(p.name for p in (runs / "killed" / "gen-000000015").iterdir())
+    assert {"shards.json", "rank00000.shards.safetensors",
+            "rank00001.shards.safetensors"} <= names
+    assert "model.safetensors" not in names  # every weight is sharded: no rank writes it whole
+    index = json.loads((runs / "killed" / "gen-000000015" / "shards.json").read_text())
+    chunks = index["tensors"]['["model", "0.weight"]']["chunks"]
+    assert [c["offsets"] for c in chunks] == [[0, 0], [16, 0]]
+
+
+def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
+    dump = resume(runs, tmp_path, 2)
+    ref = json.loads((runs / "ref.json").read_text())
+    assert dump == ref
+    for rank in (0, 1):
+        result = compare(read_trace(runs / f"ref.jsonl.rank{rank}"),
+                         [read_trace(runs / f"k.jsonl.rank{rank}"),
+                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
+        assert result.verdict == "equivalent" and result.resumed_from == 15, (
+            rank, result.first_divergence)
+
+
+@pytest.mark.parametrize("ranks", [1, 4])
+def test_a_job_of_two_restores_on_another_world_size_element_for_element(runs, tmp_path,
+                                                                         ranks):
+    dump = resume(runs, tmp_path, ranks, "--workers", "0")
+    ref = json.loads((runs / "ref.json").read_text())
+    assert dump["state"] == ref["state"]  # model and AdamW state, whole, equal
+    assert len(ref["state"]) == 4 + 4 * 3  # 4 tensors, each with step, exp_avg, exp_avg_sq
+    assert dump["ids"] == ref["ids"]  # the global batch of update 16, re-split over the ranks
+
+
+def test_a_sharded_generation_restores_into_a_plain_model(runs, tmp_path):
+    spec = importlib.util.spec_from_file_location("ddp_train", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    import torch
+
+    import unbroken
+
+    shutil.copytree(runs / "killed", tmp_path / "run")
+    data = script.Points()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(32, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0),
+                                      unbroken.ResumableSampler(len(data), batch_size=16, seed=0))
+    with pytest.warns(unbroken.UnbrokenWarning, match="world_size: saved 2, now 1"):
+        with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                   scheduler=sched, data=loader) as ckpt:
+            assert ckpt.restore() == 15
+    ref = json.loads((runs / "ref.json").read_text())
+    assert script.full_state(model, opt) == ref["state"]
+    assert next(iter(loader))[2].tolist() == ref["ids"]
+
+
+def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(runs, tmp_path):
+    folder = tmp_path / "run"
+    shutil.copytree(runs / "killed", folder)
+    shard = folder / "gen-000000015" / "rank00001.shards.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    r = torchrun(2, folder, tmp_path / "t.jsonl", "--fsdp", "--epochs", "1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "rank 1: " in r.stderr and "rank00001.shards.safetensors" in r.stderr
+    for rank in (0, 1):
+        restores = [x for x in read_trace(tmp_path / f"t.jsonl.rank{rank}")
+                    if x["event"] == "restore"]
+        assert restores[0]["step"] == 10 and restores[0]["rejected"] == ["gen-000000015"]
