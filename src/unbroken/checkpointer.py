@@ -372,7 +372,8 @@ class Checkpointer:
                 warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
                               "(to change a hyperparameter, set it after restore(), or "
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
-        S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, "")))
+        S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
+                           self._group.rank))
         self._restored = True
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:

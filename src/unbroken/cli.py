@@ -287,7 +287,8 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
          arg("--keep", action="store_true",
              help="keep the temporary working folder (removed by default)"),
          arg("--drop", metavar="PART", help="fault injection: do not restore PART on resume "
-             "(optimizer, scheduler, scaler, data, rng, rng.<stream>, weights_only)"),
+             "(optimizer, scheduler, scaler, data, rng, rng.<stream>, weights_only; PART@R: on "
+             "rank R of a job only)"),
          arg("--reference", metavar="TRACE", help="reuse the trace of an earlier uninterrupted "
              "run of the same command (its workdir's reference/trace.jsonl)"),
          arg("--timeout", type=_seconds, default=600.0, help="seconds allowed per process"),
@@ -308,10 +309,12 @@ def _check(args: argparse.Namespace) -> int:
 
     from .proof.harness import format_report, run_check
 
-    for part in (args.drop or "").split(","):
-        if part and part not in _DROPPABLE and not part.startswith(("rng.", "extra.")):
-            raise UsageError(f"--drop {part!r}: one of {', '.join(_DROPPABLE)}, rng.<stream> "
-                             "or extra.<name>")
+    for entry in (args.drop or "").split(","):
+        part, at, rank = entry.partition("@")
+        if (part and part not in _DROPPABLE and not part.startswith(("rng.", "extra."))
+                or at and not rank.isdigit()):
+            raise UsageError(f"--drop {entry!r}: one of {', '.join(_DROPPABLE)}, rng.<stream> "
+                             "or extra.<name>, optionally @RANK (one rank of a job)")
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("no command: unbroken check [options] -- python train.py ...")
@@ -345,6 +348,8 @@ def _check(args: argparse.Namespace) -> int:
 def _check_inputs_first(args: argparse.Namespace) -> None:
     """What can be refused before minutes of training: a plot without matplotlib or without a
     writable path, a reference trace that is not there."""
+    from .proof.harness import rank_traces
+
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -359,8 +364,9 @@ def _check_inputs_first(args: argparse.Namespace) -> None:
                              ) from None
         if not existed:
             os.unlink(args.plot)
-    if args.reference and not os.path.isfile(args.reference):
-        raise UsageError(f"--reference {args.reference}: no such trace file")
+    if args.reference and not rank_traces(args.reference):
+        raise UsageError(f"--reference {args.reference}: no such trace file (nor one per "
+                         "rank: .rank0, .rank1, ...)")
 
 
 @command("demo", "kill a training run, resume it, prove equivalence, show defective resumes",

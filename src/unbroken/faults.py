@@ -2,7 +2,8 @@
 
 ``$UNBROKEN_FAULT_DROP`` makes a continuation restore everything except the named parts
 (comma-separated: optimizer, scheduler, scaler, data, rng, rng.<stream>,
-rng.generators.<name>, extra.<name>, or weights_only). A normal restore still refuses a
+rng.generators.<name>, extra.<name>, or weights_only; ``part@R`` drops it on rank R of a job
+only). A normal restore still refuses a
 checkpoint that lacks a part with `MissingState`: this switch only leaves live parts as they
 are."""
 
@@ -19,11 +20,18 @@ DROP_ENV = "UNBROKEN_FAULT_DROP"
 log = logging.getLogger("unbroken")
 
 
-def drop_parts(parts: Mapping[str, Any], ready: dict[str, Any], spec: str) -> dict[str, Any]:
-    """The parts to apply, minus those named in ``spec``. A dropped RNG stream keeps its live
-    state (``ready`` is edited accordingly)."""
+def drop_parts(parts: Mapping[str, Any], ready: dict[str, Any], spec: str, rank: int = 0
+               ) -> dict[str, Any]:
+    """The parts to apply, minus those named in ``spec`` (for this ``rank``). A dropped RNG
+    stream keeps its live state (``ready`` is edited accordingly)."""
     parts = dict(parts)
-    names = [n.strip() for n in spec.split(",") if n.strip()]
+    names = []
+    for entry in (n.strip() for n in spec.split(",")):
+        name, _, on = entry.partition("@")
+        if on and not on.isdigit():
+            raise UnbrokenError(f"${DROP_ENV}: {entry!r}: expected PART or PART@RANK")
+        if name and (not on or int(on) == rank):
+            names.append(name)
     if "weights_only" in names:
         names += [n for n in parts if n not in (S.MODEL, S.COUNTERS, S.RNG)] + [S.RNG]
     for name in names:

@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from unbroken.proof.harness import Timeout, _group_alive, run_process
+from unbroken._procs import group_alive
+from unbroken.proof.harness import Timeout, run_process
 
 
 def test_a_hung_process_group_is_killed_and_reported(tmp_path):
@@ -28,4 +29,4 @@ def test_workers_left_behind_by_a_finished_parent_are_reaped(tmp_path):
     log = tmp_path / "log"
     assert run_process([sys.executable, str(script)], {}, str(log), timeout=30) == 0
     pgid = int(log.read_text().split()[0])
-    assert not _group_alive(pgid)
+    assert not group_alive(pgid)

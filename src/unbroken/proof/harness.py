@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _procs
 from ..checkpointer import ROOT_ENV
 from ..errors import UnbrokenError
 from ..faults import DROP_ENV
@@ -23,6 +24,7 @@ from .checkplan import PHASES, Kill, default_plan, explicit_plan
 from .equivalence import Comparison, as_float, compare
 
 __all__ = ["PHASES", "CheckReport", "format_report", "run_check"]
+_POLL = 0.05  # seconds between looks at the job's processes (and its exit)
 
 @dataclass
 class KillResult:
@@ -45,8 +47,9 @@ class CaseResult:
 
     kills: list[KillResult]
     verdict: str  # equivalent | diverged | untested | error
-    comparison: Comparison | None = None
+    comparison: Comparison | None = None  # in a job, of the rank that explains the case
     note: str = ""
+    rank: int | None = None  # in a job: the rank whose trace `comparison` is
 
     @property
     def resumed_from(self) -> int | None:
@@ -55,7 +58,7 @@ class CaseResult:
     def to_json(self) -> dict[str, Any]:
         d = self.comparison.first_divergence if self.comparison else None
         first = self.kills[0]
-        return {"interrupt_at": first.kill.at, "phase": first.kill.phase,
+        return {"interrupt_at": first.kill.at, "phase": first.kill.phase, "rank": self.rank,
                 "kills": [k.to_json() for k in self.kills],
                 "resumed_from": self.resumed_from, "verdict": self.verdict, "note": self.note,
                 "first_divergence": None if d is None else {
@@ -101,58 +104,50 @@ def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
     return env
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any non-zombie process is left in the process group (workers included)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            return True
-    return False
-
-
 class Timeout(UnbrokenError):
     """A process of the check ran past its time limit (and was killed)."""
 
 
 def run_process(cmd: Sequence[str], env: Mapping[str, str], log: str,
                 timeout: float) -> int:
-    """Run ``cmd`` in its own process group; afterwards SIGKILL whatever is left of the group
-    and wait until it is empty, so no worker of a killed run outlives it. Raises `Timeout`
-    past ``timeout`` seconds; an interrupt (Ctrl-C) of the check takes the group down too
-    (it runs in its own session, so the terminal's signal does not reach it)."""
+    """Run ``cmd`` in its own process group; afterwards SIGKILL whatever is left of the job
+    and wait until it is gone, so no worker of a killed run outlives it. The job is the
+    process group and every process started under it, followed by parent links while it runs:
+    torchrun starts each rank in a session of its own. Raises `Timeout` past ``timeout``
+    seconds; an interrupt (Ctrl-C) of the check takes the job down too (it runs in its own
+    session, so the terminal's signal does not reach it)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(list(cmd), env=_clean_env(env), stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        seen: set[_procs.Process] = set()
+        deadline = time.monotonic() + timeout
         try:
-            code = proc.wait(timeout=timeout)
+            while (code := proc.poll()) is None:
+                seen |= _procs.tree(proc.pid)
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(list(cmd), timeout)
+                time.sleep(_POLL)
         except BaseException as e:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            _wait_group_gone(proc.pid)
+            _wait_job_gone(proc.pid, seen)
             if isinstance(e, subprocess.TimeoutExpired):
                 out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
                 raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s (see {log})") from None
             raise
-    _wait_group_gone(proc.pid)
+    _wait_job_gone(proc.pid, seen)
     return code
 
 
-def _wait_group_gone(pgid: int) -> None:
+def _wait_job_gone(pgid: int, seen: set[_procs.Process]) -> None:
     deadline = time.monotonic() + 30
-    while _group_alive(pgid):
+    while _procs.kill(seen) or _procs.group_alive(pgid):
         try:
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
-            break
+            pass
         if time.monotonic() > deadline:
-            raise UnbrokenError(f"processes of group {pgid} survive SIGKILL")
+            raise UnbrokenError(f"processes of job {pgid} survive SIGKILL")
         time.sleep(0.02)
 
 
@@ -189,10 +184,13 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         if code != 0:
             raise UnbrokenError(f"the uninterrupted reference run exited with {code}; the end "
                                 f"of its output ({log}):\n{_tail(log)}")
-        if not os.path.exists(reference_trace):
+        if not rank_traces(reference_trace):
             raise UnbrokenError("the reference run wrote no trace: does the script build an "
                                 f"unbroken.Checkpointer? (output: {log})")
-    reference = read_trace(reference_trace)
+    references = {r: read_trace(t) for r, t in rank_traces(reference_trace).items()}
+    if not references:
+        raise UnbrokenError(f"{reference_trace}: no such trace (nor one per rank, .rank0 ...)")
+    reference = references[min(references, key=lambda r: -1 if r is None else r)]
     steps = max((r["step"] for r in reference if r["event"] == "update"), default=0)
     report = CheckReport(list(cmd), steps)
     report.reference_loss = [(r["step"], as_float(r.get("loss")) or float("nan"))
@@ -203,16 +201,35 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         where = ", ".join(f"{k.at} ({k.phase})" for k in kills)
         say(f"case {i + 1}: interrupt at update {where} ...")
         report.cases.append(_run_case(cmd, kills, os.path.join(workdir, f"case-{i + 1:02d}"),
-                                      reference, rtol, atol, exact_steps, drop, timeout, say))
+                                      references, rtol, atol, exact_steps, drop, timeout, say))
     return report
 
 
+def rank_traces(path: str) -> dict[int | None, str]:
+    """The trace a process wrote at ``path`` ({None: path}), or those the ranks of a job wrote
+    (``path.rank0``, ``path.rank1``, ...: {0: ..., 1: ...})."""
+    if os.path.isfile(path):
+        return {None: path}
+    found: dict[int | None, str] = {}
+    folder, name = os.path.split(path)
+    try:
+        entries = os.listdir(folder or ".")
+    except OSError:
+        return found
+    for entry in entries:
+        rank = entry[len(name) + 5:] if entry.startswith(name + ".rank") else ""
+        if rank.isdigit():
+            found[int(rank)] = os.path.join(folder, entry)
+    return found
+
+
 def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
-              reference: list[dict[str, Any]], rtol: float, atol: float,
+              references: dict[int | None, list[dict[str, Any]]], rtol: float, atol: float,
               exact_steps: int | None, drop: str | None, timeout: float, say: Any
               ) -> CaseResult:
     """Run ``cmd`` interrupted at each of ``kills`` in turn (each life resumes the previous
-    one), then to the end; compare the stitched trace with the reference."""
+    one), then to the end; compare the stitched trace with the reference (in a job, every
+    rank's with that rank's)."""
     os.makedirs(folder, exist_ok=True)
     root, log = os.path.join(folder, "run"), os.path.join(folder, "output.log")
     results = [KillResult(k) for k in kills]
@@ -235,7 +252,8 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
             code = run_process(cmd, env, log, timeout)
         except Timeout as e:
             return CaseResult(results, "error", note=f"a process hung: {e}")
-        records = read_trace(trace) if os.path.exists(trace) else []
+        written = rank_traces(trace)
+        records = read_trace(written[min(written, key=lambda r: r or 0)]) if written else []
         if previous is not None:
             previous.resumed_from = next((r["step"] for r in records
                                           if r["event"] == "restore"), None)
@@ -255,11 +273,29 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
             return CaseResult(results, verdict, note=problem)
         result.reached = True
         previous = result
-    segments = [read_trace(t) if os.path.exists(t) else [] for t in traces]
-    comparison = compare(reference, segments, rtol=rtol, atol=atol, exact_steps=exact_steps)
+    by_rank = {}
+    for rank, reference in references.items():
+        suffix = "" if rank is None else f".rank{rank}"
+        segments = [read_trace(t + suffix) if os.path.exists(t + suffix) else [] for t in traces]
+        by_rank[rank] = compare(reference, segments, rtol=rtol, atol=atol,
+                                exact_steps=exact_steps)
+    rank, comparison = _explaining(by_rank)
     note = "" if comparison.verdict != "untested" else \
         "every resume started from step 0: the resume was not exercised"
-    return CaseResult(results, comparison.verdict, comparison, note)
+    return CaseResult(results, comparison.verdict, comparison, note, rank)
+
+
+def _explaining(by_rank: dict[int | None, Comparison]) -> tuple[int | None, Comparison]:
+    """The rank whose comparison decides a job's case: the worst verdict; among diverged
+    ranks the earliest divergence, and at the same update a rank whose state differed right
+    after the resume (the cause: the other ranks differ through the gradients they share)."""
+    def key(item: tuple[int | None, Comparison]) -> tuple[int, int, int, int]:
+        rank, c = item
+        d = c.first_divergence
+        return ({"diverged": 0, "untested": 1}.get(c.verdict, 2),
+                d.step if d is not None else 0, 0 if c.restore_differs else 1, rank or 0)
+
+    return min(by_rank.items(), key=key)
 
 
 def _newest_step(root: str) -> int | None:
@@ -312,7 +348,8 @@ def format_report(report: CheckReport, workdir: str | None) -> str:
                    right=(0, 1, 4), indent="  "), ""]
     for n, c in enumerate(report.cases, 1):
         d = c.comparison.first_divergence if c.comparison else None
-        head = f"  case {n}: {c.verdict.upper()}"
+        head = f"  case {n}: {c.verdict.upper()}" + (
+            f" on rank {c.rank}" if c.rank is not None and c.verdict == "diverged" else "")
         if d is not None:
             lines.append(f"{head}: first differs at update {d.step} in {d.field!r}: expected "
                          f"{d.expected!r}, found {d.found!r}")

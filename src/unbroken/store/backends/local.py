@@ -25,7 +25,6 @@ import errno
 import functools
 import mmap
 import os
-import signal
 import stat
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..._procs import kill_job
 from ...errors import CorruptCheckpoint
 
 ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
@@ -44,24 +44,19 @@ MUTATING = ("mkdir", "create", "write", "fsync", "fsync_dir", "rename", "unlink"
 READ = "read"
 
 
-def _die() -> None:
-    if os.getpgid(0) == os.getpid():
-        os.killpg(os.getpid(), signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def fault_point(name: str, step: int | None = None) -> None:
     """Die by SIGKILL here when ``$UNBROKEN_KILL_AT`` names this point.
 
     The variable holds comma-separated ``point`` or ``point@step`` entries. Killing the whole
-    process group when we lead one takes DataLoader workers down with us, as a real crash would."""
+    process group when we lead one takes DataLoader workers down with us, as a real crash would;
+    a rank started by torchrun takes the whole job down (`_procs.kill_job`)."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
     for entry in spec.split(","):
         point, _, at = entry.strip().partition("@")
         if point == name and (not at or (step is not None and int(at) == step)):
-            _die()
+            kill_job()
 
 
 class _Counter:
@@ -130,7 +125,7 @@ def io_fault_point(kind: str, path: str, before_death: Callable[[], None] | None
                     os.close(fd)
             if before_death is not None:
                 before_death()
-            _die()
+            kill_job()
 
 
 def _write_half(fd: int, view: memoryview) -> None:

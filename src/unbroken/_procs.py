@@ -1,0 +1,75 @@
+"""The processes of a job, from ``/proc``: a launcher (torchrun), its ranks (each in a session
+of its own) and their DataLoader workers. A process group cannot hold them all, since torchrun
+starts every rank with ``start_new_session``, so the harness and the fault points follow the
+parent links instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+Process = tuple[int, int]  # (pid, start time in clock ticks): a pid is reused, the pair not
+
+
+def _table() -> dict[int, tuple[int, int, str, int]]:
+    """pid -> (parent pid, process group, state, start time) of every process we can read."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
+        if len(fields) > 19:
+            out[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
+    return out
+
+
+def group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in the process group (workers included)."""
+    return any(g == pgid and state != "Z" for _, g, state, _ in _table().values())
+
+
+def tree(root: int) -> set[Process]:
+    """``root`` and every living descendant of it."""
+    table = _table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, state, _) in table.items():
+        if state != "Z":
+            children.setdefault(ppid, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and table[pid][2] != "Z":
+            found.add((pid, table[pid][3]))
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def kill(processes: set[Process]) -> set[Process]:
+    """SIGKILL those of ``processes`` still alive (the same process: same start time); returns
+    them."""
+    table = _table()
+    alive = {(pid, start) for pid, start in processes
+             if pid in table and table[pid][3] == start and table[pid][2] != "Z"}
+    for pid, _ in sorted(alive, key=lambda p: p[0] == os.getpid()):  # this one last
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return alive
+
+
+def kill_job() -> None:
+    """SIGKILL the whole job this process belongs to, as a lost machine would end it: under
+    torchrun (``$TORCHELASTIC_RUN_ID``) the launcher and everything it started; otherwise
+    this process's group when it leads one (its DataLoader workers), and this process."""
+    root = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
+    if root is not None:
+        kill(tree(root) | {p for p in tree(os.getpid())})
+    if os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,66 @@
+"""`unbroken check` over a job of many ranks: ``unbroken check -- torchrun ...`` kills the whole
+job (the launcher, every rank, every DataLoader worker) with SIGKILL, resumes it, and compares
+every rank's trace with that rank's uninterrupted one. The correct DDP script is equivalent;
+the RNG streams of one rank left unrestored (``--drop rng@1``) are caught and attributed to
+that rank's stream."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import SCRIPT, free_port
+
+from unbroken.cli import main
+
+
+def check(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, dict]:
+    job = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), SCRIPT, "--epochs", "1"]
+    code = main(["check", "--json", "--timeout", "240", *options, "--", *job])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("check-torchrun")
+
+
+def test_a_correct_ddp_job_is_equivalent_on_every_rank(workdir, capsys):
+    code, report = check(workdir, capsys, "--workdir", str(workdir / "ok"), "--at", "11",
+                         "--phase", "after-update", "--phase", "mid-save")
+    assert code == 0 and report["verdict"] == "equivalent", report
+    assert [c["kills"][0]["exit_code"] for c in report["cases"]] == [-9, -9]  # the whole job
+    assert [c["resumed_from"] for c in report["cases"]] == [10, 10]
+    for case in ("case-01", "case-02"):  # every rank traced every life
+        names = {p.name for p in (workdir / "ok" / case).iterdir()}
+        assert {"life-01.jsonl.rank0", "life-01.jsonl.rank1", "life-02.jsonl.rank0",
+                "life-02.jsonl.rank1"} <= names
+    assert not _running(SCRIPT)  # no rank, no worker of a killed job outlives it
+
+
+def test_rng_streams_dropped_on_one_rank_are_attributed_to_that_rank(workdir, capsys):
+    code, report = check(workdir, capsys, "--workdir", str(workdir / "drop"), "--at", "11",
+                         "--phase", "after-update", "--drop", "rng@1",
+                         "--reference", str(workdir / "ok" / "reference" / "trace.jsonl"))
+    assert code == 1 and report["verdict"] == "diverged"
+    case = report["cases"][0]
+    assert case["rank"] == 1
+    assert case["first_divergence"]["state_part"].startswith("rng")
+    assert case["first_divergence"]["kind"] == "jump"
+
+
+def _running(script: str) -> list[int]:
+    """Living processes whose command line names ``script``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if script.encode() in f.read() and entry.isdigit():
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
