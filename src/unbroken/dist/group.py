@@ -30,6 +30,10 @@ class Group:
         self.pg = process_group
         self.rank = dist.get_rank(process_group) if self.active else 0
         self.size = dist.get_world_size(process_group) if self.active else 1
+        # NCCL moves CUDA tensors only: the payloads go through this rank's current device.
+        self.device = torch.device("cpu")
+        if self.active and dist.get_backend(process_group) == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def leader(self) -> bool:
@@ -48,14 +52,15 @@ class Group:
         if not self.active:
             return [value]
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        self._call(what, dist.all_gather, sizes, torch.tensor([data.numel()]))
+        sizes = [self._zeros(1, torch.int64) for _ in range(self.size)]
+        self._call(what, dist.all_gather, sizes,
+                   torch.tensor([data.numel()], device=self.device))
         longest = int(max(s.item() for s in sizes))
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = self._zeros(longest, torch.uint8)
         padded[:data.numel()] = data
-        out = [torch.zeros(longest, dtype=torch.uint8) for _ in range(self.size)]
+        out = [self._zeros(longest, torch.uint8) for _ in range(self.size)]
         self._call(what, dist.all_gather, out, padded)
-        return [json.loads(bytes(t[:int(n.item())].numpy()).decode())
+        return [json.loads(bytes(t[:int(n.item())].cpu().numpy()).decode())
                 for t, n in zip(out, sizes)]
 
     def broadcast(self, value: Any, what: str) -> Any:
@@ -63,21 +68,24 @@ class Group:
         if not self.active:
             return value
         data = json.dumps(value).encode() if self.leader else b""
-        size = torch.tensor([len(data)])
+        size = torch.tensor([len(data)], device=self.device)
         self._call(what, dist.broadcast, size, 0)
-        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.leader
-               else torch.zeros(int(size.item()), dtype=torch.uint8))
+        buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+               if self.leader else self._zeros(int(size.item()), torch.uint8))
         if buf.numel():
             self._call(what, dist.broadcast, buf, 0)
-        return json.loads(bytes(buf.numpy()).decode())
+        return json.loads(bytes(buf.cpu().numpy()).decode())
 
     def max_int(self, value: int, what: str) -> int:
         """The largest of every rank's ``value``: one all-reduce of one integer."""
         if not self.active:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._call(what, dist.all_reduce, t, dist.ReduceOp.MAX)
         return int(t.item())
+
+    def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(n, dtype=dtype, device=self.device)
 
     def agree(self, problem: str | None, what: str) -> list[str]:
         """Each rank's problem (None: fine) gathered: the problems of every rank, named."""
