@@ -17,7 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
 from .dist.commit import check_replicas, commit_job
-from .dist.group import Group, RankFailed
+from .dist.group import Group, RankFailed, background_group
 from .errors import (
     CorruptCheckpoint,
     NoCheckpoint,
@@ -29,6 +29,8 @@ from .errors import (
 )
 from .faults import DROP_ENV, drop_parts
 from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
+from .persist.background import InFlight
+from .persist.snapshot import SnapshotBuffers
 from .picking import Pick, pick_generation
 from .saving import encode_share, read_back, replicated, saved_unchanged, stamps
 from .state import parts as S
@@ -85,6 +87,12 @@ class Checkpointer:
     ``process_group``) a signal received by any one rank stops every rank at the same update:
     they compare notes every ``stop_check_every`` updates (one all-reduce of one integer).
 
+    ``async_save=True``: a save copies the state into reused host buffers at the update
+    boundary and returns; the generation is written, verified and committed in the background
+    (at most one in flight; its error is raised by the next save, ``wait()`` or ``close()``;
+    ``close()`` waits). In a job, the background save talks to the other ranks over a gloo
+    group of its own, whose collectives give up after ``async_timeout`` seconds.
+
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
     saves, ``$UNBROKEN_KILL_AT`` kills the process at a named point."""
@@ -96,7 +104,8 @@ class Checkpointer:
                  every: int | None = None, keep: Keep | None = None,
                  trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10,
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
-                 stop_check_every: int = 1, process_group: Any = None) -> None:
+                 stop_check_every: int = 1, process_group: Any = None,
+                 async_save: bool = False, async_timeout: float = 600.0) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -104,6 +113,15 @@ class Checkpointer:
         # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
         # one rank of a job: every rank builds one on the same folder, rank 0 writes.
         self._group = Group(process_group)
+        if async_save and not async_timeout > 0:
+            raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
+        # An async save's collectives run beside the training loop's: a group of their own,
+        # made here, where every rank builds its Checkpointer at the same point.
+        self._save_group = (background_group(process_group, async_timeout)
+                            if async_save and self._group.active else self._group)
+        self._async = bool(async_save)
+        self._buffers = SnapshotBuffers()
+        self._in_flight: InFlight | None = None
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
         if type(trace_hash_every) is not int or trace_hash_every < 1:
@@ -225,8 +243,9 @@ class Checkpointer:
         if self.every and step % self.every == 0 or step in self._save_at or stop:
             if loss_value is not None:
                 values.setdefault("loss", loss_value)
-            saved = self._save(step, values) is not None
+            saved = self._save(step, values) is not None or self._in_flight is not None
         if stop:
+            self.wait()  # the stop save is committed before the loop is told to stop
             self._preemption.done()
             self.should_stop = True
             assert self._preemption.requested is not None
@@ -239,9 +258,11 @@ class Checkpointer:
 
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:
-        """Write generation ``step`` synchronously, read it back, verify it, then apply
-        retention. Saving the same step again is a no-op when nothing changed since, and
-        supersedes that generation when something did (an end-of-epoch scheduler step).
+        """Write generation ``step``, read it back, verify it, then apply retention; returns
+        it (with ``async_save``: snapshot the state and return None at once, the rest in the
+        background; ``wait()`` returns the generation). Saving the same step again is a no-op
+        when nothing changed since, and supersedes that generation when something did (an
+        end-of-epoch scheduler step).
 
         Without ``step`` (the count ``step_done`` reached), the call must come at an update
         boundary: if ``optimizer.step()`` ran or the data loader handed out a batch since the
@@ -257,7 +278,6 @@ class Checkpointer:
         step = self._counters.step if step is None else step
         if type(step) is not int or step < 0:
             raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")
-        again = step == self._last_saved
         if step < self._counters.step:
             raise UpdateBoundaryError(
                 f"save({step}) after {self._counters.step} completed updates: a generation holds "
@@ -265,12 +285,42 @@ class Checkpointer:
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
-        group = self._group
-        if not group.active:
+        self.wait()  # at most one save in flight; a failed one raises here
+        again = step == self._last_saved
+        if not self._group.active:
             self._prepare_write(step, again)
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
+        if not self._async:
+            info = self._persist(step, tree, values, again, started)
+            if info is not None and self._trace is not None:
+                self._trace.saved(step)
+            return info
+        tree = self._buffers.take(tree)  # nothing the loop does from here on changes it
+        log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "
+                 "background", step, self._buffers.nbytes, time.monotonic() - started)
+        self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
+                                                               started))
+        return None
+
+    def wait(self) -> GenerationInfo | None:
+        """Block until the async save in flight (if any) is committed and verified; return its
+        generation (None: nothing in flight, or nothing changed since the last save). Raises
+        the save's error."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return None
+        info: GenerationInfo | None = in_flight.wait()
+        if info is not None and self._trace is not None:
+            self._trace.saved(in_flight.step)
+        return info
+
+    def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
+                 started: float) -> GenerationInfo | None:
+        """Write, commit, read back and verify generation ``step`` of ``tree``, then apply
+        retention (an async save runs this in the background, on a snapshot)."""
+        group = self._save_group
         if again and saved_unchanged(self.store, group, step, tree, values):
             return None  # the same state saved twice
         if group.active:
@@ -317,8 +367,6 @@ class Checkpointer:
             warnings.warn(f"{self.store.root}: retention could not delete an old generation "
                           f"({e}); generation {step} is committed and verified, and retention "
                           "is retried after the next save", UnbrokenWarning, stacklevel=2)
-        if self._trace is not None:
-            self._trace.saved(step)
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
@@ -348,6 +396,7 @@ class Checkpointer:
         changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
+        self.wait()  # an async save in flight is committed first
         if intent == "warm_start":
             return self._warm_start(source, generation, allow)
         if source is not None:
@@ -437,8 +486,15 @@ class Checkpointer:
 
     def close(self) -> None:
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
-        close the trace. In a job, every rank waits for the others here (the leader may still
-        be applying retention), so the job can tear down its process group safely."""
+        close the trace, after waiting for an async save in flight (its error is raised once
+        everything is released). In a job, every rank waits for the others here (the leader
+        may still be applying retention), so the job can tear down its process group safely."""
+        try:
+            self.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
         if self._group.active:
             try:
                 self._group.all_gather(None, "closing")

@@ -128,3 +128,19 @@ def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(ref
                           read_trace(tmp_path / f"r.jsonl.rank{rank}")])
         assert result.verdict == "equivalent" and result.resumed_from == 13, (
             rank, result.first_divergence)
+
+
+def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_path):
+    folder = tmp_path / "run"
+    killed = torchrun(2, folder, tmp_path / "k.jsonl", "--async-save",
+                      env={"UNBROKEN_KILL_AT": "artifact-1-written@15"})
+    assert killed.returncode != 0
+    assert gens(folder) == ["gen-000000005", "gen-000000010"]  # 15 never committed
+    resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--async-save")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for rank in (0, 1):
+        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
+                         [read_trace(tmp_path / f"k.jsonl.rank{rank}"),
+                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
+        assert result.verdict == "equivalent" and result.resumed_from == 10, (
+            rank, result.first_divergence)

@@ -8,6 +8,7 @@ past the process group's timeout) raises `RankFailed`, never hangs beyond that t
 
 from __future__ import annotations
 
+import datetime
 import json
 from typing import Any
 
@@ -15,6 +16,15 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UnbrokenError
+
+
+def background_group(process_group: Any, timeout: float) -> Group:
+    """A gloo group over the ranks of ``process_group`` (default: all), for collectives that
+    run beside the training loop's (an async save): collective; every rank calls it at the
+    same point."""
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    return Group(dist.new_group(ranks=ranks, backend="gloo",
+                                timeout=datetime.timedelta(seconds=timeout)))
 
 
 class RankFailed(UnbrokenError):

@@ -5,7 +5,7 @@ Run with ``torchrun --nproc-per-node 2`` or with RANK / WORLD_SIZE / MASTER_ADDR
 MASTER_PORT set by hand. ``KILL_RANK`` and ``KILL_AT`` arm ``$UNBROKEN_KILL_AT`` on one rank
 only (a rank that dies alone), ``SIGNAL_RANK`` and ``SIGNAL_AT`` send SIGTERM to one rank
 inside an update (a preemption notice that rank alone receives); ``DIVERGE`` perturbs rank 1's weights (a replica divergence).
-``--fsdp`` shards the model with ``fully_shard`` (DTensors) instead of DDP; ``--dump FILE``
+``--async-save`` saves in the background; ``--fsdp`` shards the model with ``fully_shard`` (DTensors) instead of DDP; ``--dump FILE``
 writes, from rank 0, digests of the *full* model and optimizer state (gathered from every
 rank) at update ``--dump-at`` (right after its save, or right after a restore to it), and the
 global sample ids of the next update."""
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--async-save", action="store_true")
     ap.add_argument("--dump")
     ap.add_argument("--dump-at", type=int, default=-1)
     args = ap.parse_args()
@@ -94,7 +95,7 @@ def main() -> None:
                                       num_workers=args.workers)
     ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, scheduler=sched,
                                  data=loader, every=args.every,
-                                 signals=[signal.SIGTERM])
+                                 signals=[signal.SIGTERM], async_save=args.async_save)
     step = ckpt.restore()
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     if os.environ.get("DIVERGE") and rank == 1:

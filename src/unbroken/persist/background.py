@@ -1,0 +1,39 @@
+"""The background half of an async save: one worker thread per save, at most one save in
+flight; its outcome (the committed generation, or the error) is collected by the training
+thread at the next save, at ``wait()`` or at ``close()``. The thread is not a daemon: a script
+that ends without ``close()`` still waits for the save in flight at interpreter exit."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+class InFlight:
+    """One save persisting in the background."""
+
+    def __init__(self, step: int, fn: Callable[[], Any]) -> None:
+        self.step = step
+        self._fn = fn
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{step}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._result = self._fn()
+        except BaseException as e:  # noqa: BLE001 -- handed to the training thread
+            self._error = e
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> Any:
+        """Block until the save ended; its result, or raise its error."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result

@@ -1,0 +1,190 @@
+"""Async saves (``async_save=True``): a consistent snapshot at the update boundary, persisted
+in the background. What is written is the state at ``save()``, whatever the loop does next;
+a resumed run is bitwise the uninterrupted one; at most one save in flight; errors surface at
+the next save, ``wait()`` or ``close()``; a script that ends without ``close()`` still commits."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import unbroken
+from unbroken.errors import SaveFailed
+from unbroken.persist.snapshot import SnapshotBuffers
+from unbroken.store.generations import GenerationStore
+
+
+def net() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(8, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def train(model, opt, ckpt, start: int, stop: int) -> list[float]:
+    losses = []
+    for step in range(start + 1, stop + 1):
+        x = torch.randn(16, 4)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        ckpt.step_done(step, loss=loss)
+        losses.append(loss.item())
+    return losses
+
+
+def state(model, opt) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def test_what_is_written_is_the_state_at_save_whatever_the_loop_does_next(tmp_path):
+    model, opt = net()
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               async_save=True) as ckpt:
+        train(model, opt, ckpt, 0, 3)
+        before = state(model, opt)
+        rng_before = torch.get_rng_state()
+        assert ckpt.save() is None  # snapshot taken, persisting
+        with torch.no_grad():  # the loop goes on at once, in place
+            for p in model.parameters():
+                p.add_(100.0)
+            for s in opt.state.values():
+                s["exp_avg"].mul_(-3.0)
+        torch.rand(1000)
+        info = ckpt.wait()
+        assert info is not None and info.manifest.step == 3
+    restored, ropt = net()
+    with unbroken.Checkpointer(tmp_path / "run", model=restored, optimizer=ropt) as ckpt:
+        assert ckpt.restore() == 3
+    after = state(restored, ropt)
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_an_async_run_interrupted_and_resumed_is_bitwise_the_uninterrupted_one(tmp_path):
+    def run(folder, start_stop):
+        random.seed(0), np.random.seed(0), torch.manual_seed(1)
+        losses = []
+        for start, stop in start_stop:
+            model, opt = net()
+            with unbroken.Checkpointer(folder, model=model, optimizer=opt, every=3,
+                                       async_save=True) as ckpt:
+                assert ckpt.restore() == start
+                losses += train(model, opt, ckpt, start, stop)
+        return losses, state(model, opt)
+
+    ref_losses, ref_state = run(tmp_path / "ref", [(0, 12)])
+    losses, final = run(tmp_path / "run", [(0, 7), (6, 12)])  # stopped after 7: resumes at 6
+    assert losses[:7] == ref_losses[:7] and losses[7:] == ref_losses[6:]
+    assert all(torch.equal(final[k], ref_state[k]) for k in ref_state)
+
+
+def test_at_most_one_save_is_in_flight(tmp_path, monkeypatch):
+    model, opt = net()
+    inside, most = [0], [0]
+    lock = threading.Lock()
+    commit = GenerationStore.commit
+
+    def slow_commit(self, *args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.2)
+        try:
+            return commit(self, *args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(GenerationStore, "commit", slow_commit)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, every=1,
+                               async_save=True, keep=unbroken.Keep(last=10)) as ckpt:
+        train(model, opt, ckpt, 0, 4)
+    assert most[0] == 1
+    assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [1, 2, 3, 4]
+
+
+def test_a_failed_background_save_raises_at_the_next_save_and_close_still_releases(
+        tmp_path, monkeypatch):
+    model, opt = net()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 async_save=True)
+    train(model, opt, ckpt, 0, 1)
+    ckpt.save()
+    ckpt.wait()
+
+    def broken(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(GenerationStore, "commit", broken)
+    train(model, opt, ckpt, 1, 2)
+    ckpt.save()  # returns at once; the failure is reported at the next save
+    train(model, opt, ckpt, 2, 3)
+    with pytest.raises(SaveFailed, match="No space left on device"):
+        ckpt.save()
+    monkeypatch.undo()
+    ckpt.save()  # the next one works again
+    ckpt.close()
+    assert [g.generation for g in GenerationStore(tmp_path / "run").scan()][-1] == 3
+    other, oopt = net()
+    with unbroken.Checkpointer(tmp_path / "run", model=other, optimizer=oopt) as again:
+        assert again.restore() == 3  # the lock was released
+
+
+def test_close_raises_the_error_of_the_save_in_flight_after_releasing(tmp_path, monkeypatch):
+    model, opt = net()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 async_save=True)
+    monkeypatch.setattr(GenerationStore, "commit",
+                        lambda self, *a, **k: (_ for _ in ()).throw(OSError(5, "EIO")))
+    train(model, opt, ckpt, 0, 1)
+    ckpt.save()
+    with pytest.raises(SaveFailed, match="EIO|Input/output"):
+        ckpt.close()
+    monkeypatch.undo()
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as again:
+        assert again.restore() == 0  # nothing was committed, and the lock is free
+
+
+def test_snapshot_buffers_are_reused_and_tied_weights_stay_one_tensor():
+    w = torch.randn(3, 3)
+    tree = {"model": {"a": w, "b": w.detach()}, "extra": {"n": [1, 2], "t": (w[0],)}}
+    buffers = SnapshotBuffers()
+    first = buffers.take(tree)
+    assert first["model"]["a"] is first["model"]["b"]  # one view of one storage
+    assert first["model"]["a"].data_ptr() != w.data_ptr()
+    assert first["extra"]["n"] == [1, 2] and first["extra"]["n"] is not tree["extra"]["n"]
+    w.add_(1)
+    second = buffers.take(tree)
+    assert second["model"]["a"].data_ptr() == first["model"]["a"].data_ptr()  # reused
+    assert torch.equal(second["model"]["a"], w)
+
+
+def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path):
+    script = textwrap.dedent(f"""
+        import torch, unbroken
+        model = torch.nn.Linear(512, 512)
+        opt = torch.optim.AdamW(model.parameters())
+        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, model=model, optimizer=opt,
+                                     async_save=True)
+        model(torch.ones(512)).sum().backward()
+        opt.step()
+        ckpt.step_done(1)
+        ckpt.save()
+        """)  # no close(), no wait(): the interpreter exits with the save in flight
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    gens = GenerationStore(tmp_path / "run").scan()
+    assert [g.generation for g in gens] == [1] and gens[0].ok
