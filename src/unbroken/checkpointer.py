@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import gc
 import logging
 import os
 import time
@@ -19,23 +17,19 @@ from .boundary import Preemption, UpdateWatch
 from .dist.commit import check_replicas, commit_job
 from .dist.group import Group, RankFailed, background_group
 from .errors import (
-    CorruptCheckpoint,
-    NoCheckpoint,
     ReadOnlyRun,
     SaveFailed,
-    UnbrokenError,
     UnbrokenWarning,
     UpdateBoundaryError,
 )
-from .faults import DROP_ENV, drop_parts
 from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
 from .persist.background import InFlight
 from .persist.snapshot import SnapshotBuffers
-from .picking import Pick, pick_generation
+from .restoring import Restoring, gc_paused
 from .saving import encode_share, read_back, replicated, saved_unchanged, stamps
 from .state import parts as S
 from .state.identity import Identity, environment
-from .state.optim import check_optimizer_params, param_group_changes
+from .state.optim import check_optimizer_params
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo, GenerationStore, generation_name
@@ -50,25 +44,7 @@ ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
 
 
-def _gc_paused(fn: Any) -> Any:
-    """Pause the cyclic garbage collector during a save or restore: encoding or decoding
-    thousands of tensors allocates enough containers to trigger full collections, and each
-    one walks every object of the process (importing torch alone makes ~10^6)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
-
-    return wrapper
-
-
-class Checkpointer:
+class Checkpointer(Restoring):
     """Saves complete continuation state at update boundaries and restores it by intent.
 
     ``root`` is the run folder (one writer at a time). ``model`` and ``optimizer`` are required
@@ -273,7 +249,7 @@ class Checkpointer:
             self._watch.check_boundary(self._counters.step)
         return self._save(step, {name: metric(name, v) for name, v in (metrics or {}).items()})
 
-    @_gc_paused
+    @gc_paused
     def _save(self, step: int | None, values: dict[str, float]) -> GenerationInfo | None:
         step = self._counters.step if step is None else step
         if type(step) is not int or step < 0:
@@ -376,111 +352,6 @@ class Checkpointer:
         self._writer.prepare(step, again, not self._restored and self._last_saved is None,
                              self._run, self._run_written)
         self._run_written = True
-
-    # -- restoring -----------------------------------------------------------------------------
-
-    @_gc_paused
-    def restore(self, intent: str = "continue", *, generation: int | None = None,
-                source: str | os.PathLike[str] | None = None,
-                allow: Iterable[str] = (), adopt: bool = False) -> int:
-        """Restore by intent and return the completed-update count to continue from.
-
-        ``"continue"`` (default): everything, from the newest generation of this run that
-        verifies (or ``generation``); 0 only when the run folder holds no generation at all. A
-        torn, corrupt or foreign newer generation is reported and moved aside, and the previous
-        verified one is used. A generation written by another run (copied into this folder) is
-        foreign: ``adopt=True`` continues from it deliberately and records that run in this
-        run's lineage. Any missing part, identity change or shape mismatch raises before any
-        live object changes. ``"warm_start"``: model weights only, from another run folder
-        ``source``; this run starts at 0 with a lineage naming its parent. Config or tokenizer
-        changes must be named in ``allow``."""
-        if intent not in S.INTENTS:
-            raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
-        self.wait()  # an async save in flight is committed first
-        if intent == "warm_start":
-            return self._warm_start(source, generation, allow)
-        if source is not None:
-            raise ValueError("source= is for warm_start; a continuation reads its own run folder")
-        scanned = self.store.scan()
-        if not scanned:
-            if self.read_only is not None:  # nothing to read, and nothing could be written
-                raise ReadOnlyRun(f"nothing to restore, and no save could be written: "
-                                  f"{self.read_only}")
-            self._restored = True
-            self._after_restore(0, None)
-            return 0
-        if self._ambiguous and not adopt:
-            raise CorruptCheckpoint(self._ambiguous)
-        pick = self._pick(self.store, scanned, generation, "continue", allow, adopt)
-        info, ready, tree = pick.info, pick.ready, pick.tree
-        assert info is not None and info.manifest is not None
-        manifest = info.manifest
-        if self.optimizer is not None:
-            for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
-                                                scheduled=S.SCHEDULER in self._parts):
-                warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
-                              "(to change a hyperparameter, set it after restore(), or "
-                              "warm_start a new run)", UnbrokenWarning, stacklevel=2)
-        S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                           self._group.rank))
-        self._restored = True
-        for g in scanned:  # the abandoned branch: never overwritten, never loaded again
-            if g.generation > info.generation:
-                self._writer.set_aside(g, pick.labels.get(g.path, "abandoned"))
-        if not self._run.accepts(manifest.run_id):  # adopted: now part of this run's lineage
-            self._run.lineage.append(manifest.run_id)
-            self._run_written = False
-            log.warning("adopted %s of run %s into run %s", info.path, manifest.run_id,
-                        self.run_id)
-        self.incarnation = 1 + max(g.manifest.incarnation for g in scanned if g.manifest)
-        self._origin = manifest.origin
-        self._parent = {"run_id": manifest.run_id, "generation": manifest.generation,
-                        "incarnation": manifest.incarnation}
-        self._last_saved = manifest.step
-        log.info("restored %s (step %d)", info.path, manifest.step)
-        self._after_restore(manifest.step, info)
-        return manifest.step
-
-    def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
-              generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:
-        """`picking.pick_generation` for this Checkpointer's live objects; ``rejected`` says
-        what it refused, even when nothing loads."""
-        pick = Pick()
-        self.rejected = pick.rejected
-        return pick_generation(store, scanned, generation, intent, allow, adopt,
-                               parts=self._parts, model=self.model, identity=self.identity,
-                               run=self._run, pick=pick, group=self._group)
-
-    def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
-        self._watch.boundary(step, self._counters.epoch)
-        if self._trace is not None:
-            self._trace.restored(step, os.path.basename(info.path) if info else None,
-                                 [os.path.basename(p) for p, _ in self.rejected])
-
-    def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
-                    allow: Iterable[str]) -> int:
-        if source is None or os.path.realpath(source) == os.path.realpath(self.store.root):
-            raise UnbrokenError(
-                "warm_start begins a new run: give it its own folder and name the parent, e.g. "
-                "Checkpointer('runs/new', ...).restore(intent='warm_start', source='runs/old')")
-        if self.store.scan():
-            raise UnbrokenError(f"{self.store.root} already holds generations; a warm start "
-                                "writes a new run into an empty folder (or use continue)")
-        src = GenerationStore(source)
-        scanned = src.scan()
-        if not scanned:
-            raise NoCheckpoint(f"{src.root}: no generation to warm-start from")
-        pick = self._pick(src, scanned, generation, "warm_start", allow, False)
-        info = pick.info
-        assert info is not None and info.manifest is not None
-        S.apply(pick.ready, {S.MODEL: self.model})
-        self._restored = True
-        self._after_restore(0, None)
-        self._origin = {"operation": "warm_start", "source": src.root,
-                        "run_id": info.manifest.run_id, "generation": info.generation,
-                        "incarnation": info.manifest.incarnation, "allowed": sorted(allow)}
-        log.info("warm start from %s; new run %s", info.path, self.run_id)
-        return 0
 
     # -- lifetime ------------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ back on restore (`load_shards`) under the DCP key ``json.dumps(path)``."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import re
 import warnings
@@ -70,15 +71,24 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     shards: dict[str, Any] = {}
 
     def walk(node: Any, path: list[Any]) -> Any:
+        """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own
+        type: an OrderedDict keeps its ``_metadata``, a Counter stays a Counter) without
+        them."""
         if not isinstance(node, Mapping):
             return node
-        out = {}
+        out: Any = None
         for k, v in node.items():
-            if is_sharded(v):
+            inner = None if is_sharded(v) else walk(v, [*path, k])
+            if inner is v:
+                continue
+            if out is None:
+                out = copy.copy(node)
+            if inner is None:
                 shards[json.dumps([*path, k])] = v
+                del out[k]
             else:
-                out[k] = walk(v, [*path, k])
-        return out
+                out[k] = inner
+        return node if out is None else out
 
     rest = {part: walk(value, [part]) for part, value in tree.items()}
     return rest, shards
