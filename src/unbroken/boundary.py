@@ -191,18 +191,24 @@ class Preemption:
     def due(self) -> bool:
         return self.requested is not None
 
-    def agree(self, group: Any, step: int) -> None:
-        """In a job, a request any rank received is every rank's, at the same update: every
-        ``check_every`` updates the ranks exchange the signal number (0: none), one small
-        all-reduce, so all of them save that update and stop."""
-        if not (group.active and self.signals and step % self.check_every == 0):
-            return
-        signum = group.max_int(int(self.requested or 0), "agreeing on a stop request")
+    def agree(self, group: Any, step: int) -> bool:
+        """Whether to save and stop after update ``step``. In a job, only what the ranks
+        agreed: every ``check_every`` updates they exchange the signal number (0: none), one
+        small all-reduce, and all of them stop at that update when any rank had a request; a
+        request that arrives between two exchanges (or during one) waits for the next, so no
+        rank ever stops alone."""
+        if not (group.active and self.signals):
+            return self.due
+        if step % self.check_every:
+            return False
+        mine = int(self.requested or 0)  # read once: a signal may land during the exchange
+        signum = group.max_int(mine, "agreeing on a stop request")
         if signum and self.requested is None:
             self.requested = signal.Signals(signum)
             self.requested_at = time.monotonic()
             log.warning("%s received by another rank: saving now, then stopping",
                         self.requested.name)
+        return bool(signum)
 
     def done(self) -> None:
         """The stop save is committed: the deadline no longer applies."""

@@ -214,8 +214,7 @@ class Checkpointer(Restoring):
         self._counters.step = step
         self._watch.boundary(step, self._counters.epoch)
         saved = False
-        self._preemption.agree(self._group, step)
-        stop = self._preemption.due
+        stop = self._preemption.agree(self._group, step)
         if self.every and step % self.every == 0 or step in self._save_at or stop:
             if loss_value is not None:
                 values.setdefault("loss", loss_value)

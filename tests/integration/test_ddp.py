@@ -144,3 +144,13 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
                           read_trace(tmp_path / f"r.jsonl.rank{rank}")])
         assert result.verdict == "equivalent" and result.resumed_from == 10, (
             rank, result.first_divergence)
+
+
+def test_a_notice_between_two_stop_exchanges_stops_every_rank_at_the_next(tmp_path):
+    folder = tmp_path / "run"
+    stopped = torchrun(2, folder, tmp_path / "s.jsonl", "--stop-check-every", "5",
+                       env={"SIGNAL_RANK": "1", "SIGNAL_AT": "13"})
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "rank 0 stopped after update 15" in stopped.stdout
+    assert "rank 1 stopped after update 15" in stopped.stdout
+    assert gens(folder)[-1] == "gen-000000015"

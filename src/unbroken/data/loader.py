@@ -33,6 +33,11 @@ Rules (documented contract):
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import functools
+import signal
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -146,9 +151,11 @@ class ResumableLoader:
         common: dict[str, Any] = dict(
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, timeout=timeout,
-            worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+            worker_init_fn=functools.partial(_worker_start, worker_init_fn),
+            multiprocessing_context=multiprocessing_context,
             generator=self._generator)
         self._source: IterableSource | None = None
+        _LIVE.add(self)
         if self._iterable:
             require_contract(dataset)
             if sampler is not None:
@@ -272,10 +279,11 @@ class ResumableLoader:
         # A private generator: iter(DataLoader) draws the workers' base seed from it instead of
         # from the global torch RNG, which would shift the training loop's dropout stream.
         self._generator.manual_seed(mix(TAG_WORKERS, self._seed, epoch, consumed))
-        if self.sampler is not None:
-            p.iterator = iter(self._dl)
-        else:  # positions the dataset (and persistent workers' copies) at the cursor
-            p.iterator = self._iterable_source().start(epoch, consumed)
+        with _sigterm_held():
+            if self.sampler is not None:
+                p.iterator = iter(self._dl)
+            else:  # positions the dataset (and persistent workers' copies) at the cursor
+                p.iterator = self._iterable_source().start(epoch, consumed)
         self._pass = p
         return _LoaderIterator(self, p)
 
@@ -286,6 +294,14 @@ class ResumableLoader:
         if self._pass is not None:
             self._pass.iterator = None
             self._pass = None
+
+    def _stop_workers(self) -> None:
+        """Shut this loader's workers down now (told to stop, and joined)."""
+        dl = self._dl if self._source is None else self._source._dl
+        for it in (self._pass.iterator if self._pass else None, getattr(dl, "_iterator", None)):
+            stop = getattr(it, "_shutdown_workers", None)
+            if stop is not None:
+                stop()
 
     def _next(self, p: _Pass) -> Any:
         if self._pass is not p:
@@ -380,3 +396,39 @@ class ResumableLoader:
             self._dataset.load_state_dict(dict(state["dataset"]))
         self._detach()
         self._set_cursor(*position)
+
+
+# -- workers and the preemption signal ---------------------------------------------------------
+# A launcher that stops a job (torchrun, SLURM, ``kill -TERM -PGID``) sends SIGTERM to every
+# process of a rank's group, DataLoader workers included: a worker killed by it makes the loader
+# raise before the training loop reaches the update boundary where the Checkpointer saves and
+# stops. So workers ignore SIGTERM (they still end with their parent: PyTorch's worker loop
+# watches it), and SIGTERM is held while they are started, so that none is born before it
+# ignores the signal; a SIGTERM held meanwhile reaches the training process afterwards. At
+# interpreter exit multiprocessing ends daemonic workers with SIGTERM and then joins them:
+# before that (atexit runs handlers last-registered first), every loader's workers are told
+# to stop and joined.
+
+_LIVE: weakref.WeakSet[ResumableLoader] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_workers() -> None:
+    for loader in list(_LIVE):
+        loader._stop_workers()
+
+
+def _worker_start(user_init: Callable[[int], None] | None, worker_id: int) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    if user_init is not None:
+        user_init(worker_id)
+
+
+@contextlib.contextmanager
+def _sigterm_held() -> Iterator[None]:
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

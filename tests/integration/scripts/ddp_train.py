@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--stop-check-every", type=int, default=1)
     ap.add_argument("--dump")
     ap.add_argument("--dump-at", type=int, default=-1)
     args = ap.parse_args()
@@ -95,7 +96,8 @@ def main() -> None:
                                       num_workers=args.workers)
     ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, scheduler=sched,
                                  data=loader, every=args.every,
-                                 signals=[signal.SIGTERM], async_save=args.async_save)
+                                 signals=[signal.SIGTERM], async_save=args.async_save,
+                                 stop_check_every=args.stop_check_every)
     step = ckpt.restore()
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     if os.environ.get("DIVERGE") and rank == 1:
