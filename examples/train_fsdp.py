@@ -1,0 +1,90 @@
+"""The README's loop on many ranks with FSDP2 (``fully_shard``): every weight and optimizer
+moment is a DTensor of which each rank holds a chunk.
+
+Each rank writes its own chunks of every sharded tensor to ``rankNNNNN.shards.safetensors``
+(planned by torch.distributed.checkpoint, indexed in ``shards.json``; nothing is pickled);
+the data cursor, scheduler and counters are written once, each rank's RNG streams to its own
+files. Kill the job and run it again: it continues from the newest committed generation, on
+the same number of ranks or another (the chunks are re-cut for the new ranks).
+
+    torchrun --nproc-per-node 2 examples/train_fsdp.py --folder runs/fsdp
+    torchrun --nproc-per-node 4 examples/train_fsdp.py --folder runs/fsdp --workers 0
+
+gloo on CPU; with CUDA, one GPU per LOCAL_RANK and NCCL for the model's tensors (unbroken's
+own collectives are small CPU tensors, which go through gloo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import unbroken
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--folder", default="runs/fsdp")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--every", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(1024, 16, generator=g)
+    ds = torch.utils.data.TensorDataset(x, x[:, :4].argmax(1))
+    torch.manual_seed(0)  # the same initial weights on every rank: each keeps its chunk
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                                torch.nn.Linear(64, 4)).to(device)
+    mesh = init_device_mesh(device.type, (world,))
+    for layer in (model[0], model[3]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)  # parameters are now DTensors sharded on dim 0
+    torch.manual_seed(1 + rank)  # each rank its own dropout draws (saved per rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # after fully_shard: sharded moments
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20))
+    # batch_size is the global batch: each rank takes its contiguous 64 / world_size of it.
+    sampler = unbroken.ResumableSampler(len(ds), batch_size=64, seed=0)
+    loader = unbroken.ResumableLoader(unbroken.seeded(ds, seed=0), sampler,
+                                      num_workers=args.workers)
+    ckpt = unbroken.Checkpointer(args.folder, model=model, optimizer=opt, scheduler=sched,
+                                 data=loader, every=args.every, keep=unbroken.Keep(last=3),
+                                 signals=[signal.SIGTERM])
+    step = ckpt.restore()  # agreed by every rank; chunks re-cut when the world size changed
+    print(f"rank {rank} of {world}: " + (f"restored step {step}" if step else "fresh start"),
+          flush=True)
+    while loader.epoch < args.epochs and not ckpt.should_stop:
+        for xb, yb in loader:
+            loss = F.cross_entropy(model(xb.to(device)), yb.to(device))
+            opt.zero_grad()
+            loss.backward()  # FSDP2 reduce-scatters the gradients into each rank's chunk
+            opt.step()
+            sched.step()
+            step += 1
+            ckpt.step_done(step, loss=loss)  # every rank calls it; saves are collective
+            if ckpt.should_stop:  # SIGTERM reached some rank: every rank saved this update
+                print(f"rank {rank}: stopped after update {step}", flush=True)
+                break
+    ckpt.save()  # a no-op when this step is already saved
+    ckpt.close()  # waits for the other ranks
+    if rank == 0 and not ckpt.should_stop:
+        print(f"finished: {step} updates, {loader.epoch} epochs", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
