@@ -1,7 +1,8 @@
 """Many ranks (torch.distributed, gloo on CPU): the README loop under torchrun with DDP, one
-committed generation per job, a rank dying mid-save, a corrupt shard, replica divergence, and
-a job of 2 resumed on 1 and 4, a preemption notice to one rank. Every collective runs under a 30 s process-group timeout and every
-process under a subprocess timeout: nothing here can hang the suite."""
+committed generation per job, a rank dying mid-save, a corrupt shard, replica divergence, a
+job of 2 resumed on 1 and 4, a preemption notice to one rank, an async job killed while
+persisting. Every collective runs under a 30 s process-group timeout and every process under
+a subprocess timeout: nothing here can hang the suite."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from _launch import by_hand, gens, torchrun
 
 from unbroken.proof.equivalence import compare
 from unbroken.trace import read_trace
+
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
@@ -41,7 +43,8 @@ def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path)
 
 def test_a_rank_dying_mid_save_commits_nothing_and_the_survivor_raises(tmp_path):
     folder = tmp_path / "run"
-    results = by_hand(2, folder, {"KILL_RANK": "1", "KILL_AT": "artifact-1-written@10"})
+    results = by_hand(2, folder, {"KILL_RANK": "1", "KILL_AT": "artifact-1-written@10"},
+                      "--workers", "0")
     assert results[1].returncode == -9
     assert results[0].returncode != 0 and "SaveFailed" in results[0].stderr, results[0].stderr
     assert "generation 10 was not committed" in results[0].stderr
@@ -67,7 +70,8 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(reference, tmp_p
 
 
 def test_replicas_that_differ_are_refused_naming_the_parameter(tmp_path):
-    r = torchrun(2, tmp_path / "run", tmp_path / "t.jsonl", env={"DIVERGE": "1"})
+    r = torchrun(2, tmp_path / "run", tmp_path / "t.jsonl", "--workers", "0",
+                 env={"DIVERGE": "1"})
     assert r.returncode != 0
     assert "replicas differ across ranks: 'model 0.weight' on rank(s) [1]" in r.stderr
     assert not gens(tmp_path / "run")
@@ -149,7 +153,7 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
 def test_a_notice_between_two_stop_exchanges_stops_every_rank_at_the_next(tmp_path):
     folder = tmp_path / "run"
     stopped = torchrun(2, folder, tmp_path / "s.jsonl", "--stop-check-every", "5",
-                       env={"SIGNAL_RANK": "1", "SIGNAL_AT": "13"})
+                       "--workers", "0", env={"SIGNAL_RANK": "1", "SIGNAL_AT": "13"})
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert "rank 0 stopped after update 15" in stopped.stdout
     assert "rank 1 stopped after update 15" in stopped.stdout

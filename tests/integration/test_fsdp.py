@@ -22,10 +22,10 @@ def runs(tmp_path_factory) -> Path:
     """An uninterrupted job of 2 (digests of the whole state after update 15, and the global
     batch of update 16), and the same job killed after update 17 (newest generation: 15)."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--dump", str(tmp / "ref.json"),
-                   "--dump-at", "15")
+    ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--workers", "0", "--dump",
+                   str(tmp / "ref.json"), "--dump-at", "15")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp",
+    killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp", "--workers", "0",
                       env={"UNBROKEN_KILL_AT": "step-done@17"})
     assert killed.returncode != 0
     return tmp
@@ -34,7 +34,8 @@ def runs(tmp_path_factory) -> Path:
 def resume(runs: Path, tmp_path: Path, n: int, *args: str) -> dict:
     folder = tmp_path / "run"
     shutil.copytree(runs / "killed", folder)
-    r = torchrun(n, folder, tmp_path / "r.jsonl", "--fsdp", "--dump", str(tmp_path / "d.json"),
+    r = torchrun(n, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--dump",
+                 str(tmp_path / "d.json"),
                  "--dump-at", "15", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "d.json").read_text())
@@ -65,7 +66,7 @@ def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_a_job_of_two_restores_on_another_world_size_element_for_element(runs, tmp_path,
                                                                          ranks):
-    dump = resume(runs, tmp_path, ranks, "--workers", "0")
+    dump = resume(runs, tmp_path, ranks)
     ref = json.loads((runs / "ref.json").read_text())
     assert dump["state"] == ref["state"]  # model and AdamW state, whole, equal
     assert len(ref["state"]) == 4 + 4 * 3  # 4 tensors, each with step, exp_avg, exp_avg_sq
@@ -105,7 +106,7 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(runs, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    r = torchrun(2, folder, tmp_path / "t.jsonl", "--fsdp", "--epochs", "1")
+    r = torchrun(2, folder, tmp_path / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 1: " in r.stderr and "rank00001.shards.safetensors" in r.stderr
     for rank in (0, 1):
