@@ -26,7 +26,7 @@ import functools
 import mmap
 import os
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -152,6 +152,29 @@ def _open_regular(path: str, limit: int) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+_SMALL = 256 << 10  # chunks below this are gathered into one write (10,000 small tensors)
+_GATHER = 4 << 20
+
+
+def _coalesced(chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview]:
+    """The bytes of ``chunks`` in order, small ones gathered into writes of up to 4 MiB and
+    large ones as they are (no copy): one system call per tensor costs more than its bytes."""
+    pending = bytearray()
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        if len(view) < _SMALL:
+            pending += view
+            if len(pending) < _GATHER:
+                continue
+            view, pending = memoryview(pending), bytearray()
+        elif pending:
+            gathered, pending = pending, bytearray()
+            yield memoryview(gathered)
+        yield view
+    if pending:
+        yield memoryview(pending)
+
+
 class LocalFS:
     """POSIX file operations with the durability steps the commit protocol needs.
 
@@ -168,9 +191,8 @@ class LocalFS:
         self._op("create", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            for chunk in chunks:
-                h.update(chunk)
-                view = memoryview(chunk).cast("B")
+            for view in _coalesced(chunks):
+                h.update(view)
                 while view:
                     self._op("write", path, functools.partial(_write_half, fd, view))
                     n = os.write(fd, view)

@@ -1,0 +1,69 @@
+"""The fast paths of save and restore do exactly what the slow ones do: small chunks gathered
+into fewer writes give the same bytes, and a model of plain modules restored by copying into
+its tensors ends as ``load_state_dict`` would leave it; a module that customises loading (or
+has hooks) still goes through ``load_state_dict``."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import unbroken
+from unbroken.state.parts import _plain_modules
+from unbroken.store.backends.local import _coalesced
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(st.lists(st.integers(0, 600_000), max_size=30))
+def test_gathered_writes_carry_the_same_bytes_in_order(sizes):
+    chunks = [bytes([i % 251]) * n for i, n in enumerate(sizes)]
+    out = [bytes(v) for v in _coalesced(chunks)]
+    assert b"".join(out) == b"".join(chunks)
+    assert len(out) <= len(chunks)  # never more writes than chunks
+
+
+def _save_and_restore(tmp_path, make):
+    torch.manual_seed(0)
+    model = make()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    torch.manual_seed(1)
+    other = make()
+    params = [id(p) for p in other.parameters()]
+    with unbroken.Checkpointer(tmp_path / "run", model=other,
+                               optimizer=torch.optim.SGD(other.parameters(), lr=0.1)) as ckpt:
+        assert ckpt.restore() == 1
+    assert [id(p) for p in other.parameters()] == params  # loaded into the live tensors
+    for (k, a), (_, b) in zip(model.state_dict().items(), other.state_dict().items()):
+        assert torch.equal(a, b), k
+    return other
+
+
+def test_a_stack_of_plain_layers_takes_the_copy_path_and_restores_exactly(tmp_path):
+    def make():
+        return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(300)])
+
+    assert _plain_modules(make())
+    _save_and_restore(tmp_path, make)
+
+
+def test_modules_that_customise_loading_go_through_load_state_dict(tmp_path):
+    def make():
+        return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+
+    assert not _plain_modules(make())  # BatchNorm overrides _load_from_state_dict
+    _save_and_restore(tmp_path, make)
+
+    calls = []
+
+    def hooked():
+        m = torch.nn.Linear(2, 2)
+        m.register_load_state_dict_post_hook(lambda module, keys: calls.append(1))
+        return m
+
+    assert not _plain_modules(hooked())
+    _save_and_restore(tmp_path / "hooked", hooked)
+    assert calls == [1]  # the user's hook ran on restore
