@@ -4,6 +4,7 @@ The workers survive it, and the training loop saves at the next update boundary 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -41,11 +42,16 @@ def test_sigterm_to_the_whole_process_group_stops_at_the_next_boundary(tmp_path)
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.strip() == "update 5":
-            os.killpg(proc.pid, signal.SIGTERM)  # the training process and its 2 workers
-            break
-    out, err = proc.communicate(timeout=120)
+    try:
+        for line in proc.stdout:
+            if line.strip() == "update 5":
+                os.killpg(proc.pid, signal.SIGTERM)  # the training process and its 2 workers
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:  # whatever happened, nothing of it outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert proc.returncode == 0, err[-3000:]
     stopped = next(line for line in out.splitlines() if line.startswith("stopped"))
     step = int(stopped.split()[-1])

@@ -5,6 +5,8 @@ has hooks) still goes through ``load_state_dict``."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,3 +69,41 @@ def test_modules_that_customise_loading_go_through_load_state_dict(tmp_path):
     assert not _plain_modules(hooked())
     _save_and_restore(tmp_path / "hooked", hooked)
     assert calls == [1]  # the user's hook ran on restore
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(st.lists(st.integers(0, 9 << 20), max_size=6))
+def test_direct_writes_leave_exactly_the_bytes_and_their_hash(tmp_path_factory, sizes):
+    import os
+
+    import xxhash
+
+    from unbroken.store.backends.local import LocalFS
+
+    chunks = [os.urandom(min(n, 4096)) * (n // 4096) + os.urandom(n % 4096) for n in sizes]
+    path = tmp_path_factory.mktemp("direct") / "f"
+    size, digest = LocalFS().write_file(str(path), chunks)
+    data = b"".join(chunks)
+    assert path.read_bytes() == data and size == len(data)  # no padding left behind
+    assert digest == xxhash.xxh3_128(data).hexdigest()
+
+
+def test_a_failing_direct_write_raises_and_stops(tmp_path, monkeypatch):
+    import pytest
+
+    from unbroken.store.backends import _direct
+
+    calls = []
+
+    def failing(view):
+        calls.append(len(view))
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space"):
+        fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            assert _direct.try_direct(fd)
+            _direct.write_direct(fd, [bytes(40 << 20)], failing)
+        finally:
+            os.close(fd)
+    assert len(calls) == 1  # nothing more is written after the failure

@@ -34,6 +34,7 @@ import xxhash
 
 from ..._procs import kill_job
 from ...errors import CorruptCheckpoint
+from ._direct import drop_direct, try_direct, write_direct
 
 ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 KILL_ENV = "UNBROKEN_KILL_AT"
@@ -130,7 +131,14 @@ def io_fault_point(kind: str, path: str, before_death: Callable[[], None] | None
 
 def _write_half(fd: int, view: memoryview) -> None:
     """What a process killed mid-write leaves: part of the chunk."""
+    drop_direct(fd)  # half a block is not aligned
     os.write(fd, view[: len(view) // 2])
+
+
+def _hashing(chunks: Iterable[memoryview | bytes], h: Any) -> Iterator[memoryview | bytes]:
+    for chunk in chunks:
+        h.update(chunk)
+        yield chunk
 
 
 def _open_regular(path: str, limit: int) -> tuple[int, os.stat_result]:
@@ -191,13 +199,20 @@ class LocalFS:
         self._op("create", path)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
-            for view in _coalesced(chunks):
-                h.update(view)
+            hashed = _hashing(chunks, h)
+
+            def write(view: memoryview) -> None:
                 while view:
                     self._op("write", path, functools.partial(_write_half, fd, view))
-                    n = os.write(fd, view)
-                    view = view[n:]
-                    size += n
+                    view = view[os.write(fd, view):]
+
+            if try_direct(fd):
+                size = write_direct(fd, hashed, write)
+                os.ftruncate(fd, size)  # the last block's padding
+            else:
+                for view in _coalesced(hashed):
+                    write(view)
+                    size += len(view)
             self._op("fsync", path)
             os.fsync(fd)
         finally:
