@@ -110,6 +110,8 @@ def encode_shards(group: Group, shards: Mapping[str, Any], meta: Mapping[str, st
                 dcp.save(dict(shards), storage_writer=writer, no_dist=True,
                          planner=dcp.DefaultSavePlanner(flatten_state_dict=False))
         except BaseException as e:  # noqa: BLE001 -- DCP wraps failures in a BaseException
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
             raise UnsupportedValue(f"sharded state could not be planned by DCP: "
                                    f"{_first_line(e)}") from None
     stamped = {**meta, "unbroken.rank": str(group.rank), "unbroken.part": "shards"}
@@ -117,8 +119,10 @@ def encode_shards(group: Group, shards: Mapping[str, Any], meta: Mapping[str, st
     if writer.tensors:
         out[shard_file(group.rank)] = encode_safetensors(writer.tensors, stamped)
     everyone = group.all_gather(writer.index, "gathering the sharded-state index")
-    if group.leader and any(everyone):
-        out[SHARDS_FILE] = [memoryview(dumps_json(_merge(everyone, meta)))]
+    if any(everyone):
+        index = _merge(everyone, meta)  # on every rank: ranks that disagree all raise
+        if group.leader:
+            out[SHARDS_FILE] = [memoryview(dumps_json(index))]
     return out
 
 
