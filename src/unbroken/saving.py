@@ -67,7 +67,10 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
     assert info.manifest is not None
     try:
         if group.active:
+            before = store.file_identity(info) if group.leader else None
             problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
+            if not problems and group.leader:
+                store.verified_elsewhere(info, before)
         else:
             try:
                 store.verify(info, advance=progress.advance)

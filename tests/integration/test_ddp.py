@@ -19,9 +19,15 @@ from unbroken.trace import read_trace
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("ddp-ref")
-    r = torchrun(2, tmp / "run", tmp / "ref.jsonl")
+    r = torchrun(2, tmp / "run", tmp / "ref.jsonl", env={"HASH_LOG": str(tmp / "hashed")})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp
+
+
+def test_the_leader_never_rehashes_the_other_ranks_files(reference):
+    hashed = (reference / "hashed").read_text().split()
+    assert "rank00000.state.json" in hashed  # its own read-back
+    assert not [name for name in hashed if name.startswith("rank00001.")]
 
 
 def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path):

@@ -191,7 +191,7 @@ class GenerationStore(AsideFolder):
             return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
         return GenerationInfo(generation, path, "complete", "", manifest)
 
-    def _file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
+    def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
         """Device, inode, size, mtime and ctime of the manifest and every artifact: any write,
         replacement or truncation of a file changes it. ``None`` if a file is missing."""
         assert info.manifest is not None
@@ -202,15 +202,23 @@ class GenerationStore(AsideFolder):
         except OSError:
             return None
 
+    def verified_elsewhere(self, info: GenerationInfo,
+                           ident: tuple[tuple[int, ...], ...] | None) -> None:
+        """Remember ``info`` as verified by other processes (every rank of a job re-hashed
+        its share), as of ``ident`` (`file_identity` taken before they started): retention
+        then does not hash the whole job's files again on the leader."""
+        if ident is not None:
+            self._verified[info.path] = ident
+
     def verified(self, info: GenerationInfo) -> str | None:
         """``None`` when every byte of the generation matches its manifest, else the reason.
 
-        The verdict is remembered by file identity (see ``_file_identity``): a generation
+        The verdict is remembered by file identity (see ``file_identity``): a generation
         verified since it was committed or restored by this store costs a few ``lstat`` calls;
         one whose files changed since is re-hashed."""
         if not info.ok or info.manifest is None:
             return info.reason or f"{info.path}: {info.status}"
-        ident = self._file_identity(info)
+        ident = self.file_identity(info)
         if ident is not None and self._verified.get(info.path) == ident:
             return None
         try:
@@ -225,7 +233,7 @@ class GenerationStore(AsideFolder):
         ``advance(nbytes)`` is called after each (a progress bar)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
-        ident = self._file_identity(info) if names is None else None
+        ident = self.file_identity(info) if names is None else None
         wanted = set(names) if names is not None else None
         out = {}
         for a in info.manifest.artifacts:
@@ -270,7 +278,7 @@ class GenerationStore(AsideFolder):
         ``names``: only those artifacts (one rank's share of a generation of many ranks)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
-        ident = self._file_identity(info) if names is None else None
+        ident = self.file_identity(info) if names is None else None
         chosen = [a for a in info.manifest.artifacts if names is None or a.name in names]
         for a in chosen:
             self._check_loadable(os.path.join(info.path, a.name), a)

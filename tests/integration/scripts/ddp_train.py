@@ -5,7 +5,7 @@ Run with ``torchrun --nproc-per-node 2`` or with RANK / WORLD_SIZE / MASTER_ADDR
 MASTER_PORT set by hand. ``KILL_RANK`` and ``KILL_AT`` arm ``$UNBROKEN_KILL_AT`` on one rank
 only (a rank that dies alone); ``SIGNAL_RANK`` and ``SIGNAL_AT`` send SIGTERM to one rank
 inside an update (a preemption notice that rank alone receives); ``DIVERGE`` perturbs rank
-1's weights (a replica divergence). ``--async-save`` saves in the background; ``--fsdp``
+1's weights (a replica divergence); ``HASH_LOG`` lists the files rank 0 re-hashes. ``--async-save`` saves in the background; ``--fsdp``
 shards the model with ``fully_shard`` (DTensors) instead of DDP; ``--dump FILE`` writes,
 from rank 0, digests of the *full* model and optimizer state (gathered from every rank) at
 update ``--dump-at`` (right after its save, or right after a restore to it), and the global
@@ -99,6 +99,15 @@ def main() -> None:
                                  data=loader, every=args.every,
                                  signals=[signal.SIGTERM], async_save=args.async_save,
                                  stop_check_every=args.stop_check_every)
+    if os.environ.get("HASH_LOG") and rank == 0:  # which files rank 0 re-hashes, and when
+        hash_file = ckpt.store.fs.hash_file
+
+        def logged(path, *a, **k):
+            with open(os.environ["HASH_LOG"], "a") as f:
+                f.write(os.path.basename(path) + "\n")
+            return hash_file(path, *a, **k)
+
+        ckpt.store.fs.hash_file = logged
     step = ckpt.restore()
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     if os.environ.get("DIVERGE") and rank == 1:
