@@ -283,14 +283,21 @@ class Checkpointer(Restoring):
         """Block until the async save in flight (if any) is committed and verified; return its
         generation (None: nothing in flight, or nothing changed since the last save). Raises
         the save's error."""
-        in_flight, self._in_flight = self._in_flight, None
+        in_flight = self._in_flight
         if in_flight is None:
             return None
-        info: GenerationInfo | None = in_flight.wait()
+        try:
+            info: GenerationInfo | None = in_flight.wait()
+        except BaseException:
+            if in_flight.done:  # the save's own error, reported once
+                self._in_flight = None
+            raise  # else interrupted (Ctrl-C): the save is still in flight, and still owned
+        self._in_flight = None
         if info is not None and self._trace is not None:
             self._trace.saved(in_flight.step)
         return info
 
+    @gc_paused
     def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
                  started: float) -> GenerationInfo | None:
         """Write, commit, read back and verify generation ``step`` of ``tree``, then apply

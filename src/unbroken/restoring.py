@@ -7,6 +7,7 @@ import functools
 import gc
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -29,20 +30,33 @@ from .writer import RunWriter
 log = logging.getLogger("unbroken")
 
 
+_gc_lock = threading.Lock()
+_gc_holders = 0  # saves and restores under way, in any thread
+_gc_was_enabled = False
+
+
 def gc_paused(fn: Any) -> Any:
     """Pause the cyclic garbage collector during a save or restore: encoding or decoding
     thousands of tensors allocates enough containers to trigger full collections, and each
-    one walks every object of the process (importing torch alone makes ~10^6)."""
+    one walks every object of the process (importing torch alone makes ~10^6). Counted across
+    threads: an async save persisting in the background keeps it paused until it ends, and the
+    collector comes back (if it was on) when the last one ends."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not gc.isenabled():
-            return fn(*args, **kwargs)
-        gc.disable()
+        global _gc_holders, _gc_was_enabled
+        with _gc_lock:
+            if _gc_holders == 0:
+                _gc_was_enabled = gc.isenabled()
+                gc.disable()
+            _gc_holders += 1
         try:
             return fn(*args, **kwargs)
         finally:
-            gc.enable()
+            with _gc_lock:
+                _gc_holders -= 1
+                if _gc_holders == 0 and _gc_was_enabled:
+                    gc.enable()
 
     return wrapper
 

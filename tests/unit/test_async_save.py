@@ -188,3 +188,43 @@ def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path)
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
     gens = GenerationStore(tmp_path / "run").scan()
     assert [g.generation for g in gens] == [1] and gens[0].ok
+
+
+def test_an_interrupted_wait_leaves_the_save_in_flight_and_owned(tmp_path, monkeypatch):
+    import signal
+
+    commit = GenerationStore.commit
+
+    def slow_commit(self, *args, **kwargs):
+        time.sleep(0.5)
+        return commit(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationStore, "commit", slow_commit)
+    model = torch.nn.Linear(256, 256)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=True,
+                                 keep=unbroken.Keep(last=5))
+    ckpt.save(1)
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.wait()  # Ctrl-C while waiting
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    with torch.no_grad():
+        model.weight.fill_(7.0)  # the next update, in place
+    ckpt.save(2)  # waits for save 1 before its snapshot reuses the buffers
+    ckpt.close()
+    monkeypatch.undo()
+    with torch.no_grad():
+        model.weight.zero_()
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as again:
+        assert again.restore(generation=1) == 1
+    assert model.weight.unique().tolist() == [1.0]

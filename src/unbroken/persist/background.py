@@ -18,6 +18,9 @@ class InFlight:
         self._fn = fn
         self._result: Any = None
         self._error: BaseException | None = None
+        # Our own flag, not Thread.is_alive(): a join interrupted by Ctrl-C can leave the
+        # thread marked stopped while it still runs (CPython before 3.13).
+        self._ended = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{step}")
         self._thread.start()
 
@@ -26,13 +29,17 @@ class InFlight:
             self._result = self._fn()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread
             self._error = e
+        finally:
+            self._ended.set()
 
     @property
     def done(self) -> bool:
-        return not self._thread.is_alive()
+        return self._ended.is_set()
 
     def wait(self) -> Any:
-        """Block until the save ended; its result, or raise its error."""
+        """Block until the save ended; its result, or raise its error. An interrupt (Ctrl-C)
+        while waiting leaves the save in flight, to be waited for again."""
+        self._ended.wait()
         self._thread.join()
         if self._error is not None:
             raise self._error
