@@ -31,14 +31,15 @@ def runs(tmp_path_factory) -> Path:
     return tmp
 
 
-def resume(runs: Path, tmp_path: Path, n: int, *args: str) -> dict:
+def resume(runs: Path, tmp_path: Path, n: int, *args: str) -> tuple[dict, str]:
+    """The dump of a resumed copy of the killed job, and its stderr."""
     folder = tmp_path / "run"
     shutil.copytree(runs / "killed", folder)
     r = torchrun(n, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--dump",
                  str(tmp_path / "d.json"),
                  "--dump-at", "15", *args)
     assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads((tmp_path / "d.json").read_text())
+    return json.loads((tmp_path / "d.json").read_text()), r.stderr
 
 
 def test_the_generation_holds_each_ranks_chunks_once(runs):
@@ -52,7 +53,7 @@ def test_the_generation_holds_each_ranks_chunks_once(runs):
 
 
 def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
-    dump = resume(runs, tmp_path, 2)
+    dump, _ = resume(runs, tmp_path, 2)
     ref = json.loads((runs / "ref.json").read_text())
     assert dump == ref
     for rank in (0, 1):
@@ -66,8 +67,12 @@ def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_a_job_of_two_restores_on_another_world_size_element_for_element(runs, tmp_path,
                                                                          ranks):
-    dump = resume(runs, tmp_path, ranks)
+    dump, stderr = resume(runs, tmp_path, ranks)
     ref = json.loads((runs / "ref.json").read_text())
+    if ranks == 1:
+        assert "the random streams of ranks 1..1 are dropped" in stderr
+    else:  # ranks 2 and 3 had no streams saved: the equivalence left is said
+        assert "rank 3 of 4: its random streams start afresh" in stderr
     assert dump["state"] == ref["state"]  # model and AdamW state, whole, equal
     assert len(ref["state"]) == 4 + 4 * 3  # 4 tensors, each with step, exp_avg, exp_avg_sq
     assert dump["ids"] == ref["ids"]  # the global batch of update 16, re-split over the ranks

@@ -5,11 +5,11 @@ Run with ``torchrun --nproc-per-node 2`` or with RANK / WORLD_SIZE / MASTER_ADDR
 MASTER_PORT set by hand. ``KILL_RANK`` and ``KILL_AT`` arm ``$UNBROKEN_KILL_AT`` on one rank
 only (a rank that dies alone); ``SIGNAL_RANK`` and ``SIGNAL_AT`` send SIGTERM to one rank
 inside an update (a preemption notice that rank alone receives); ``DIVERGE`` perturbs rank
-1's weights (a replica divergence); ``HASH_LOG`` lists the files rank 0 re-hashes. ``--async-save`` saves in the background; ``--fsdp``
-shards the model with ``fully_shard`` (DTensors) instead of DDP; ``--dump FILE`` writes,
-from rank 0, digests of the *full* model and optimizer state (gathered from every rank) at
-update ``--dump-at`` (right after its save, or right after a restore to it), and the global
-sample ids of the next update."""
+1's weights (a replica divergence); ``HASH_LOG`` lists the files rank 0 re-hashes.
+``--async-save`` saves in the background; ``--fsdp`` shards the model with ``fully_shard``
+(DTensors) instead of DDP; ``--dump FILE`` writes, from rank 0, digests of the *full* model
+and optimizer state (gathered from every rank) at update ``--dump-at`` (right after its save,
+or right after a restore to it), and the global sample ids of the next update."""
 
 from __future__ import annotations
 

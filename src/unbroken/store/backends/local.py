@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import mmap
 import os
 import stat
@@ -135,6 +136,22 @@ def _write_half(fd: int, view: memoryview) -> None:
     os.write(fd, view[: len(view) // 2])
 
 
+_DIRECT_MIN = 8 << 20  # smaller files are written through the page cache (cheaper there)
+
+
+def _head(chunks: Iterator[memoryview | bytes]) -> tuple[list[memoryview | bytes], bool]:
+    """The first chunks of ``chunks``, up to ``_DIRECT_MIN`` bytes, and whether the file
+    reaches that size."""
+    head: list[memoryview | bytes] = []
+    total = 0
+    for chunk in chunks:
+        head.append(chunk)
+        total += memoryview(chunk).nbytes
+        if total >= _DIRECT_MIN:
+            return head, True
+    return head, False
+
+
 def _hashing(chunks: Iterable[memoryview | bytes], h: Any) -> Iterator[memoryview | bytes]:
     for chunk in chunks:
         h.update(chunk)
@@ -206,11 +223,12 @@ class LocalFS:
                     self._op("write", path, functools.partial(_write_half, fd, view))
                     view = view[os.write(fd, view):]
 
-            if try_direct(fd):
-                size = write_direct(fd, hashed, write)
+            head, large = _head(hashed)
+            if large and try_direct(fd):
+                size = write_direct(fd, itertools.chain(head, hashed), write)
                 os.ftruncate(fd, size)  # the last block's padding
             else:
-                for view in _coalesced(hashed):
+                for view in _coalesced(itertools.chain(head, hashed)):
                     write(view)
                     size += len(view)
             self._op("fsync", path)
