@@ -8,7 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import zygote_process
 
+import unbroken.proof.harness as harness
 from unbroken.cli import main
 
 ROOT = Path(__file__).parents[2]
@@ -48,7 +50,16 @@ def test_acceptance_default_places_and_random_five_equivalent(capsys, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> str:
+def forked():
+    """The defect cases' processes forked from the test zygote (see conftest.zygote_process):
+    what they test is the attribution, and eight checks of fresh interpreters cost a minute."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "run_process", zygote_process)
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, forked) -> str:
     """One uninterrupted run of SHORT, reused by every defect case."""
     tmp = tmp_path_factory.mktemp("ref")
     assert main(["check", "--json", "--at", "9", "--phase", "after-commit", "--workdir",

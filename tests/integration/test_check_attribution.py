@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SCRIPTS, run_script
+from conftest import SCRIPTS, run_script, zygote_process
 
 import unbroken.proof.harness as harness
 from unbroken.proof.harness import format_report, run_check
@@ -40,18 +40,9 @@ EXPECT = {
 }
 
 
-def _zygote_process(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int:
-    """harness.run_process through the test zygote: ``cmd`` is [python, script, *argv]."""
-    assert cmd[1] == str(SCRIPT)
-    r = run_script(SCRIPT.name, *cmd[2:], env=harness._clean_env(env), timeout=timeout)
-    with open(log, "a") as f:
-        f.write(r.stdout + r.stderr)
-    return r.returncode
-
-
 @pytest.fixture
 def zygote_check(monkeypatch):
-    monkeypatch.setattr(harness, "run_process", _zygote_process)
+    monkeypatch.setattr(harness, "run_process", zygote_process)
 
     def check(tmp: Path, *argv: str, **kw: Any):
         return run_check([sys.executable, str(SCRIPT), *argv], str(tmp), **kw)

@@ -82,7 +82,8 @@ def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch
     script = write(tmp_path, "train.py", CRASHES_ON_RESUME.replace(
         "    raise RuntimeError", "    pass  # RuntimeError"))
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "check", "--json", "--", sys.executable, script)
+    code, out, err = run(capsys, "check", "--json", "--at", "3", "--phase", "after-update",
+                         "--", sys.executable, script)
     doc = json.loads(out)
     assert code == 0 and doc["verdict"] == "equivalent" and doc["workdir"] is None
     assert not glob.glob(str(tmp_path / "unbroken-check-*"))
