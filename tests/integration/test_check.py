@@ -50,21 +50,21 @@ def test_acceptance_default_places_and_random_five_equivalent(capsys, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def forked():
-    """The defect cases' processes forked from the test zygote (see conftest.zygote_process):
-    what they test is the attribution, and eight checks of fresh interpreters cost a minute."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(harness, "run_process", zygote_process)
-        yield
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, forked) -> str:
+def reference(tmp_path_factory) -> str:
     """One uninterrupted run of SHORT, reused by every defect case."""
     tmp = tmp_path_factory.mktemp("ref")
-    assert main(["check", "--json", "--at", "9", "--phase", "after-commit", "--workdir",
-                 str(tmp), "--", *SHORT]) == 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(harness, "run_process", zygote_process)
+        assert main(["check", "--json", "--at", "9", "--phase", "after-commit", "--workdir",
+                     str(tmp), "--", *SHORT]) == 0
     return str(tmp / "reference" / "trace.jsonl")
+
+
+@pytest.fixture
+def forked(monkeypatch):
+    """The defect cases' processes forked from the test zygote (see conftest.zygote_process):
+    what they test is the attribution, and eight checks of fresh interpreters cost a minute."""
+    monkeypatch.setattr(harness, "run_process", zygote_process)
 
 
 @pytest.mark.parametrize("drop,part", [
@@ -72,7 +72,7 @@ def reference(tmp_path_factory, forked) -> str:
     ("data", "data position"), ("rng.python", "rng (python)"), ("rng.numpy", "rng (numpy)"),
     ("rng.torch_cpu", "rng (torch_cpu)"),
 ])
-def test_checker_names_each_missing_part(capsys, tmp_path, reference, drop, part):
+def test_checker_names_each_missing_part(capsys, tmp_path, reference, forked, drop, part):
     code, out = check(capsys, "--at", "7", "--phase", "after-update", "--drop", drop,
                       "--reference", reference, "--workdir", str(tmp_path), "--", *SHORT)
     assert code == 1, out
