@@ -49,3 +49,25 @@ def free_port() -> int:
 
 def gens(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.startswith("gen-"))
+
+
+def assert_resumed_bitwise(reference: Path, lives: list[Path], resumed_from: int,
+                           ranks: int = 2) -> None:
+    """Every rank's trace, stitched from ``lives`` (each ``<life>.rank<r>``), equals that
+    rank's ``<reference>.rank<r>`` at every update, resuming from ``resumed_from``."""
+    from unbroken.proof.equivalence import compare
+    from unbroken.trace import read_trace
+
+    for rank in range(ranks):
+        result = compare(read_trace(f"{reference}.rank{rank}"),
+                         [read_trace(f"{life}.rank{rank}") for life in lives])
+        assert result.verdict == "equivalent" and result.resumed_from == resumed_from, (
+            rank, result.first_divergence)
+
+
+def first_restores(trace: Path, ranks: int = 2) -> list[dict]:
+    """Each rank's first restore record."""
+    from unbroken.trace import read_trace
+
+    return [next(x for x in read_trace(f"{trace}.rank{r}") if x["event"] == "restore")
+            for r in range(ranks)]

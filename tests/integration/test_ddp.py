@@ -10,9 +10,8 @@ import os
 from pathlib import Path
 
 import pytest
-from _launch import by_hand, gens, torchrun
+from _launch import assert_resumed_bitwise, by_hand, first_restores, gens, torchrun
 
-from unbroken.proof.equivalence import compare
 from unbroken.trace import read_trace
 
 
@@ -36,12 +35,8 @@ def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path)
     assert killed.returncode != 0
     resumed = torchrun(2, folder, tmp_path / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank in (0, 1):
-        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
-                         [read_trace(tmp_path / f"k.jsonl.rank{rank}"),
-                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
-        assert result.verdict == "equivalent" and result.resumed_from == 15, (
-            rank, result.first_divergence)
+    assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
+                           tmp_path / "r.jsonl"], 15)
     names = os.listdir(folder / "gen-000000030")
     assert {"model.safetensors", "rank00000.state.json", "rank00001.rng.safetensors"} <= set(
         names)  # shared parts once, each rank's RNG streams its own
@@ -69,10 +64,8 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(reference, tmp_p
     shard.write_bytes(bytes(data))
     r = torchrun(2, folder, tmp_path / "t.jsonl", "--epochs", "3")
     assert r.returncode == 0, r.stderr[-3000:]
-    for rank in (0, 1):
-        restores = [x for x in read_trace(tmp_path / f"t.jsonl.rank{rank}")
-                    if x["event"] == "restore"]
-        assert restores[0]["step"] == 25 and restores[0]["rejected"] == ["gen-000000030"]
+    for restore in first_restores(tmp_path / "t.jsonl"):
+        assert restore["step"] == 25 and restore["rejected"] == ["gen-000000030"]
 
 
 def test_replicas_that_differ_are_refused_naming_the_parameter(tmp_path):
@@ -119,12 +112,8 @@ def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(ref
     assert gens(folder)[-1] == "gen-000000015"
     resumed = torchrun(2, folder, tmp_path / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank in (0, 1):
-        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
-                         [read_trace(tmp_path / f"s.jsonl.rank{rank}"),
-                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
-        assert result.verdict == "equivalent" and result.resumed_from == 15, (
-            rank, result.first_divergence)
+    assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "s.jsonl",
+                           tmp_path / "r.jsonl"], 15)
 
 
 def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_path):
@@ -135,9 +124,5 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
     assert gens(folder) == ["gen-000000005", "gen-000000010"]  # 15 never committed
     resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--async-save")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank in (0, 1):
-        result = compare(read_trace(reference / f"ref.jsonl.rank{rank}"),
-                         [read_trace(tmp_path / f"k.jsonl.rank{rank}"),
-                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
-        assert result.verdict == "equivalent" and result.resumed_from == 10, (
-            rank, result.first_divergence)
+    assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
+                           tmp_path / "r.jsonl"], 10)

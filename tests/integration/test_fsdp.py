@@ -11,10 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _launch import SCRIPT, torchrun
-
-from unbroken.proof.equivalence import compare
-from unbroken.trace import read_trace
+from _launch import SCRIPT, assert_resumed_bitwise, first_restores, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +53,8 @@ def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
     dump, _ = resume(runs, tmp_path, 2)
     ref = json.loads((runs / "ref.json").read_text())
     assert dump == ref
-    for rank in (0, 1):
-        result = compare(read_trace(runs / f"ref.jsonl.rank{rank}"),
-                         [read_trace(runs / f"k.jsonl.rank{rank}"),
-                          read_trace(tmp_path / f"r.jsonl.rank{rank}")])
-        assert result.verdict == "equivalent" and result.resumed_from == 15, (
-            rank, result.first_divergence)
+    assert_resumed_bitwise(runs / "ref.jsonl", [runs / "k.jsonl",
+                           tmp_path / "r.jsonl"], 15)
 
 
 @pytest.mark.parametrize("ranks", [1, 4])
@@ -114,7 +107,5 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(runs, tmp_path):
     r = torchrun(2, folder, tmp_path / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 1: " in r.stderr and "rank00001.shards.safetensors" in r.stderr
-    for rank in (0, 1):
-        restores = [x for x in read_trace(tmp_path / f"t.jsonl.rank{rank}")
-                    if x["event"] == "restore"]
-        assert restores[0]["step"] == 10 and restores[0]["rejected"] == ["gen-000000015"]
+    for restore in first_restores(tmp_path / "t.jsonl"):
+        assert restore["step"] == 10 and restore["rejected"] == ["gen-000000015"]
