@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
+PERSISTER_OF_ENV = "UNBROKEN_PERSISTER_OF"  # set in a persisting process: its writer's pid
 Process = tuple[int, int]  # (pid, start time in clock ticks): a pid is reused, the pair not
 
 
@@ -67,6 +68,11 @@ def kill_job() -> None:
     """SIGKILL the whole job this process belongs to, as a lost machine would end it: under
     torchrun (``$TORCHELASTIC_RUN_ID``) the launcher and everything it started; otherwise
     this process's group when it leads one (its DataLoader workers), and this process."""
+    owner = os.environ.get(PERSISTER_OF_ENV, "")
+    if owner.isdecimal() and int(owner) == os.getppid():
+        # the persisting process of a writer (`persist.process`): the machine dies, the
+        # writer with it (this process is among its descendants)
+        kill(tree(int(owner)))
     root = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
     if root is not None:
         kill(tree(root) | {p for p in tree(os.getpid())})

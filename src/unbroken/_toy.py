@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keep-last", type=int, default=3)
     ap.add_argument("--data-revision", default="toy-v1")
     ap.add_argument("--log", required=True)
+    ap.add_argument("--async-save", choices=["off", "thread", "process"], default="off")
     ap.add_argument("--defect", choices=["none", "weights_only", "clear_momentum"], default="none")
     args = ap.parse_args(argv)
 
@@ -78,7 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     else:
         ckpt = Checkpointer(args.run, model=model, optimizer=opt, scheduler=sched,
                                      generators=gens, identity=ident, every=args.every,
-                                     keep=Keep(last=args.keep_last))
+                                     keep=Keep(last=args.keep_last),
+                                     async_save={"off": False, "thread": True}.get(
+                                         args.async_save, args.async_save))
         start = ckpt.restore()
         if args.defect == "clear_momentum":
             for s in opt.state.values():

@@ -18,22 +18,29 @@ from .dist.commit import check_replicas, commit_job
 from .dist.group import Group, RankFailed, background_group
 from .errors import (
     ReadOnlyRun,
-    SaveFailed,
     UnbrokenWarning,
     UpdateBoundaryError,
 )
 from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
 from .persist.background import InFlight
+from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
 from .restoring import Restoring, gc_paused
-from .saving import encode_share, read_back, replicated, saved_unchanged, stamps
+from .saving import (
+    encode_share,
+    read_back,
+    replicated,
+    save_failed,
+    saved_unchanged,
+    stamps,
+)
 from .state import parts as S
 from .state.identity import Identity, environment
+from .state.incremental import HeldFile, Linked, Plan, held_files
 from .state.optim import check_optimizer_params
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo, GenerationStore, generation_name
-from .store.lock import errno_text
 from .store.manifest import Artifact, Manifest
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
@@ -68,6 +75,13 @@ class Checkpointer(Restoring):
     (at most one in flight; its error is raised by the next save, ``wait()`` or ``close()``;
     ``close()`` waits). In a job, the background save talks to the other ranks over a gloo
     group of its own, whose collectives give up after ``async_timeout`` seconds.
+    ``async_save="process"`` (one process): the snapshot goes to shared memory and a
+    persisting process writes it, so a save survives the training process being killed
+    after ``save()`` returned (`persist.process`).
+
+    ``incremental=True``: tensors unchanged since the previous generation (a frozen base
+    under LoRA, frozen embeddings; found by content digest) are linked from it, not written
+    again; every generation still verifies and restores on its own (`state.incremental`).
 
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
@@ -81,7 +95,8 @@ class Checkpointer(Restoring):
                  trace: str | os.PathLike[str] | None = None, trace_hash_every: int = 10,
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
                  stop_check_every: int = 1, process_group: Any = None,
-                 async_save: bool = False, async_timeout: float = 600.0) -> None:
+                 async_save: bool | str = False, async_timeout: float = 600.0,
+                 incremental: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -89,6 +104,12 @@ class Checkpointer(Restoring):
         # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
         # one rank of a job: every rank builds one on the same folder, rank 0 writes.
         self._group = Group(process_group)
+        if async_save not in (False, True, "thread", "process"):
+            raise ValueError(f"async_save={async_save!r}: False, True (or 'thread') or "
+                             "'process'")
+        if async_save == "process" and self._group.active:
+            raise ValueError("async_save='process' persists the saves of one process; in a "
+                             "job of many ranks use async_save=True")
         if async_save and not async_timeout > 0:
             raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
         # An async save's collectives run beside the training loop's: a group of their own,
@@ -98,6 +119,10 @@ class Checkpointer(Restoring):
         self._async = bool(async_save)
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
+        self._process = async_save == "process"
+        self._persister: ProcessPersister | None = None
+        self._incremental = bool(incremental)
+        self._held: dict[str, list[HeldFile]] = {}  # the newest generation's files, by part
         if every is not None and (type(every) is not int or every < 1):
             raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
         if type(trace_hash_every) is not int or trace_hash_every < 1:
@@ -139,6 +164,9 @@ class Checkpointer(Restoring):
                           "(it is still detected and refused on load)", UnbrokenWarning,
                           stacklevel=2)
         self._run, self._run_written, self._ambiguous = self._writer.agreed_run(self._group)
+        if self._process and self.store.locked:  # started early: it imports torch
+            self._persister = ProcessPersister(self.store)
+            self._persister.start()
         self.incarnation = 0
         self._parent: dict[str, Any] | None = None
         self._origin: dict[str, Any] | None = None
@@ -267,8 +295,14 @@ class Checkpointer(Restoring):
         self._counters.step = step
         started = time.monotonic()
         tree = S.capture(self._parts, self.model)
+        plan = Plan(step, self._held, frozenset(
+            n for n, p in self.model.named_parameters() if not p.requires_grad)
+        ) if self._incremental else None
+        if self._process:
+            self._hand_over(step, tree, values, again, started, plan)
+            return None
         if not self._async:
-            info = self._persist(step, tree, values, again, started)
+            info = self._persist(step, tree, values, again, started, plan)
             if info is not None and self._trace is not None:
                 self._trace.saved(step)
             return info
@@ -276,7 +310,7 @@ class Checkpointer(Restoring):
         log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "
                  "background", step, self._buffers.nbytes, time.monotonic() - started)
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
-                                                               started))
+                                                               started, plan))
         return None
 
     def wait(self) -> GenerationInfo | None:
@@ -299,29 +333,25 @@ class Checkpointer(Restoring):
 
     @gc_paused
     def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
-                 started: float) -> GenerationInfo | None:
+                 started: float, plan: Plan | None = None) -> GenerationInfo | None:
         """Write, commit, read back and verify generation ``step`` of ``tree``, then apply
         retention (an async save runs this in the background, on a snapshot)."""
         group = self._save_group
-        if again and saved_unchanged(self.store, group, step, tree, values):
+        if again and saved_unchanged(self.store, group, step, tree, values, plan):
             return None  # the same state saved twice
         if group.active:
             check_replicas(group, replicated(tree))
         meta = stamps(step, self.incarnation, self.run_id)
-        encoded = encode_share(group, tree, meta)  # refuses what restore could not read
-        total = sum(memoryview(c).nbytes for chunks in encoded.values() for c in chunks)
+        encoded = encode_share(group, tree, meta, plan)  # refuses what restore could not read
+        total = sum(memoryview(c).nbytes for chunks in encoded.values()
+                    if not isinstance(chunks, Linked) for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
-        artifacts = {name: progress.wrap(chunks) for name, chunks in encoded.items()}
-        fingerprint = self.identity.fingerprint()
-        env = {**environment(), "filesystem": self.fstype}
+        artifacts = {name: chunks if isinstance(chunks, Linked) else progress.wrap(chunks)
+                     for name, chunks in encoded.items()}
+        fields = self._manifest_fields(step, tree, values, group.size)
 
         def make_manifest(written: list[Artifact]) -> Manifest:
-            return Manifest(
-                generation=step, step=step, run_id=self.run_id, incarnation=self.incarnation,
-                artifacts=written, parts=sorted(tree), parent=self._parent, origin=self._origin,
-                identity=fingerprint, environment=env, retention=self.keep.to_json(),
-                metrics=values, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                world_size=group.size)
+            return Manifest(artifacts=written, **fields)
 
         try:
             if group.active:
@@ -332,26 +362,63 @@ class Checkpointer(Restoring):
                 info = self.store.commit(step, artifacts, make_manifest, supersede=again)
         except OSError as e:
             progress.close()
-            raise SaveFailed(
-                f"{self.store.root}: saving generation {step} failed: {errno_text(e)} "
-                f"({e.filename or 'run folder'}); older generations are untouched and training "
-                "may continue; free space or fix the disk before the next save") from e
+            raise save_failed(self.store.root, step, e) from e
         except BaseException:
             progress.close()
             raise
-        read_back(group, self.store, info, progress)
-        self._last_saved = step
-        self._parent = {"run_id": self.run_id, "generation": step,
-                        "incarnation": self.incarnation}
-        try:
-            self._writer.apply_retention(step)
-        except OSError as e:  # the generation is committed; deleting old ones can wait
-            warnings.warn(f"{self.store.root}: retention could not delete an old generation "
-                          f"({e}); generation {step} is committed and verified, and retention "
-                          "is retried after the next save", UnbrokenWarning, stacklevel=2)
+        read_back(group, self.store, info, progress, plan.linked if plan else ())
+        self._committed(step, info, plan)
+        self._writer.retain(step)
         log.info("saved %s (%d bytes) in %.3f s", info.path,
                  info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
         return info
+
+    def _hand_over(self, step: int, tree: dict[str, Any], values: dict[str, float],
+                   again: bool, started: float, plan: Plan | None) -> None:
+        """``async_save="process"``: the snapshot into shared memory, and the rest of the
+        save to the persisting process (`persist.process`), which finishes it even if this
+        process dies."""
+        if again and saved_unchanged(self.store, self._group, step, tree, values, plan):
+            return  # the same state saved twice
+        if self._persister is None:
+            self._persister = ProcessPersister(self.store)
+        persister = self._persister
+        encoded = encode_share(self._group, tree, stamps(step, self.incarnation, self.run_id),
+                               plan)
+        persister.submit({"step": step, "again": again, "keep": self.keep.to_json(),
+                          "manifest": self._manifest_fields(step, tree, values, 1),
+                          "linked": sorted(plan.linked) if plan else []}, encoded)
+        log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
+                 persister.nbytes, time.monotonic() - started)
+
+        def collect() -> GenerationInfo:
+            for message in persister.result()["warnings"]:
+                warnings.warn(message, UnbrokenWarning, stacklevel=2)
+            info = self.store.scan_one(step)
+            self._committed(step, info, plan)
+            return info
+
+        self._in_flight = InFlight(step, collect)
+
+    def _manifest_fields(self, step: int, tree: dict[str, Any], values: dict[str, float],
+                         world_size: int) -> dict[str, Any]:
+        """Every field of generation ``step``'s manifest but its artifacts."""
+        return {"generation": step, "step": step, "run_id": self.run_id,
+                "incarnation": self.incarnation, "parts": sorted(tree), "parent": self._parent,
+                "origin": self._origin, "identity": self.identity.fingerprint(),
+                "environment": {**environment(), "filesystem": self.fstype},
+                "retention": self.keep.to_json(), "metrics": values,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size}
+
+    def _committed(self, step: int, info: GenerationInfo, plan: Plan | None) -> None:
+        """After generation ``step`` committed and read back: the next save's parent, and
+        (incremental saves) the files it may link."""
+        if plan is not None and info.manifest is not None:
+            self._held = held_files(plan.layout, info.path, {
+                a.name: (a.size, a.xxh3_128) for a in info.manifest.artifacts})
+        self._last_saved = step
+        self._parent = {"run_id": self.run_id, "generation": step,
+                        "incarnation": self.incarnation}
 
     def _prepare_write(self, step: int, again: bool) -> None:
         """(The writer: the leader of a job.) See `RunWriter.prepare`."""
@@ -377,6 +444,8 @@ class Checkpointer(Restoring):
                 self._group.all_gather(None, "closing")
             except RankFailed:
                 pass  # a rank already gone: nothing left to wait for
+        if self._persister is not None:
+            self._persister.close()
         self._writer.close()
         self._watch.close()
         self._preemption.close()

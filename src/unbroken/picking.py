@@ -39,6 +39,7 @@ class Pick:
     tree: dict[str, Any] = field(default_factory=dict)  # the decoded state, as saved
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     labels: dict[str, str] = field(default_factory=dict)  # path -> corrupt | torn | foreign
+    layout: dict[str, list[Any]] = field(default_factory=dict)  # files by part (decode_generation)
 
 
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
@@ -64,9 +65,10 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
     for number in candidates:
         info = by_number.get(number) or store.scan_one(number)
         mine: dict[str, Any] = {"refused": None, "foreign": False, "fatal": None}
+        pick.layout = {}
         try:
             pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
-                                          identity, run, group)
+                                          identity, run, group, pick.layout)
         except CorruptCheckpoint as e:
             mine.update(refused=str(e), foreign=isinstance(e, ForeignGeneration))
         except UnbrokenError as e:
@@ -100,7 +102,8 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
 
 def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iterable[str],
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-          run: RunRecord, group: Group) -> tuple[dict[str, Any], dict[str, Any]]:
+          run: RunRecord, group: Group, layout: dict[str, list[Any]]
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
     if not info.ok or info.manifest is None:
         raise CorruptCheckpoint(info.reason)
@@ -115,14 +118,16 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
     sharded = intent == "continue" and manifest.world_size > 1
     names: Iterable[str] | None = (
         own_names(manifest, group.rank) if sharded else
-        None if intent == "continue" else [S.STATE_FILE, "model.safetensors", SHARDS_FILE])
+        None if intent == "continue" else
+        [a.name for a in manifest.artifacts  # the model's files (its main and stable ones)
+         if a.name in (S.STATE_FILE, SHARDS_FILE) or a.name.startswith(f"{S.MODEL}.")])
     progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
     try:
         files = store.read_verified(info, names, advance=progress.advance)
     finally:
         progress.close()
     tree, meta = S.decode_generation(files, info.path,
-                                     None if intent == "continue" else {S.MODEL})
+                                     None if intent == "continue" else {S.MODEL}, layout=layout)
     if sharded:
         tree[S.RNG] = _rank_streams(files, info.path, meta, manifest.world_size, group, parts)
     elif intent == "continue" and group.size > 1:

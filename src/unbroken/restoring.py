@@ -21,6 +21,7 @@ from .faults import DROP_ENV, drop_parts
 from .picking import Pick, pick_generation
 from .state import parts as S
 from .state.identity import Identity
+from .state.incremental import HeldFile, held_files
 from .state.optim import param_group_changes
 from .store.generations import GenerationInfo, GenerationStore
 from .store.runrecord import RunRecord
@@ -83,6 +84,8 @@ class Restoring:
     _counters: S.Counters
     _watch: UpdateWatch
     _trace: TraceRecorder | None
+    _incremental: bool
+    _held: dict[str, list[HeldFile]]
 
     @property
     def run_id(self) -> str:
@@ -153,6 +156,9 @@ class Restoring:
         self._parent = {"run_id": manifest.run_id, "generation": manifest.generation,
                         "incarnation": manifest.incarnation}
         self._last_saved = manifest.step
+        if self._incremental:  # the next save links what did not change since
+            self._held = held_files(pick.layout, info.path, {
+                a.name: (a.size, a.xxh3_128) for a in manifest.artifacts})
         log.info("restored %s (step %d)", info.path, manifest.step)
         self._after_restore(manifest.step, info)
         return manifest.step

@@ -5,7 +5,7 @@ read-back after the commit, and whether a repeated save of a step changed anythi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import xxhash
@@ -17,7 +17,9 @@ from .dist.sharded import encode_shards, split
 from .errors import CorruptCheckpoint, SaveFailed
 from .inputs import same_number
 from .state import parts as S
+from .state.incremental import Linked, Plan
 from .store.generations import GenerationInfo, GenerationStore
+from .store.lock import errno_text
 
 
 def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
@@ -27,16 +29,17 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
             "unbroken.incarnation": str(incarnation)}
 
 
-def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str]
-                 ) -> dict[str, list[memoryview]]:
+def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
+                 plan: Plan | None = None) -> dict[str, Any]:
     """This process's files of a generation (see module doc); sharded tensors (DTensors)
-    go through DCP, each rank writing its own chunks (`dist.sharded`)."""
+    go through DCP, each rank writing its own chunks (`dist.sharded`). With ``plan``, the
+    shared parts are saved incrementally (`state.incremental`)."""
     tree, shards = split(tree)
     if not group.active:
-        out = S.encode_generation(tree, meta)
+        out = S.encode_generation(tree, meta, plan=plan)
     else:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = S.encode_generation(shared, meta) if group.leader else {}
+        out = S.encode_generation(shared, meta, plan=plan) if group.leader else {}
         out.update(S.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
                                        prefix=rank_prefix(group.rank)))
@@ -60,20 +63,34 @@ def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
             yield part, tree[part]
 
 
+def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
+    """The error of a save whose writing failed on ``e``."""
+    return SaveFailed(f"{root}: saving generation {step} failed: {errno_text(e)} "
+                      f"({e.filename or 'run folder'}); older generations are untouched and "
+                      "training may continue; free space or fix the disk before the next save")
+
+
 def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
-              progress: Progress) -> None:
+              progress: Progress, linked: Collection[str] = ()) -> None:
     """Re-hash what was just committed (every rank its own files); a generation that does
-    not read back as written is moved aside, and the save fails (on every rank)."""
+    not read back as written is moved aside, and the save fails (on every rank). ``linked``
+    files were not written but linked (incremental saves), verified when their generation
+    was, and unchanged on disk since: one process does not hash them again."""
     assert info.manifest is not None
     try:
+        before = store.file_identity(info) if group.leader else None
         if group.active:
-            before = store.file_identity(info) if group.leader else None
             problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
             if not problems and group.leader:
                 store.verified_elsewhere(info, before)
         else:
             try:
-                store.verify(info, advance=progress.advance)
+                if linked:
+                    store.verify(info, advance=progress.advance, names={
+                        a.name for a in info.manifest.artifacts if a.name not in linked})
+                    store.verified_elsewhere(info, before)
+                else:
+                    store.verify(info, advance=progress.advance)
                 problems = []
             except CorruptCheckpoint as e:
                 problems = [str(e)]
@@ -94,7 +111,7 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
 
 
 def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[str, Any],
-                    values: dict[str, float]) -> bool:
+                    values: dict[str, float], plan: Plan | None = None) -> bool:
     """Whether generation ``step`` already holds ``tree`` (and the metric ``values``): its
     files (in a job, every rank its own), encoded again with that generation's own stamps,
     hash the same. A save of the same step after the state changed (an end-of-epoch
@@ -106,13 +123,16 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     if same:
         assert m is not None
         listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
-        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id))
+        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id),
+                               plan and Plan(plan.generation, plan.held, plan.frozen))
         same = (group.active or set(encoded) == set(listed)) and all(
             listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
     return all(group.all_gather(same, "comparing with the saved generation"))
 
 
-def _size_and_hash(chunks: Iterable[memoryview]) -> tuple[int, str]:
+def _size_and_hash(chunks: Any) -> tuple[int, str]:
+    if isinstance(chunks, Linked):
+        return chunks.size, chunks.xxh3_128
     h, size = xxhash.xxh3_128(), 0
     for c in chunks:
         h.update(c)

@@ -19,7 +19,8 @@ from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
 class RunWriter:
     """Changes to ``store`` on behalf of a Checkpointer (see module doc)."""
 
-    def __init__(self, store: GenerationStore, keep: Keep, leader: bool = True) -> None:
+    def __init__(self, store: GenerationStore, keep: Keep, leader: bool = True,
+                 take_lock: bool = True) -> None:
         self.store = store
         self.keep = keep
         # In a job of many ranks only the leader (rank 0) writes: it holds the lock, moves
@@ -30,7 +31,7 @@ class RunWriter:
         # read-only media still restore; a save raises this.
         self.read_only: ReadOnlyRun | None = None
         self._pending: list[tuple[GenerationInfo, str]] = []  # to move aside once writing
-        if not leader:
+        if not leader or not take_lock:  # a persisting process writes under its writer's lock
             return
         try:
             store.lock()
@@ -169,6 +170,16 @@ class RunWriter:
         # Only now, with a new generation committed and verified, may aside/ shrink: what a
         # restore moved there (an abandoned branch) stays until the run has moved on.
         self.store.prune_aside(self.keep.aside)
+
+    def retain(self, just_saved: int) -> None:
+        """`apply_retention` after a save; an I/O error only warns (the save is committed)."""
+        try:
+            self.apply_retention(just_saved)
+        except OSError as e:
+            warnings.warn(f"{self.store.root}: retention could not delete an old generation "
+                          f"({e}); generation {just_saved} is committed and verified, and "
+                          "retention is retried after the next save", UnbrokenWarning,
+                          stacklevel=3)
 
     def close(self) -> None:
         self.store.unlock()

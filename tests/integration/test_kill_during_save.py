@@ -38,11 +38,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("point,armed,expect", CASES, ids=[c[0] for c in CASES])
-def test_kill_inside_save(tmp_path, ref, point, armed, expect):
+# With async_save="process" the protocol's kill points fall in the persisting process, and
+# kill the training process with it (a lost machine); a kill of the training process alone
+# just after save() returned ("step-done") leaves the persisting process to commit it.
+IN_PROCESS = [("artifact-1-written", 6, 4), ("after-rename", 6, 6),
+              ("retention-unlinked", 2, 6), ("step-done", 6, 6)]
+
+
+@pytest.mark.parametrize("point,armed,expect,mode", [
+    *((*c, "off") for c in CASES), *((*c, "process") for c in IN_PROCESS)],
+    ids=[c[0] for c in CASES] + [f"process-{c[0]}" for c in IN_PROCESS])
+def test_kill_inside_save(tmp_path, ref, point, armed, expect, mode):
     run, log = str(tmp_path / "run"), tmp_path / "log"
     args = ("--run", run, "--log", str(log), "--steps", str(STEPS), "--every", str(EVERY),
-            "--keep-last", "2")
+            "--keep-last", "2", "--async-save", mode)
     killed = run_script(TOY, *args,
                         env={"UNBROKEN_KILL_AT": f"{point}@{armed}"})
     assert killed.returncode == -signal.SIGKILL, killed.stderr

@@ -5,6 +5,7 @@ the next save, ``wait()`` or ``close()``; a script that ends without ``close()``
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
 import sys
@@ -18,6 +19,8 @@ import torch
 
 import unbroken
 from unbroken.errors import SaveFailed
+from unbroken.persist.process import ProcessPersister
+from unbroken.store import lock
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.store.generations import GenerationStore
 
@@ -49,10 +52,11 @@ def state(model, opt) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_what_is_written_is_the_state_at_save_whatever_the_loop_does_next(tmp_path):
+@pytest.mark.parametrize("mode", [True, "process"])
+def test_what_is_written_is_the_state_at_save_whatever_the_loop_does_next(tmp_path, mode):
     model, opt = net()
     with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
-                               async_save=True) as ckpt:
+                               async_save=mode) as ckpt:
         train(model, opt, ckpt, 0, 3)
         before = state(model, opt)
         rng_before = torch.get_rng_state()
@@ -74,14 +78,15 @@ def test_what_is_written_is_the_state_at_save_whatever_the_loop_does_next(tmp_pa
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
-def test_an_async_run_interrupted_and_resumed_is_bitwise_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("mode", [True, "process"])
+def test_an_async_run_interrupted_and_resumed_is_bitwise_the_uninterrupted_one(tmp_path, mode):
     def run(folder, start_stop):
         random.seed(0), np.random.seed(0), torch.manual_seed(1)
         losses = []
         for start, stop in start_stop:
             model, opt = net()
             with unbroken.Checkpointer(folder, model=model, optimizer=opt, every=3,
-                                       async_save=True) as ckpt:
+                                       async_save=mode) as ckpt:
                 assert ckpt.restore() == start
                 losses += train(model, opt, ckpt, start, stop)
         return losses, state(model, opt)
@@ -173,13 +178,14 @@ def test_snapshot_buffers_are_reused_and_tied_weights_stay_one_tensor():
     assert torch.equal(second["model"]["a"], w)
 
 
-def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path):
+@pytest.mark.parametrize("mode", [True, "process"])
+def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path, mode):
     script = textwrap.dedent(f"""
         import torch, unbroken
         model = torch.nn.Linear(512, 512)
         opt = torch.optim.AdamW(model.parameters())
         ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, model=model, optimizer=opt,
-                                     async_save=True)
+                                     async_save={mode!r})
         model(torch.ones(512)).sum().backward()
         opt.step()
         ckpt.step_done(1)
@@ -228,3 +234,60 @@ def test_an_interrupted_wait_leaves_the_save_in_flight_and_owned(tmp_path, monke
     with unbroken.Checkpointer(tmp_path / "run", model=model) as again:
         assert again.restore(generation=1) == 1
     assert model.weight.unique().tolist() == [1.0]
+
+
+def test_a_persisting_process_that_died_between_saves_is_replaced(tmp_path):
+    model, opt = net()
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               async_save="process") as ckpt:
+        train(model, opt, ckpt, 0, 1)
+        ckpt.save()
+        ckpt.wait()
+        proc = ckpt._persister._proc
+        proc.kill()
+        proc.wait()
+        train(model, opt, ckpt, 1, 2)
+        ckpt.save()
+        assert ckpt.wait().generation == 2
+    assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [1, 2]
+
+
+def test_a_failed_save_in_the_persisting_process_raises_typed(tmp_path, monkeypatch):
+    model, opt = net()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 async_save="process")
+    train(model, opt, ckpt, 0, 1)
+    submit = ProcessPersister.submit
+
+    def lost_snapshot(self, request, artifacts):
+        submit(self, request, artifacts)
+        os.unlink(self._shm_path)  # before the persisting process maps it (it is starting)
+        self._shm_path = None
+
+    monkeypatch.setattr(ProcessPersister, "submit", lost_snapshot)
+    ckpt.save()
+    with pytest.raises(SaveFailed, match="No such file"):
+        ckpt.wait()
+    ckpt.close()
+    assert GenerationStore(tmp_path / "run").scan() == []
+
+
+@pytest.mark.parametrize("patience", [0.2, 30.0])
+def test_a_new_writer_waits_for_the_persisting_process_of_a_dead_one(tmp_path, monkeypatch,
+                                                                     patience):
+    (tmp_path / "LOCK").touch()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from unbroken.store.lock import "
+         "take_persister; take_persister(sys.argv[1]); print('held', flush=True); "
+         "time.sleep(1.5)", str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "held\n"
+    monkeypatch.setattr(lock, "PERSISTER_WAIT", patience)
+    started = time.monotonic()
+    if patience < 1:
+        with pytest.raises(unbroken.StoreLocked, match="persisting process of an earlier"):
+            lock.acquire_writer_lock(str(tmp_path))
+    else:  # the writer gets the run once the save was committed and the process ended
+        fd = lock.acquire_writer_lock(str(tmp_path))
+        assert holder.poll() is not None and time.monotonic() - started > 0.5
+        lock.release_writer_lock(str(tmp_path), fd)
+    holder.wait(timeout=30)

@@ -24,6 +24,7 @@ from typing import Any
 from .. import errors
 from ..errors import CorruptCheckpoint, SaveFailed, StateMismatch, UnbrokenError
 from ..state._digest import digest_tree
+from ..state.incremental import Source
 from ..store.generations import GenerationInfo, GenerationStore
 from ..store.lock import errno_text
 from ..store.manifest import Artifact, Manifest
@@ -70,7 +71,7 @@ def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
 
 
 def commit_job(group: Group, store: GenerationStore, generation: int,
-               prepare: Callable[[], None], mine: Mapping[str, Iterable[memoryview | bytes]],
+               prepare: Callable[[], None], mine: Mapping[str, Source],
                make_manifest: Callable[[list[Artifact]], Manifest], supersede: bool
                ) -> GenerationInfo:
     """Steps 1-3 of the module doc; returns the committed generation on every rank."""

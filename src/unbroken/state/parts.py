@@ -17,6 +17,7 @@ import torch
 
 from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 from .codec import decode_tree, encode_tree
+from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
 from .optim import optimizer_state, optimizer_state_to_torch, validate_model
 from .tensorfile import decode_safetensors, encode_safetensors
@@ -32,6 +33,7 @@ COUNTERS = "counters"
 EXTRA_PREFIX = "extra."
 STATE_FILE = "state.json"
 STATE_SCHEMA = "unbroken.state/1"
+MORE_FILES = "more_files"  # state.json: a part's stable files (incremental saves)
 MAX_STATE_BYTES = 256 * 1024 * 1024
 
 INTENTS = ("continue", "warm_start")
@@ -200,27 +202,39 @@ def check_part_tree(name: str, tree: Any) -> None:
                                f"{type(tree).__name__}; it must return a dict")
 
 
-def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = ""
-                      ) -> dict[str, list[memoryview]]:
+def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = "",
+                      plan: Plan | None = None) -> dict[str, Any]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
     ``state.json`` with every part's skeleton. ``meta`` (run id, generation, incarnation) is
     stamped into every tensor file so a file moved between generations is recognised.
-    ``prefix`` names one rank's own files (``rank00001.state.json``, ...)."""
+    ``prefix`` names one rank's own files (``rank00001.state.json``, ...). With ``plan``
+    (incremental saves, see `incremental`), a part's unchanged tensors go to stable files,
+    and a stable file of the previous generation is a `Linked` artifact."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
-    artifacts: dict[str, list[memoryview]] = {}
+    more: dict[str, list[dict[str, str]]] = {}
+    artifacts: dict[str, Any] = {}
     for part, value in tree.items():
         try:
             check_part_tree(part, value)
             skeleton, tensors = encode_tree(value, "")
             skeletons[part] = skeleton
-            if tensors:
+            if tensors and plan is not None:
+                out, extra = encode_part(plan, prefix, part, tensors, meta)
+                if f"{prefix}{part}.safetensors" in out:
+                    files[part] = f"{prefix}{part}.safetensors"
+                if extra:
+                    more[part] = extra
+                artifacts.update(out)
+            elif tensors:
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
                     tensors, {**meta, "unbroken.part": part})
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
+    if more:
+        doc[MORE_FILES] = more
     text = dumps_json(doc, sort_keys=False)
     if len(text) > MAX_STATE_BYTES:  # what decode_generation refuses is never written
         sizes = sorted(((len(dumps_json(v, sort_keys=False)), k) for k, v in skeletons.items()),
@@ -245,12 +259,15 @@ def check_sizes(manifest: Any, folder: str) -> None:
 
 
 def decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
-                      parts: set[str] | None = None, prefix: str = ""
+                      parts: set[str] | None = None, prefix: str = "",
+                      layout: dict[str, list[Any]] | None = None
                       ) -> tuple[dict[str, Any], dict[str, str]]:
     """Inverse of ``encode_generation`` over verified file contents; returns (tree, meta).
-    ``parts`` limits decoding to some parts (a warm start reads only the model)."""
+    ``parts`` limits decoding to some parts (a warm start reads only the model). ``layout``
+    collects each part's files (name, origin generation and incarnation, digests, stable)
+    for the next incremental save."""
     try:
-        return _decode_generation(files, folder, parts, prefix)
+        return _decode_generation(files, folder, parts, prefix, layout)
     except UnbrokenError:
         raise
     except Exception as e:  # noqa: BLE001 -- any failure on untrusted input is corruption
@@ -259,7 +276,8 @@ def decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
 
 
 def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
-                       parts: set[str] | None, prefix: str
+                       parts: set[str] | None, prefix: str,
+                       layout: dict[str, list[Any]] | None
                        ) -> tuple[dict[str, Any], dict[str, str]]:
     where = f"{folder}/{prefix}{STATE_FILE}"
     if prefix + STATE_FILE not in files:
@@ -275,23 +293,58 @@ def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
             raise TypeError
     except (KeyError, TypeError, ValueError):
         raise CorruptCheckpoint(f"{where}: not an unbroken state document") from None
+    more = doc.get(MORE_FILES, {})
+    if not isinstance(more, dict):
+        raise CorruptCheckpoint(f"{where}: {MORE_FILES!r} is not an object")
     tree = {}
     for part, skeleton in skeletons.items():
         if parts is not None and part not in parts:
             continue
         tensors: dict[str, torch.Tensor] = {}
-        if part in tensor_files:
-            name = tensor_files[part]
+        own = [(tensor_files[part], {**meta, "unbroken.part": part}, False)
+               ] if part in tensor_files else []
+        extra = more.get(part, [])
+        if not isinstance(extra, list):
+            raise CorruptCheckpoint(f"{where}: {MORE_FILES!r} of part {part!r} is not a list")
+        for name, stamps, stable in [*own, *(_extra_file(e, meta, part, where) for e in extra)]:
             if name not in files:
                 raise CorruptCheckpoint(f"{folder}/{name}: listed for part {part!r} but missing")
-            tensors, file_meta = decode_safetensors(files[name], f"{folder}/{name}")
-            expected = {**meta, "unbroken.part": part}
-            if file_meta != expected:
+            found, file_meta = decode_safetensors(files[name], f"{folder}/{name}")
+            digests = read_digests(file_meta, f"{folder}/{name}")
+            file_meta.pop(DIGESTS_KEY, None)
+            if file_meta != stamps:
                 raise CorruptCheckpoint(
-                    f"{folder}/{name}: stamped {file_meta}, expected {expected}: the file "
+                    f"{folder}/{name}: stamped {file_meta}, expected {stamps}: the file "
                     "belongs to another generation or part")
+            if found.keys() & tensors.keys():
+                raise CorruptCheckpoint(f"{folder}/{name}: holds tensors of part {part!r} "
+                                        "that another of its files holds too")
+            tensors.update(found)
+            if layout is not None:
+                layout.setdefault(part, []).append(
+                    (name, int(stamps["unbroken.generation"]),
+                     int(stamps["unbroken.incarnation"]), digests, stable))
         tree[part] = decode_tree(skeleton, tensors, f"{where} [{part}]")
     return tree, meta
+
+
+def _extra_file(entry: Any, meta: Mapping[str, str], part: str, where: str
+                ) -> tuple[str, dict[str, str], bool]:
+    """A part's file as ``state.json`` names it, and the stamps it must carry: its origin's,
+    a generation no newer than this one, of the same run."""
+    try:
+        name, generation, inc = entry["file"], entry["generation"], entry["incarnation"]
+        ok = (isinstance(name, str) and isinstance(generation, str) and isinstance(inc, str)
+              and generation.isdecimal() and inc.isdecimal() and generation.isascii()
+              and inc.isascii() and len(generation) < 20 and len(inc) < 20
+              and int(generation) <= int(meta.get("unbroken.generation", "-1")))
+    except (KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise CorruptCheckpoint(f"{where}: part {part!r} names a file as {entry!r:.120}, "
+                                "expected a file of this or an older generation of this run")
+    return name, {**meta, "unbroken.generation": generation, "unbroken.incarnation": inc,
+                  "unbroken.part": part}, True
 
 
 def check_stamps(manifest: Any, folder: str, tree: Mapping[str, Any], meta: Mapping[str, Any],

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import xxhash
 
 from ..errors import CorruptCheckpoint
+from ..state.incremental import Linked, Source
 from .aside import AsideFolder
 from .backends.local import LocalFS, fault_point
-from .lock import acquire_writer_lock, release_writer_lock
+from .lock import acquire_writer_lock, hand_over, release_writer_lock
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -58,6 +59,11 @@ def _memory_bytes() -> int:
 
 def generation_name(generation: int) -> str:
     return f"gen-{generation:09d}"
+
+
+def _number(folder: str) -> int:
+    m = _GEN.fullmatch(os.path.basename(folder))
+    return int(m.group(1)) if m else -1
 
 
 @dataclass
@@ -96,6 +102,17 @@ class GenerationStore(AsideFolder):
         dead writer left."""
         self._lock_fd = acquire_writer_lock(self.root)
         self._clean_debris()
+
+    def hand_over(self) -> None:
+        """(The writer.) Let a persisting process write on its behalf (`lock.hand_over`)."""
+        self._need_lock()
+        assert self._lock_fd is not None
+        hand_over(self._lock_fd)
+
+    def adopt_lock(self, fd: int) -> None:
+        """(A persisting process.) Write on behalf of the writer that handed its lock over;
+        ``fd`` holds the persister byte (`lock.take_persister`)."""
+        self._lock_fd = fd
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -300,7 +317,7 @@ class GenerationStore(AsideFolder):
 
     # -- changing the folder (writer only) -----------------------------------------------------
 
-    def commit(self, generation: int, artifacts: Mapping[str, Iterable[memoryview | bytes]],
+    def commit(self, generation: int, artifacts: Mapping[str, Source],
                make_manifest: Callable[[list[Artifact]], Manifest],
                supersede: bool = False) -> GenerationInfo:
         """Write a generation: staging folder, every artifact fsynced, manifest last, rename.
@@ -332,7 +349,7 @@ class GenerationStore(AsideFolder):
         return staging
 
     def write_artifacts(self, staging: str,
-                        artifacts: Mapping[str, Iterable[memoryview | bytes]],
+                        artifacts: Mapping[str, Source],
                         generation: int, first: int = 1) -> list[Artifact]:
         """Write and fsync each artifact into ``staging`` (any rank may, without the lock);
         return their names, sizes and content hashes. ``first`` numbers the fault points."""
@@ -341,10 +358,38 @@ class GenerationStore(AsideFolder):
             raise ValueError(f"artifact names {bad} are not plain file names")
         written = []
         for name, chunks in artifacts.items():
-            size, digest = self.fs.write_file(os.path.join(staging, name), chunks)
+            path = os.path.join(staging, name)
+            if isinstance(chunks, Linked) and self._link(chunks, path):
+                size, digest = chunks.size, chunks.xxh3_128
+            else:
+                if isinstance(chunks, Linked):
+                    chunks = chunks.write()
+                size, digest = self.fs.write_file(path, chunks)
             written.append(Artifact(name, size, digest))
             fault_point(f"artifact-{first + len(written) - 1}-written", generation)
         return written
+
+    def _link(self, linked: Linked, path: str) -> bool:
+        """Link a stable file of an earlier generation (incremental saves) into ``path``;
+        False where that cannot be done (another filesystem, no hard links, the source gone
+        or changed since it was verified): the caller writes it anew. The source folder's
+        verdict stays remembered (a link changes its file's ctime, not its content)."""
+        folder = os.path.dirname(linked.source)
+        before = self._verified.get(folder)
+        try:
+            self.fs.link(linked.source, path)
+        except OSError:
+            return False
+        if os.lstat(path).st_size != linked.size:
+            self.fs.unlink(path)
+            return False
+        source = self.scan_one(_number(folder)) if before is not None else None
+        if source is not None and source.manifest is not None and before is not None:
+            after = self.file_identity(source)
+            if after is not None and len(after) == len(before) and all(
+                    a[:4] == b[:4] for a, b in zip(after, before, strict=True)):
+                self._verified[folder] = after
+        return True
 
     def publish(self, staging: str, generation: int, manifest: Manifest,
                 supersede: bool = False) -> GenerationInfo:

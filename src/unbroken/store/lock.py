@@ -1,5 +1,9 @@
-"""The single-writer lock of a run folder: ``RUN/LOCK``, a POSIX ``fcntl`` lock (released by
-the kernel when its holder dies; not inherited by forked DataLoader workers).
+"""The single-writer lock of a run folder: ``RUN/LOCK``, POSIX ``fcntl`` locks (released by
+the kernel when their holder dies; not inherited by forked DataLoader workers) on two bytes:
+byte 0 is the writer's, byte 1 the persisting process's. A writer takes both; one that saves
+through a persisting process of its own (`persist.process`) hands byte 1 over to it, so
+that when the writer dies mid-save its persisting process still holds the run until the
+save is committed, and the next writer waits for that before it reads the run.
 
 Two ways to fail, told apart: another live process writes the run (`StoreLocked`, naming the
 holder), or this folder cannot be written or locked here at all (`ReadOnlyRun`, naming the
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import socket
 import stat
@@ -18,6 +23,8 @@ import time
 from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
 
 LOCK = "LOCK"
+WRITER, PERSISTER = 0, 1  # the bytes of LOCK each holds
+PERSISTER_WAIT = 600.0  # seconds a new writer waits for a dead writer's save to commit
 _LOCKED_HERE: set[str] = set()  # fcntl locks are per process: guard against a second writer here
 
 
@@ -55,7 +62,7 @@ def acquire_writer_lock(root: str) -> int:
         raise CorruptCheckpoint(f"{path}: not a regular file; the lock file must be a "
                                 "regular file inside the run folder (remove it)")
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, WRITER)
     except OSError as e:
         if e.errno not in (errno.EAGAIN, errno.EACCES):
             os.close(fd)
@@ -65,6 +72,11 @@ def acquire_writer_lock(root: str) -> int:
         os.close(fd)
         raise StoreLocked(f"{path}: another live process writes this run ({holder}); stop "
                           "it, or point this run at another folder") from None
+    try:
+        _await_persister(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
@@ -78,3 +90,52 @@ def acquire_writer_lock(root: str) -> int:
 def release_writer_lock(root: str, fd: int) -> None:
     os.close(fd)  # closing releases the fcntl lock
     _LOCKED_HERE.discard(os.path.realpath(os.path.join(root, LOCK)))
+
+
+def _await_persister(fd: int, path: str) -> None:
+    """Take the persister byte too, once the persisting process of a writer that died (if
+    any) has committed its last save and exited: a writer never reads or changes the run
+    while a save of its predecessor is still being written."""
+    wait = PERSISTER_WAIT
+    deadline = time.monotonic() + wait
+    said = False
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise _unwritable(path, e, "cannot be locked") from None
+        if time.monotonic() > deadline:
+            raise StoreLocked(f"{path}: the persisting process of an earlier writer still "
+                              f"holds the run after {wait:.0f} s; stop it (see `ps`), or point "
+                              "this run at another folder")
+        if not said:
+            said = True
+            logging.getLogger("unbroken").warning(
+                "%s: waiting for the persisting process of an earlier writer to commit its "
+                "last save", path)
+        time.sleep(0.05)
+
+
+def hand_over(fd: int) -> None:
+    """(The writer.) Let a persisting process take the persister byte (`take_persister`)."""
+    fcntl.lockf(fd, fcntl.LOCK_UN, 1, PERSISTER)
+
+
+def take_persister(root: str, wait: float = 30.0) -> int:
+    """(A persisting process.) Hold the persister byte of ``root``'s lock, handed over by
+    its writer; returns the descriptor (closing it releases the byte)."""
+    path = os.path.join(root, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                os.close(fd)
+                raise StoreLocked(f"{path}: the persister byte was not handed over ({e})"
+                                  ) from None
+        time.sleep(0.01)

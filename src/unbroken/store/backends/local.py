@@ -327,6 +327,11 @@ class LocalFS:
         self._op("rename", src)
         os.replace(src, dst)
 
+    def link(self, src: str, dst: str) -> None:
+        """A hard link ``dst`` to the regular file ``src`` (never following a symlink)."""
+        self._op("link", dst)
+        os.link(src, dst, follow_symlinks=False)
+
     def unlink(self, path: str) -> None:
         self._op("unlink", path)
         os.unlink(path)
