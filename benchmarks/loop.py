@@ -1,5 +1,6 @@
-"""What an async save costs a training loop: unbroken (Checkpointer(async_save=True)) against
-torch DCP's async_save, on a CPU compute loop with a fixed amount of work per step.
+"""What an async save costs a training loop: unbroken (Checkpointer(async_save=True): a
+background thread; async_save="process": a persisting process) against torch DCP's async_save,
+on a CPU compute loop with a fixed amount of work per step.
 
 The loop trains a stack of Linear layers with AdamW (forward, backward, optimizer step on the
 same batch every step: fixed work) and saves every N steps. For each save it measures:
@@ -41,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import save_load as sl  # noqa: E402  (helpers: machine facts, scratch folder, IQR)
 
-MODES = ("none", "unbroken-async", "dcp-async")
+MODES = ("none", "unbroken-async", "unbroken-process", "dcp-async")
 
 
 def build(size: int, width: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -82,11 +83,12 @@ class Saver:
 
 
 class UnbrokenSaver(Saver):
-    def __init__(self, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    def __init__(self, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 how: bool | str = True) -> None:
         super().__init__()
         import unbroken
         self.ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt,
-                                          keep=unbroken.Keep(last=1), async_save=True)
+                                          keep=unbroken.Keep(last=1), async_save=how)
 
     def save(self, step: int) -> None:
         self.ckpt.save(step)
@@ -322,6 +324,9 @@ def main(argv: list[str] | None = None) -> int:
         info = sl.machine_info(root)
         if "unbroken-async" in modes:
             savers["unbroken-async"] = UnbrokenSaver(os.path.join(root, "unbroken"), model, opt)
+        if "unbroken-process" in modes:  # the snapshot in shared memory, a persisting process
+            savers["unbroken-process"] = UnbrokenSaver(os.path.join(root, "unbroken-process"),
+                                                       model, opt, "process")
         if "dcp-async" in modes:
             os.makedirs(os.path.join(root, "dcp"))
             savers["dcp-async"] = DCPSaver(os.path.join(root, "dcp"), model, opt)

@@ -210,22 +210,34 @@ def peak_rss() -> Iterator[PeakRSS]:
 # the state under test
 
 
-def build_state(layers: int, width: int, small: bool = False
+def build_state(layers: int, width: int, small: bool = False, frozen: bool = False
                 ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """A stack of Linear layers with AdamW state (exp_avg, exp_avg_sq, step per parameter)."""
+    """A stack of Linear layers with AdamW state (exp_avg, exp_avg_sq, step per parameter).
+    ``frozen``: the stack is a frozen base (no gradients, no optimizer state) under one
+    trainable adapter holding about 1% of the state's bytes (LoRA-like)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    if frozen:
+        model.requires_grad_(False)
+        rank = max(1, round(layers * width / 300))  # 3 x rank x width ~ 1% of the base
+        model.append(torch.nn.Linear(width, rank, bias=False))
     if not small:  # default init walks every element in Python-visible kernels; randn is faster
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    for p in model.parameters():
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    train_once(model, opt)
+    return model, opt
+
+
+def train_once(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """An optimizer step on random gradients: the trainable state changes."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p in trainable:
         p.grad = torch.randn_like(p)
     opt.step()
-    for p in model.parameters():
+    for p in trainable:
         p.grad = None
-    return model, opt
 
 
 def state_tensors(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -333,10 +345,13 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def tree_bytes(path: str) -> int:
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+def tree_bytes(path: str, written: bool = False) -> int:
+    """Bytes of the files under ``path``; ``written``: only files not hard-linked from
+    elsewhere (what a save really wrote; unbroken's incremental saves link unchanged data)."""
+    paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in
+                                                  os.walk(path) for f in fs]
+    stats = [os.lstat(p) for p in paths]
+    return sum(st.st_size for st in stats if not written or st.st_nlink == 1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,6 +366,7 @@ class Method:
     name = ""
     note = ""
     ops: tuple[str, ...] = ("save", "load")  # the async methods and memcpy only save
+    only_frozen = False  # runs in the frozen case only
 
     def __init__(self, where: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
                  payload: int) -> None:
@@ -513,6 +529,7 @@ class PhaseTimer:
 
 class Unbroken(Method):
     name = "unbroken"
+    options: dict[str, Any] = {}
     note = ("Checkpointer.save (capture, encode, write+hash+fsync, manifest, rename, read-back "
             "verify, retention) / restore (read+hash, decode, validate, load into live objects)")
 
@@ -522,7 +539,7 @@ class Unbroken(Method):
         self._unbroken = unbroken
         remove(self.base)
         self.ckpt = unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
-                                          keep=unbroken.Keep(last=1))
+                                          keep=unbroken.Keep(last=1), **self.options)
         self.step = 0
 
     def before_save(self) -> None:  # retention removes the previous generation inside save()
@@ -563,7 +580,7 @@ class Unbroken(Method):
         import unbroken.state.parts as S
         self.ckpt.close()
         r = self._unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
-                                        keep=self._unbroken.Keep(last=1))
+                                        keep=self._unbroken.Keep(last=1), **self.options)
         pt = PhaseTimer()
         st = r.store
         try:
@@ -590,7 +607,7 @@ class Unbroken(Method):
         self.phases["load"].append(ph)
         self.ckpt = self._unbroken.Checkpointer(self.base, model=self.model,
                                                 optimizer=self.opt,
-                                                keep=self._unbroken.Keep(last=1))
+                                                keep=self._unbroken.Keep(last=1), **self.options)
 
     def files(self) -> str:
         return self.base
@@ -598,6 +615,14 @@ class Unbroken(Method):
     def close(self) -> None:
         self.ckpt.close()
         remove(self.base)
+
+
+class UnbrokenIncremental(Unbroken):
+    name = "unbroken incremental"
+    note = ("Checkpointer(incremental=True): tensors unchanged since the previous generation "
+            "are hard-linked from it, not written (the 99%-frozen case only)")
+    only_frozen = True
+    options = {"incremental": True}
 
 
 class MemcpyReused(Method):
@@ -623,6 +648,7 @@ class MemcpyReused(Method):
 
 class UnbrokenAsync(Method):
     name = "unbroken async"
+    how: bool | str = True
     note = ("Checkpointer(async_save=True).save(): snapshot into reused buffers, returns; "
             "wait(): written, fsynced, committed, read back and verified, retention applied")
     ops = ("save",)
@@ -632,7 +658,7 @@ class UnbrokenAsync(Method):
         import unbroken
         remove(self.base)
         self.ckpt = unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
-                                          keep=unbroken.Keep(last=1), async_save=True)
+                                          keep=unbroken.Keep(last=1), async_save=self.how)
         self.step = 0
 
     def prime(self) -> None:
@@ -655,6 +681,13 @@ class UnbrokenAsync(Method):
     def close(self) -> None:
         self.ckpt.close()
         remove(self.base)
+
+
+class UnbrokenProcess(UnbrokenAsync):
+    name = "unbroken process"
+    note = ("Checkpointer(async_save='process').save(): snapshot into reused shared memory, "
+            "returns; wait(): the persisting process wrote, committed, read back, verified")
+    how: bool | str = "process"
 
 
 class DCPAsync(Method):
@@ -700,7 +733,8 @@ PHASE_ORDER = {
 METHODS: dict[str, type[Method]] = {
     "disk": DiskDirect, "buffered": DiskBuffered, "torch": TorchSave,
     "safetensors": Safetensors, "dcp": DCP, "unbroken": Unbroken, "memcpy": MemcpyReused,
-    "dcp-async": DCPAsync, "unbroken-async": UnbrokenAsync}
+    "dcp-async": DCPAsync, "unbroken-async": UnbrokenAsync, "unbroken-process": UnbrokenProcess,
+    "unbroken-incremental": UnbrokenIncremental}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -708,6 +742,7 @@ METHODS: dict[str, type[Method]] = {
 
 
 DEFAULT_SIZES = "64M,512M,1G"  # 1.5G adds ~2 min (unbroken alone: ~20 s a round today)
+DEFAULT_FROZEN = "1G"
 DEFAULT_SMALL = 10000  # 20000 adds ~70 s (DCP and torch.load take 4-14 s per round there)
 
 
@@ -717,7 +752,8 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
-def make_cases(sizes: list[str], small: int | None) -> list[dict[str, Any]]:
+def make_cases(sizes: list[str], small: int | None, frozen: str | None = None
+               ) -> list[dict[str, Any]]:
     cases = []
     for s in sizes:
         target = parse_size(s)
@@ -729,6 +765,11 @@ def make_cases(sizes: list[str], small: int | None) -> list[dict[str, Any]]:
         # each Linear: weight + bias, each with exp_avg, exp_avg_sq and step: 8 tensors
         cases.append({"name": f"{small // 1000}k small", "layers": max(1, small // 8),
                       "width": 32, "small": True})
+    if frozen:  # frozen weights only: no optimizer state (1/3 of a dense case's bytes a layer)
+        width = 2048
+        layers = max(1, round(parse_size(frozen) / (4 * (width * width + width))))
+        cases.append({"name": f"{frozen} 99% frozen", "layers": layers, "width": width,
+                      "small": False, "frozen": True})
     return cases
 
 
@@ -755,13 +796,15 @@ def summarize(times: list[float], payload: int) -> dict[str, Any]:
 
 def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, warmup: int,
              cold: bool) -> dict[str, Any]:
-    model, opt = build_state(case["layers"], case["width"], case["small"])
+    frozen = case.get("frozen", False)
+    model, opt = build_state(case["layers"], case["width"], case["small"], frozen)
     tensors = state_tensors(model, opt)
     payload = sum(t.numel() * t.element_size() for t in tensors)
     log(f"== {case['name']}: {len(tensors)} tensors, {payload / MB:.1f} MB")
     folder = os.path.join(root, case["name"].replace(" ", "_"))
     os.makedirs(folder, exist_ok=True)
-    ms = [METHODS[m](os.path.join(folder, m), model, opt, payload) for m in methods]
+    ms = [METHODS[m](os.path.join(folder, m), model, opt, payload) for m in methods
+          if frozen or not METHODS[m].only_frozen]
     t_case = time.perf_counter()
     for m in ms:
         m.prime()  # untimed: buffers a long run would already have reused
@@ -770,9 +813,12 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
     peaks: dict[str, dict[str, list[float]]] = {m.name: {"save": [], "load": []} for m in ms}
     cached: dict[str, list[float]] = {m.name: [] for m in ms}  # % resident before cold loads
     file_bytes: dict[str, int] = {}
+    written: dict[str, int] = {}
     try:
         for op in ("save", "load"):
             for rep in range(warmup + repeats):
+                if frozen and op == "save":  # an update between saves: the adapter changes
+                    train_once(model, opt)
                 for m in ms:  # round-robin: drift of the disk hits every method alike
                     if op not in m.ops:
                         continue
@@ -798,6 +844,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                         peaks[m.name][op].append(mem.delta_mb)
                     if op == "save":
                         file_bytes[m.name] = tree_bytes(m.files())
+                        written[m.name] = tree_bytes(m.files(), written=True)
                 log(f"   {op} round {rep + 1}/{warmup + repeats}"
                     f"{' (warm-up)' if rep < warmup else ''}: " +
                     ", ".join(f"{m.name} {times[m.name][op][-1]:.3f}s" if rep >= warmup
@@ -818,13 +865,15 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                  "x_disk": (payload / statistics.median(times[m.name][op]) / GB / disk_gbps[op])
                  if disk_gbps else None,
                  "peak_rss_delta_mb": max(peaks[m.name][op]) if peaks[m.name][op] else None,
-                 "file_mb": file_bytes.get(m.name, 0) / MB}
+                 "file_mb": file_bytes.get(m.name, 0) / MB,
+                 "written_mb": written.get(m.name, 0) / MB}
             if op == "load" and cached[m.name]:
                 r["cached_pct_max"] = max(cached[m.name])  # > 1: that "cold" load was not
             if op == "save" and m.blocked:
                 results.append({"method": m.name, "op": "blocked",
                                 **summarize(m.blocked, payload), "x_disk": None,
-                                "peak_rss_delta_mb": None, "file_mb": r["file_mb"]})
+                                "peak_rss_delta_mb": None, "file_mb": r["file_mb"],
+                                "written_mb": r["written_mb"]})
             if isinstance(m, Unbroken) and m.phases[op]:
                 keys = m.phases[op][0].keys()
                 r["phases_median_s"] = {k: statistics.median(p.get(k, 0.0) for p in m.phases[op])
@@ -878,7 +927,7 @@ def render(head: tuple[str, ...], rows: Sequence[tuple[str, ...]], left: int) ->
 
 def fmt_table(doc: dict[str, Any]) -> str:
     head = ("case", "method", "op", "median s", "min-max s", "IQR", "GB/s", "x disk",
-            "peak RSS +MB", "file MB", "note")
+            "peak RSS +MB", "file MB", "written MB", "note")
     rows = []
     for c in doc["cases"]:
         for r in c["results"]:
@@ -891,7 +940,8 @@ def fmt_table(doc: dict[str, Any]) -> str:
                          "-" if bad else f"{r['gbps']:.2f}",
                          "-" if bad or r["x_disk"] is None else f"{r['x_disk']:.2f}",
                          "-" if r["peak_rss_delta_mb"] is None else f"{r['peak_rss_delta_mb']:.0f}",
-                         f"{r['file_mb']:.0f}", "; ".join(note)))
+                         f"{r['file_mb']:.0f}", f"{r.get('written_mb', r['file_mb']):.0f}",
+                         "; ".join(note)))
     out = render(head, rows, 3)
     asyn = fmt_async(doc)
     if asyn:
@@ -921,7 +971,7 @@ def fmt_async(doc: dict[str, Any]) -> str:
     for c in doc["cases"]:
         by = {(r["method"], r["op"]): r for r in c["results"]}
         cp = by.get((MemcpyReused.name, "copy"))
-        for name in (UnbrokenAsync.name, DCPAsync.name):
+        for name in (UnbrokenAsync.name, UnbrokenProcess.name, DCPAsync.name):
             b, d = by.get((name, "blocked")), by.get((name, "durable"))
             if b is None or d is None:
                 continue
@@ -945,6 +995,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"(default {DEFAULT_SIZES}; --quick: 4M,16M)")
     ap.add_argument("--small", type=int, help="tensor count of the many-small-tensors case "
                     f"(default {DEFAULT_SMALL}; --quick: 1000; 0: none)")
+    ap.add_argument("--frozen", help="payload of the 99%%-frozen case (a frozen base, an "
+                    "adapter with AdamW holding 1%% of the bytes, updated between saves; "
+                    f"default {DEFAULT_FROZEN}; --quick: 16M; 0: none)")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help=f"comma-separated subset of {','.join(METHODS)}")
     ap.add_argument("--repeats", type=int, default=5, help="timed repetitions (median reported; "
@@ -990,7 +1043,8 @@ def main(argv: list[str] | None = None) -> int:
         info["memory_rates"] = memory_rates(128 << 20 if args.quick else 256 << 20)
         cases = []
         load_before = os.getloadavg()
-        for i, case in enumerate(make_cases(sizes, small)):
+        frozen = args.frozen or ("16M" if args.quick else DEFAULT_FROZEN)
+        for i, case in enumerate(make_cases(sizes, small, None if frozen == "0" else frozen)):
             warmup = args.warmup if i == 0 or args.warmup_every_case else 0
             cases.append(run_case(case, root, methods, args.repeats, warmup,
                                   cold=not args.warm_cache))

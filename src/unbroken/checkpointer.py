@@ -12,9 +12,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
-from .dist.commit import check_replicas, commit_job
 from .dist.group import Group, RankFailed, background_group
 from .errors import (
     ReadOnlyRun,
@@ -25,23 +23,15 @@ from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
+from .persisting import Persisting
 from .restoring import Restoring, gc_paused
-from .saving import (
-    encode_share,
-    read_back,
-    replicated,
-    save_failed,
-    saved_unchanged,
-    stamps,
-)
 from .state import parts as S
-from .state.identity import Identity, environment
-from .state.incremental import HeldFile, Linked, Plan, held_files
+from .state.identity import Identity
+from .state.incremental import HeldFile, Plan
 from .state.optim import check_optimizer_params
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
-from .store.generations import GenerationInfo, GenerationStore, generation_name
-from .store.manifest import Artifact, Manifest
+from .store.generations import GenerationInfo, GenerationStore
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 from .writer import RunWriter
@@ -51,7 +41,7 @@ ROOT_ENV = "UNBROKEN_ROOT"
 SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
 
 
-class Checkpointer(Restoring):
+class Checkpointer(Persisting, Restoring):
     """Saves complete continuation state at update boundaries and restores it by intent.
 
     ``root`` is the run folder (one writer at a time). ``model`` and ``optimizer`` are required
@@ -312,121 +302,6 @@ class Checkpointer(Restoring):
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
                                                                started, plan))
         return None
-
-    def wait(self) -> GenerationInfo | None:
-        """Block until the async save in flight (if any) is committed and verified; return its
-        generation (None: nothing in flight, or nothing changed since the last save). Raises
-        the save's error."""
-        in_flight = self._in_flight
-        if in_flight is None:
-            return None
-        try:
-            info: GenerationInfo | None = in_flight.wait()
-        except BaseException:
-            if in_flight.done:  # the save's own error, reported once
-                self._in_flight = None
-            raise  # else interrupted (Ctrl-C): the save is still in flight, and still owned
-        self._in_flight = None
-        if info is not None and self._trace is not None:
-            self._trace.saved(in_flight.step)
-        return info
-
-    @gc_paused
-    def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
-                 started: float, plan: Plan | None = None) -> GenerationInfo | None:
-        """Write, commit, read back and verify generation ``step`` of ``tree``, then apply
-        retention (an async save runs this in the background, on a snapshot)."""
-        group = self._save_group
-        if again and saved_unchanged(self.store, group, step, tree, values, plan):
-            return None  # the same state saved twice
-        if group.active:
-            check_replicas(group, replicated(tree))
-        meta = stamps(step, self.incarnation, self.run_id)
-        encoded = encode_share(group, tree, meta, plan)  # refuses what restore could not read
-        total = sum(memoryview(c).nbytes for chunks in encoded.values()
-                    if not isinstance(chunks, Linked) for c in chunks)
-        progress = Progress(f"saving {generation_name(step)}", 2 * total)
-        artifacts = {name: chunks if isinstance(chunks, Linked) else progress.wrap(chunks)
-                     for name, chunks in encoded.items()}
-        fields = self._manifest_fields(step, tree, values, group.size)
-
-        def make_manifest(written: list[Artifact]) -> Manifest:
-            return Manifest(artifacts=written, **fields)
-
-        try:
-            if group.active:
-                info = commit_job(group, self.store, step,
-                                  lambda: self._prepare_write(step, again), artifacts,
-                                  make_manifest, again)
-            else:
-                info = self.store.commit(step, artifacts, make_manifest, supersede=again)
-        except OSError as e:
-            progress.close()
-            raise save_failed(self.store.root, step, e) from e
-        except BaseException:
-            progress.close()
-            raise
-        read_back(group, self.store, info, progress, plan.linked if plan else ())
-        self._committed(step, info, plan)
-        self._writer.retain(step)
-        log.info("saved %s (%d bytes) in %.3f s", info.path,
-                 info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
-        return info
-
-    def _hand_over(self, step: int, tree: dict[str, Any], values: dict[str, float],
-                   again: bool, started: float, plan: Plan | None) -> None:
-        """``async_save="process"``: the snapshot into shared memory, and the rest of the
-        save to the persisting process (`persist.process`), which finishes it even if this
-        process dies."""
-        if again and saved_unchanged(self.store, self._group, step, tree, values, plan):
-            return  # the same state saved twice
-        if self._persister is None:
-            self._persister = ProcessPersister(self.store)
-        persister = self._persister
-        encoded = encode_share(self._group, tree, stamps(step, self.incarnation, self.run_id),
-                               plan)
-        persister.submit({"step": step, "again": again, "keep": self.keep.to_json(),
-                          "manifest": self._manifest_fields(step, tree, values, 1),
-                          "linked": sorted(plan.linked) if plan else []}, encoded)
-        log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
-                 persister.nbytes, time.monotonic() - started)
-
-        def collect() -> GenerationInfo:
-            for message in persister.result()["warnings"]:
-                warnings.warn(message, UnbrokenWarning, stacklevel=2)
-            info = self.store.scan_one(step)
-            self._committed(step, info, plan)
-            return info
-
-        self._in_flight = InFlight(step, collect)
-
-    def _manifest_fields(self, step: int, tree: dict[str, Any], values: dict[str, float],
-                         world_size: int) -> dict[str, Any]:
-        """Every field of generation ``step``'s manifest but its artifacts."""
-        return {"generation": step, "step": step, "run_id": self.run_id,
-                "incarnation": self.incarnation, "parts": sorted(tree), "parent": self._parent,
-                "origin": self._origin, "identity": self.identity.fingerprint(),
-                "environment": {**environment(), "filesystem": self.fstype},
-                "retention": self.keep.to_json(), "metrics": values,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size}
-
-    def _committed(self, step: int, info: GenerationInfo, plan: Plan | None) -> None:
-        """After generation ``step`` committed and read back: the next save's parent, and
-        (incremental saves) the files it may link."""
-        if plan is not None and info.manifest is not None:
-            self._held = held_files(plan.layout, info.path, {
-                a.name: (a.size, a.xxh3_128) for a in info.manifest.artifacts})
-        self._last_saved = step
-        self._parent = {"run_id": self.run_id, "generation": step,
-                        "incarnation": self.incarnation}
-
-    def _prepare_write(self, step: int, again: bool) -> None:
-        """(The writer: the leader of a job.) See `RunWriter.prepare`."""
-        self._writer.prepare(step, again, not self._restored and self._last_saved is None,
-                             self._run, self._run_written)
-        self._run_written = True
-
-    # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and

@@ -24,6 +24,7 @@ import contextlib
 import copy
 import json
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -43,25 +44,17 @@ _DTYPE_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _SHARD_FILE = re.compile(r"rank([0-9]{5})\.shards\.safetensors", re.ASCII)
 
 
-def _dtensor_type() -> type | None:
-    try:  # torch.distributed may be absent (some builds): then nothing is ever sharded
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
-
-
 def shard_file(rank: int) -> str:
     """One rank's chunks of every sharded tensor."""
     return f"rank{rank:05d}.shards.safetensors"
 
 
 def is_sharded(value: Any) -> bool:
-    """Whether ``value`` is a DTensor (saved through DCP, by every rank its own chunk)."""
-    return _DTENSOR is not None and isinstance(value, _DTENSOR)
+    """Whether ``value`` is a DTensor (saved through DCP, by every rank its own chunk).
+    There is none before ``torch.distributed.tensor`` was imported (by FSDP2, or by the
+    user): not importing it here keeps ``import unbroken`` (and the CLI) 0.6 s faster."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(value, dtensor)
 
 
 def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
