@@ -752,7 +752,7 @@ def parse_size(text: str) -> int:
     return int(float(text.rstrip("KMG")) * mult)
 
 
-def make_cases(sizes: list[str], small: int | None, frozen: str | None = None
+def make_cases(sizes: list[str], small: list[int] | None, frozen: str | None = None
                ) -> list[dict[str, Any]]:
     cases = []
     for s in sizes:
@@ -761,9 +761,9 @@ def make_cases(sizes: list[str], small: int | None, frozen: str | None = None
         per_layer = 3 * 4 * (width * width + width)  # params + exp_avg + exp_avg_sq, fp32
         layers = max(1, round(target / per_layer))
         cases.append({"name": f"{s} dense", "layers": layers, "width": width, "small": False})
-    if small:
+    for count in small or []:
         # each Linear: weight + bias, each with exp_avg, exp_avg_sq and step: 8 tensors
-        cases.append({"name": f"{small // 1000}k small", "layers": max(1, small // 8),
+        cases.append({"name": f"{count // 1000}k small", "layers": max(1, count // 8),
                       "width": 32, "small": True})
     if frozen:  # frozen weights only: no optimizer state (1/3 of a dense case's bytes a layer)
         width = 2048
@@ -993,8 +993,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (< 20 s)")
     ap.add_argument("--sizes", help="comma-separated payload sizes of dense cases "
                     f"(default {DEFAULT_SIZES}; --quick: 4M,16M)")
-    ap.add_argument("--small", type=int, help="tensor count of the many-small-tensors case "
-                    f"(default {DEFAULT_SMALL}; --quick: 1000; 0: none)")
+    ap.add_argument("--small", help="tensor counts of the many-small-tensors cases, "
+                    f"comma-separated (default {DEFAULT_SMALL}; --quick: 1000; 0: none)")
     ap.add_argument("--frozen", help="payload of the 99%%-frozen case (a frozen base, an "
                     "adapter with AdamW holding 1%% of the bytes, updated between saves; "
                     f"default {DEFAULT_FROZEN}; --quick: 16M; 0: none)")
@@ -1020,7 +1020,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     sizes = (args.sizes or ("4M,16M" if args.quick else DEFAULT_SIZES)).split(",")
-    small = args.small if args.small is not None else (1000 if args.quick else DEFAULT_SMALL)
+    small = [int(n) for n in (args.small or str(1000 if args.quick else DEFAULT_SMALL)
+                              ).split(",") if int(n)]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown:

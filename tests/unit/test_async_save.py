@@ -20,8 +20,8 @@ import torch
 import unbroken
 from unbroken.errors import SaveFailed
 from unbroken.persist.process import ProcessPersister
-from unbroken.store import lock
 from unbroken.persist.snapshot import SnapshotBuffers
+from unbroken.store import lock
 from unbroken.store.generations import GenerationStore
 
 

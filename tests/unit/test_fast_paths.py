@@ -1,17 +1,21 @@
 """The fast paths of save and restore do exactly what the slow ones do: small chunks gathered
 into fewer writes give the same bytes, and a model of plain modules restored by copying into
 its tensors ends as ``load_state_dict`` would leave it; a module that customises loading (or
-has hooks) still goes through ``load_state_dict``."""
+has hooks) still goes through ``load_state_dict``; the optimizer's state loaded without
+torch's per-value cast ends, and steps, exactly as ``load_state_dict`` would have."""
 
 from __future__ import annotations
 
+import copy
 import os
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unbroken
+from unbroken.state.optim import load_optimizer_state
 from unbroken.state.parts import _plain_modules
 from unbroken.store.backends.local import _coalesced
 
@@ -107,3 +111,60 @@ def test_a_failing_direct_write_raises_and_stops(tmp_path, monkeypatch):
         finally:
             os.close(fd)
     assert len(calls) == 1  # nothing more is written after the failure
+
+
+def _trained(kind: str, **options):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    opt = getattr(torch.optim, kind)(model.parameters(), lr=0.01, **options)
+    for _ in range(3):
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+OPTIMIZERS = [("Adam", {}), ("AdamW", {"amsgrad": True}), ("SGD", {"momentum": 0.9}),
+              ("Adam", {"fused": True}), ("RMSprop", {"centered": True}), ("Adagrad", {})]
+
+
+@pytest.mark.parametrize("kind,options", OPTIMIZERS, ids=[k + str(o) for k, o in OPTIMIZERS])
+def test_the_optimizer_fast_load_ends_as_load_state_dict_and_steps_alike(kind, options):
+    _, source = _trained(kind, **options)
+    saved = source.state_dict()
+    results = []
+    for load in (lambda o, s: o.load_state_dict(s), load_optimizer_state):
+        model, opt = _trained(kind, **options)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)  # the live state differs from the saved one
+        load(opt, copy.deepcopy(saved))
+        torch.manual_seed(5)
+        model(torch.randn(4, 6)).square().mean().backward()
+        opt.step()
+        results.append((opt.state_dict(), [p.detach().clone() for p in model.parameters()]))
+    (fast_sd, fast_p), (ref_sd, ref_p) = results[1], results[0]
+    assert all(torch.equal(a, b) for a, b in zip(fast_p, ref_p, strict=True))
+    assert fast_sd["param_groups"] == ref_sd["param_groups"]
+    for i, ref in ref_sd["state"].items():
+        got = fast_sd["state"][i]
+        assert got.keys() == ref.keys()
+        for k, v in ref.items():
+            assert (torch.equal(v, got[k]) and v.dtype == got[k].dtype
+                    if torch.is_tensor(v) else v == got[k]), (i, k)
+
+
+def test_an_optimizer_that_loads_its_own_way_goes_through_load_state_dict():
+    calls = []
+
+    class Own(torch.optim.SGD):
+        def load_state_dict(self, state_dict):
+            calls.append(1)
+            super().load_state_dict(state_dict)
+
+    model = torch.nn.Linear(2, 2)
+    opt = Own(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+    load_optimizer_state(opt, opt.state_dict())
+    assert calls == [1]

@@ -62,6 +62,8 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     Leaves are found in nested dicts (the model, the optimizer's per-parameter state, a
     part's own dicts)."""
     shards: dict[str, Any] = {}
+    if getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None) is None:
+        return dict(tree), shards  # no DTensor can exist (see is_sharded)
 
     def walk(node: Any, path: list[Any]) -> Any:
         """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own

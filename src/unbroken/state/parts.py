@@ -19,7 +19,12 @@ from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenErr
 from .codec import decode_tree, encode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
-from .optim import optimizer_state, optimizer_state_to_torch, validate_model
+from .optim import (
+    load_optimizer_state,
+    optimizer_state,
+    optimizer_state_to_torch,
+    validate_model,
+)
 from .tensorfile import decode_safetensors, encode_safetensors
 
 # State keys: the part names of a generation (and the stem of their tensor files).
@@ -148,6 +153,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
         try:
             if name == MODEL and _plain_modules(obj):
                 _copy_into(obj, ready[name])
+            elif name == OPTIMIZER:
+                load_optimizer_state(obj, ready[name])  # type: ignore[arg-type]
             else:
                 obj.load_state_dict(ready[name])
         except Exception as e:

@@ -29,6 +29,9 @@ ST_DTYPES: dict[torch.dtype, str] = {
 }
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
+_SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
+_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                 torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
 
 
@@ -42,22 +45,40 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size.
-    order = sorted(tensors, key=lambda k: (tensors[k].numel() * tensors[k].element_size() % 64
-                                           != 0, -tensors[k].element_size(), k))
+    # (Per-tensor costs matter: 10,000 small tensors are common, so each step below is the
+    # cheapest torch call that does it.)
+    order = sorted(tensors, key=lambda k: (tensors[k].nbytes % 64 != 0,
+                                           -tensors[k].element_size(), k))
     header: dict[str, Any] = {}
     chunks: list[memoryview] = []
+    run: list[torch.Tensor] = []  # consecutive small tensors of one dtype: copied as one chunk
+
+    def flush() -> None:
+        if run:
+            chunks.append(_bytes_of(run[0] if len(run) == 1 else _flatten(run)))
+            run.clear()
+
     offset = 0
     for key in order:
-        t = tensors[key].detach()
-        if t.device.type != "cpu":
+        t = tensors[key]
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_cpu:
             t = t.cpu()
         t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
+        nbytes = t.nbytes
         header[key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-        if nbytes:
-            chunks.append(t.reshape(-1).view(torch.uint8).numpy().data)
+        if not nbytes:
+            continue
+        if run and (nbytes > _SMALL or run[-1].dtype != t.dtype):
+            flush()
+        if nbytes > _SMALL:
+            chunks.append(_bytes_of(t))
+        else:
+            run.append(t)
+    flush()
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -73,6 +94,19 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             f"{len(tensors)} tensors need a {len(raw)}-byte safetensors header, over the "
             f"{MAX_HEADER_BYTES}-byte limit readers apply; store fewer, larger tensors")
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
+
+
+def _flatten(run: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous copy of small tensors of one dtype, in one call (a view of each costs
+    more than copying its bytes)."""
+    return torch._C._nn.flatten_dense_tensors(run)
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (a view that keeps it alive)."""
+    if t.dtype in _NUMPY_DTYPES:
+        return t.numpy().data.cast("B")
+    return t.reshape(-1).view(torch.uint8).numpy().data  # no NumPy dtype (bfloat16, float8)
 
 
 def read_safetensors_header(data: bytes | memoryview, where: str,
