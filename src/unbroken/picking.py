@@ -24,10 +24,13 @@ from .dist.sharded import SHARDS_FILE, load_shards, read_index
 from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
+from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore
+from .store.manifest import Artifact
 from .store.runrecord import RunRecord
 
 log = logging.getLogger("unbroken")
+_MAP_MIN = 1 << 20
 
 
 @dataclass
@@ -40,6 +43,7 @@ class Pick:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     labels: dict[str, str] = field(default_factory=dict)  # path -> corrupt | torn | foreign
     layout: dict[str, list[Any]] = field(default_factory=dict)  # files by part (decode_generation)
+    mapped: MappedFiles = field(default_factory=MappedFiles)  # release after `parts.apply`
 
 
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
@@ -65,10 +69,10 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
     for number in candidates:
         info = by_number.get(number) or store.scan_one(number)
         mine: dict[str, Any] = {"refused": None, "foreign": False, "fatal": None}
-        pick.layout = {}
+        pick.layout, pick.mapped = {}, MappedFiles()
         try:
             pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
-                                          identity, run, group, pick.layout)
+                                          identity, run, group, pick)
         except CorruptCheckpoint as e:
             mine.update(refused=str(e), foreign=isinstance(e, ForeignGeneration))
         except UnbrokenError as e:
@@ -102,8 +106,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
 
 def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iterable[str],
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-          run: RunRecord, group: Group, layout: dict[str, list[Any]]
-          ) -> tuple[dict[str, Any], dict[str, Any]]:
+          run: RunRecord, group: Group, pick: Pick) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
     if not info.ok or info.manifest is None:
         raise CorruptCheckpoint(info.reason)
@@ -122,12 +125,14 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         [a.name for a in manifest.artifacts  # the model's files (its main and stable ones)
          if a.name in (S.STATE_FILE, SHARDS_FILE) or a.name.startswith(f"{S.MODEL}.")])
     progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
-    try:
-        files = store.read_verified(info, names, advance=progress.advance)
+    try:  # the model's and optimizer's files are copied from into live tensors (`apply`)
+        files = store.read_verified(info, names, advance=progress.advance, mapped=pick.mapped,
+                                    map_if=_copied_from)
     finally:
         progress.close()
     tree, meta = S.decode_generation(files, info.path,
-                                     None if intent == "continue" else {S.MODEL}, layout=layout)
+                                     None if intent == "continue" else {S.MODEL},
+                                     layout=pick.layout)
     if sharded:
         tree[S.RNG] = _rank_streams(files, info.path, meta, manifest.world_size, group, parts)
     elif intent == "continue" and group.size > 1:
@@ -154,6 +159,14 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         raise CorruptCheckpoint(f"{info.path}: saved state does not validate "
                                 f"({type(e).__name__}: {e!s:.200})") from None
     return ready, tree
+
+
+def _copied_from(a: Artifact) -> bool:
+    """The files a restore maps and copies from (rather than reads whole): a model's or
+    optimizer's tensors of 1 MiB or more (the optimizer state is copied into the live state
+    tensors, see `optim.load_optimizer_state`)."""
+    return (a.size >= _MAP_MIN and a.name.endswith(".safetensors")
+            and a.name.split(".", 1)[0] in (S.MODEL, S.OPTIMIZER))
 
 
 def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],

@@ -141,7 +141,8 @@ class Restoring:
                               "(to change a hyperparameter, set it after restore(), or "
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
         S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                           self._group.rank))
+                           self._group.rank), mapped=pick.mapped)
+        pick.mapped.close()
         self._restored = True
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
@@ -195,7 +196,8 @@ class Restoring:
         pick = self._pick(src, scanned, generation, "warm_start", allow, False)
         info = pick.info
         assert info is not None and info.manifest is not None
-        S.apply(pick.ready, {S.MODEL: self.model})
+        S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped)
+        pick.mapped.close()
         self._restored = True
         self._after_restore(0, None)
         self._origin = {"operation": "warm_start", "source": src.root,

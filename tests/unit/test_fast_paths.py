@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -168,3 +171,65 @@ def test_an_optimizer_that_loads_its_own_way_goes_through_load_state_dict():
     opt.step()
     load_optimizer_state(opt, opt.state_dict())
     assert calls == [1]
+
+
+RESTORE_MEMORY = textwrap.dedent("""
+    import sys, torch, unbroken
+
+    def peak_kb():
+        with open("/proc/self/status") as f:
+            return dict(line.split(":", 1) for line in f)["VmHWM"].split()[0]
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(20)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    if sys.argv[2] == "save":
+        with unbroken.Checkpointer(sys.argv[1], model=model, optimizer=opt) as ckpt:
+            ckpt.step_done(1)
+            ckpt.save()
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak to the current resident size
+        before = int(peak_kb())
+        with unbroken.Checkpointer(sys.argv[1], model=model, optimizer=opt) as ckpt:
+            assert ckpt.restore() == 1
+        print(int(peak_kb()) - before)
+    """)
+
+
+def test_a_restore_adds_no_more_memory_than_its_largest_tensor_and_64_mib(tmp_path):
+    # 20 layers of 4 MiB weights with AdamW: 252 MiB of state; a restore that read the
+    # generation into memory would add all of it
+    script = tmp_path / "memory.py"
+    script.write_text(RESTORE_MEMORY)
+    run = [sys.executable, str(script), str(tmp_path / "run")]
+    subprocess.run([*run, "save"], check=True, timeout=120)
+    out = subprocess.run([*run, "restore"], check=True, timeout=120, capture_output=True,
+                         text=True)
+    added_mib = int(out.stdout) / 1024
+    assert added_mib <= 4 + 64, added_mib
+
+
+def test_restored_state_holds_no_view_of_the_files(tmp_path):
+    model, opt = _trained("AdamW")
+    big = torch.nn.Linear(1024, 512)  # over the 1 MiB above which files are mapped
+    opt.add_param_group({"params": big.parameters()})
+    model.add_module("big", big)
+    big(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    for state in opt.state.values():
+        state.clear()  # nothing to copy into: new tensors of the optimizer's own
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.restore()
+    for t in [*model.state_dict().values(),
+              *(v for s in opt.state.values() for v in s.values())]:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() or t.numel() < 2
+        t.add_(1)  # writable, of this process's own

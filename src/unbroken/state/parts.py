@@ -133,13 +133,24 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
     return ready
 
 
-def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
+class Copier(Protocol):
+    """Copies saved tensors that are views into mapped files (`store.backends._mapped`)."""
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def release(self, t: torch.Tensor) -> None: ...
+
+
+def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
+          mapped: Copier | None = None) -> None:
     """Load validated state into the live objects, all or nothing.
 
     The small parts (extras, scheduler, scaler, data, RNG, counters) go first: their
     ``load_state_dict`` can still refuse in ways no validation foresees, and if one does, those
     already loaded are put back from a copy. The optimizer and the model, fully validated and
-    too large to copy, go last."""
+    too large to copy, go last. With ``mapped``, the model's and optimizer's saved tensors
+    are views into mapped files: each is copied into the live tensor (or a new one) by
+    ``mapped.copy``; none is kept."""
     big = (OPTIMIZER, MODEL)
     order = sorted((p for p in parts if p not in big),
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
@@ -152,11 +163,15 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any]) -> None:
             continue
         try:
             if name == MODEL and _plain_modules(obj):
-                _copy_into(obj, ready[name])
+                _copy_into(obj, ready[name], mapped)
             elif name == OPTIMIZER:
-                load_optimizer_state(obj, ready[name])  # type: ignore[arg-type]
+                load_optimizer_state(obj, ready[name],  # type: ignore[arg-type]
+                                     None if mapped is None else mapped.copy)
             else:
                 obj.load_state_dict(ready[name])
+                if name == MODEL and mapped is not None:
+                    for t in ready[name].values():  # copied by load_state_dict
+                        mapped.release(t)
         except Exception as e:
             for prev in reversed([*done, name]):
                 if prev in backup:
@@ -190,12 +205,16 @@ def _plain_modules(model: Any) -> bool:
     return True
 
 
-def _copy_into(model: Any, saved: Mapping[str, torch.Tensor]) -> None:
+def _copy_into(model: Any, saved: Mapping[str, torch.Tensor],
+               mapped: Copier | None = None) -> None:
     """``model.load_state_dict(saved)`` for a model of `_plain_modules`, whose keys, shapes
-    and dtypes `validate_model` already checked."""
+    and dtypes `validate_model` already checked (``mapped.copy`` when given)."""
     with torch.no_grad():
         for name, live in model.state_dict(keep_vars=True).items():
-            live.copy_(saved[name])
+            if mapped is None:
+                live.copy_(saved[name])
+            else:
+                mapped.copy(saved[name], live)
 
 
 # -- a generation's files ---------------------------------------------------------------------

@@ -27,12 +27,14 @@ import stat
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import xxhash
 
 from ..errors import CorruptCheckpoint
 from ..state.incremental import Linked, Source
 from .aside import AsideFolder
+from .backends._mapped import MappedFiles
 from .backends.local import LocalFS, fault_point
 from .lock import acquire_writer_lock, hand_over, release_writer_lock
 from .manifest import (
@@ -245,18 +247,34 @@ class GenerationStore(AsideFolder):
         return None
 
     def read_verified(self, info: GenerationInfo, names: Iterable[str] | None = None,
-                      advance: Callable[[int], None] | None = None) -> dict[str, bytes]:
+                      advance: Callable[[int], None] | None = None,
+                      mapped: MappedFiles | None = None,
+                      map_if: Callable[[Artifact], bool] = lambda a: False
+                      ) -> dict[str, Any]:
         """Read artifacts (all by default) and check each one's size and content hash;
-        ``advance(nbytes)`` is called after each (a progress bar)."""
+        ``advance(nbytes)`` is called after each (a progress bar). With ``mapped``, an
+        artifact for which ``map_if`` holds is hashed streaming and then mapped (registered in
+        ``mapped``), not read into memory: a restore copies from it into live tensors."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
         ident = self.file_identity(info) if names is None else None
         wanted = set(names) if names is not None else None
-        out = {}
+        out: dict[str, Any] = {}
         for a in info.manifest.artifacts:
             if wanted is not None and a.name not in wanted:
                 continue
-            out[a.name] = self._read_artifact(info.path, a)
+            if mapped is not None and map_if(a):
+                self._check_loadable(os.path.join(info.path, a.name), a)
+                self._check_artifact(info.path, a)
+                path = os.path.join(info.path, a.name)
+                try:
+                    out[a.name] = mapped.add(self.fs.map_file(path, a.size), path)
+                except OSError as e:
+                    raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+                if len(out[a.name]) != a.size:
+                    raise CorruptCheckpoint(f"{path}: changed size while being read")
+            else:
+                out[a.name] = self._read_artifact(info.path, a)
             if advance is not None:
                 advance(a.size)
         if ident is not None:
@@ -300,20 +318,25 @@ class GenerationStore(AsideFolder):
         for a in chosen:
             self._check_loadable(os.path.join(info.path, a.name), a)
         for a in chosen:
-            path = os.path.join(info.path, a.name)
-            try:
-                size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)
-            except OSError as e:
-                raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
-            if size != a.size:
-                raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest lists {a.size}")
-            if digest != a.xxh3_128:
-                raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
-                                        f"{a.xxh3_128} (the file changed after commit)")
+            self._check_artifact(info.path, a, from_disk)
             if advance is not None:
                 advance(a.size)
         if ident is not None:
             self._verified[info.path] = ident
+
+    def _check_artifact(self, folder: str, a: Artifact, from_disk: bool = False) -> None:
+        """Hash one artifact streaming (no copy of it is held); `CorruptCheckpoint` unless it
+        has the listed size and hash."""
+        path = os.path.join(folder, a.name)
+        try:
+            size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+        if size != a.size:
+            raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest lists {a.size}")
+        if digest != a.xxh3_128:
+            raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
+                                    f"{a.xxh3_128} (the file changed after commit)")
 
     # -- changing the folder (writer only) -----------------------------------------------------
 

@@ -1,0 +1,87 @@
+"""Verified files mapped for a restore that copies straight into the live tensors.
+
+A restore verifies every byte before any live object changes, so a generation is read twice:
+first streamed through a small buffer and hashed, then copied from the (now cached) file into
+the live parameters and optimizer state. The file is mapped so that decoding and validation
+see every tensor (as a view; only headers are touched), and ``copy`` then reads each tensor's
+bytes from the file straight into its destination (``preadv`` from the page cache the first
+pass filled): no buffer of the file's size, no page of the mapping faulted in, so the memory a
+restore adds stays near the largest new tensor instead of the whole generation."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class MappedFiles:
+    """The mapped files of one restore, by address range, and page release after a copy."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int, Any, int]] = []  # (first address, size, mmap, fd)
+
+    def add(self, view: memoryview, path: str) -> memoryview:
+        """Register ``path`` mapped as ``view`` (`LocalFS.map_file`); returns the view."""
+        if view.nbytes and isinstance(view.obj, mmap.mmap):
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            self._spans.append((np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes,
+                                view.obj, fd))
+        return view
+
+    def _span(self, t: torch.Tensor) -> tuple[int, int, Any, int] | None:
+        start = t.data_ptr()
+        for span in self._spans:
+            if span[0] <= start < span[0] + span[1]:
+                return span
+        return None
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
+        """``src`` (a view into a mapped file, or any tensor) copied into ``dst`` (same shape
+        and dtype) or into a new tensor, which is returned."""
+        if dst is None:
+            dst = torch.empty(src.shape, dtype=src.dtype)
+        span = self._span(src) if src.numel() else None
+        if (span is None or not src.is_contiguous() or not dst.is_contiguous()
+                or not dst.is_cpu or dst.dtype != src.dtype or dst.shape != src.shape):
+            with torch.no_grad():
+                dst.copy_(src)
+            self.release(src)
+            return dst
+        base, _, _, fd = span
+        into = dst.reshape(-1).view(torch.uint8).numpy().data
+        offset, done = src.data_ptr() - base, 0
+        while done < into.nbytes:
+            n = os.preadv(fd, [into[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"file shrank while being read ({done} of {into.nbytes} bytes)")
+            done += n
+        return dst
+
+    def release(self, t: torch.Tensor) -> None:
+        """Drop from this process the whole pages of a mapped file that ``t`` (a view into
+        it, already copied) occupies; a tensor not in a mapped file is left alone."""
+        span = self._span(t) if self._spans and t.numel() else None
+        if span is None:
+            return
+        base, size, mm, _ = span
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
+        last = (min(end, base + size) - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        if last > first:
+            mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+
+    def close(self) -> None:
+        """Release every page still held (what was copied without `release`); the mappings
+        themselves go with the last tensor that views them."""
+        for _, size, mm, fd in self._spans:
+            os.close(fd)
+            try:
+                mm.madvise(mmap.MADV_DONTNEED, 0, size)
+            except (ValueError, OSError):
+                pass  # closed already
+        self._spans.clear()
