@@ -378,6 +378,10 @@ class Method:
     def prime(self) -> None:
         """Untimed, once per case: what a long run has done before (reused buffers exist)."""
 
+    def settle(self) -> None:
+        """Untimed, right after each timed operation: background work it left (a read-back
+        in the background) ends before another method is timed."""
+
     @property
     def where(self) -> str:
         return f"{self.base}.{self.slot}"
@@ -617,6 +621,17 @@ class Unbroken(Method):
         remove(self.base)
 
 
+class UnbrokenReadBackLater(Unbroken):
+    name = "unbroken read-back later"
+    note = ("Checkpointer(read_back='background').save(): returns once committed and durable "
+            "(written, hashed, fsynced, manifest, rename); the read-back verify and retention "
+            "run beside the loop, waited for (untimed) before the next save")
+    options = {"read_back": "background"}
+
+    def settle(self) -> None:
+        self.ckpt.wait()
+
+
 class UnbrokenIncremental(Unbroken):
     name = "unbroken incremental"
     note = ("Checkpointer(incremental=True): tensors unchanged since the previous generation "
@@ -734,7 +749,7 @@ METHODS: dict[str, type[Method]] = {
     "disk": DiskDirect, "buffered": DiskBuffered, "torch": TorchSave,
     "safetensors": Safetensors, "dcp": DCP, "unbroken": Unbroken, "memcpy": MemcpyReused,
     "dcp-async": DCPAsync, "unbroken-async": UnbrokenAsync, "unbroken-process": UnbrokenProcess,
-    "unbroken-incremental": UnbrokenIncremental}
+    "unbroken-incremental": UnbrokenIncremental, "unbroken-later": UnbrokenReadBackLater}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -833,6 +848,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                         t = time.perf_counter()
                         getattr(m, op)()
                         dt = time.perf_counter() - t
+                    m.settle()
                     if rep < warmup:
                         if isinstance(m, Unbroken):
                             m.phases[op].pop()

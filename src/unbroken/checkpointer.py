@@ -69,6 +69,11 @@ class Checkpointer(Persisting, Restoring):
     persisting process writes it, so a save survives the training process being killed
     after ``save()`` returned (`persist.process`).
 
+    ``read_back="background"`` (one process, synchronous saves): ``save()`` returns once the
+    generation is committed and durable; reading it back, verifying it and retention go on in
+    the background (``wait()`` blocks for them; a failure raises at the next save, ``wait()``
+    or ``close()``; no older generation is deleted before the new one verified).
+
     ``incremental=True``: tensors unchanged since the previous generation (a frozen base
     under LoRA, frozen embeddings; found by content digest) are linked from it, not written
     again; every generation still verifies and restores on its own (`state.incremental`).
@@ -86,7 +91,7 @@ class Checkpointer(Persisting, Restoring):
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
                  stop_check_every: int = 1, process_group: Any = None,
                  async_save: bool | str = False, async_timeout: float = 600.0,
-                 incremental: bool = False) -> None:
+                 incremental: bool = False, read_back: str = "sync") -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -100,6 +105,11 @@ class Checkpointer(Persisting, Restoring):
         if async_save == "process" and self._group.active:
             raise ValueError("async_save='process' persists the saves of one process; in a "
                              "job of many ranks use async_save=True")
+        if read_back not in ("sync", "background"):
+            raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
+        if read_back == "background" and self._group.active:
+            raise ValueError("read_back='background' is for one process; in a job use "
+                             "async_save=True")
         if async_save and not async_timeout > 0:
             raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
         # An async save's collectives run beside the training loop's: a group of their own,
@@ -110,6 +120,7 @@ class Checkpointer(Persisting, Restoring):
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
         self._process = async_save == "process"
+        self._read_back_later = read_back == "background" and not async_save
         self._persister: ProcessPersister | None = None
         self._incremental = bool(incremental)
         self._held: dict[str, list[HeldFile]] = {}  # the newest generation's files, by part
@@ -293,8 +304,8 @@ class Checkpointer(Persisting, Restoring):
             return None
         if not self._async:
             info = self._persist(step, tree, values, again, started, plan)
-            if info is not None and self._trace is not None:
-                self._trace.saved(step)
+            if info is not None and self._trace is not None and self._in_flight is None:
+                self._trace.saved(step)  # (else at wait(), once read back)
             return info
         tree = self._buffers.take(tree)  # nothing the loop does from here on changes it
         log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "

@@ -56,6 +56,7 @@ class Persisting:
     _held: dict[str, list[HeldFile]]
     _in_flight: InFlight | None
     _persister: ProcessPersister | None
+    _read_back_later: bool
     _trace: TraceRecorder | None
 
     @property
@@ -115,12 +116,22 @@ class Persisting:
         except BaseException:
             progress.close()
             raise
-        read_back(group, self.store, info, progress, plan.linked if plan else ())
-        self._committed(step, info, plan)
-        self._writer.retain(step)
-        log.info("saved %s (%d bytes) in %.3f s", info.path,
-                 info.manifest.total_bytes if info.manifest else 0, time.monotonic() - started)
-        return info
+
+        def verify_and_retain() -> GenerationInfo:
+            read_back(group, self.store, info, progress, plan.linked if plan else ())
+            self._committed(step, info, plan)
+            self._writer.retain(step)
+            log.info("saved %s (%d bytes) in %.3f s", info.path,
+                     info.manifest.total_bytes if info.manifest else 0,
+                     time.monotonic() - started)
+            return info
+
+        if self._read_back_later and self._in_flight is None:
+            # committed and durable; the read-back and retention go on beside the loop, and
+            # retention still waits for the read-back (the next save waits for both)
+            self._in_flight = InFlight(step, gc_paused(verify_and_retain))
+            return info
+        return verify_and_retain()
 
     def _hand_over(self, step: int, tree: dict[str, Any], values: dict[str, float],
                    again: bool, started: float, plan: Plan | None) -> None:

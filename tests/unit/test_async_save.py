@@ -291,3 +291,56 @@ def test_a_new_writer_waits_for_the_persisting_process_of_a_dead_one(tmp_path, m
         assert holder.poll() is not None and time.monotonic() - started > 0.5
         lock.release_writer_lock(str(tmp_path), fd)
     holder.wait(timeout=30)
+
+
+def test_read_back_in_the_background_returns_at_commit_and_retains_after_verifying(
+        tmp_path, monkeypatch):
+    model, opt = net()
+    release = threading.Event()
+    verify = GenerationStore.verify
+
+    def slow_verify(self, *args, **kwargs):
+        assert release.wait(30)
+        return verify(self, *args, **kwargs)
+
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               keep=unbroken.Keep(last=1), read_back="background") as ckpt:
+        train(model, opt, ckpt, 0, 1)
+        ckpt.save()
+        release.set()
+        ckpt.wait()
+        release.clear()
+        monkeypatch.setattr(GenerationStore, "verify", slow_verify)
+        train(model, opt, ckpt, 1, 2)
+        info = ckpt.save()  # committed and durable, not yet read back
+        assert info.generation == 2 and info.manifest is not None
+        # retention waits for the read-back: generation 1 is still there
+        assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [1, 2]
+        release.set()
+        assert ckpt.wait().generation == 2
+        assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [2]
+
+
+def test_a_failed_background_read_back_raises_later_and_keeps_the_older_generation(
+        tmp_path, monkeypatch):
+    model, opt = net()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 keep=unbroken.Keep(last=1), read_back="background")
+    train(model, opt, ckpt, 0, 1)
+    ckpt.save()
+    ckpt.wait()
+
+    def corrupt(self, info, *args, **kwargs):
+        raise unbroken.CorruptCheckpoint(f"{info.path}/model.safetensors: content hash x")
+
+    monkeypatch.setattr(GenerationStore, "verify", corrupt)
+    train(model, opt, ckpt, 1, 2)
+    assert ckpt.save().generation == 2
+    with pytest.raises(SaveFailed, match="did not read back as written"):
+        train(model, opt, ckpt, 2, 3)
+        ckpt.save()
+    ckpt.close()
+    monkeypatch.undo()
+    store = GenerationStore(tmp_path / "run")
+    assert [g.generation for g in store.scan()] == [1]  # 2 moved aside, 1 never deleted
+    store.verify(store.scan()[0])
