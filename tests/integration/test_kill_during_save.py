@@ -41,8 +41,7 @@ CASES = [
 # With async_save="process" the protocol's kill points fall in the persisting process, and
 # kill the training process with it (a lost machine); a kill of the training process alone
 # just after save() returned ("step-done") leaves the persisting process to commit it.
-IN_PROCESS = [("artifact-1-written", 6, 4), ("after-rename", 6, 6),
-              ("retention-unlinked", 2, 6), ("step-done", 6, 6)]
+IN_PROCESS = [("artifact-1-written", 6, 4), ("retention-unlinked", 2, 6), ("step-done", 6, 6)]
 
 
 @pytest.mark.parametrize("point,armed,expect,mode", [
