@@ -84,7 +84,22 @@ def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None =
         "run_id": m.run_id if m else None, "incarnation": m.incarnation if m else None,
         "created": m.created if m else None, "parts": m.parts if m else [],
         "artifacts": [asdict(a) for a in m.artifacts] if m else [],
+        "shared_bytes": _shared_bytes(info.path, m),
     }
+
+
+def _shared_bytes(folder: str, m: Manifest | None) -> int:
+    """Bytes of the generation's files hard-linked with another generation (incremental
+    saves: written once, listed and verified by every generation that links them)."""
+    total = 0
+    for a in m.artifacts if m else []:
+        try:
+            st = os.lstat(os.path.join(folder, a.name))
+        except OSError:
+            continue
+        if st.st_nlink > 1:
+            total += st.st_size
+    return total
 
 
 def _relative(root: str, text: str | None) -> str:
@@ -93,14 +108,19 @@ def _relative(root: str, text: str | None) -> str:
 
 
 def rows(root: str, records: list[dict[str, Any]]) -> str:
-    headers = ["generation", "step", "size", "status", "incarnation", "created", "parts",
-               "reason"]
-    rows = [[r["generation"], r["step"], human_size(r["bytes"]), r["status"], r["incarnation"],
-             (r["created"] or "-")[:19].replace("T", " "), ",".join(r["parts"]) or "-",
-             _relative(root, r["reason"])] for r in records]
-    if not any(r["reason"] for r in records):
-        headers, rows = headers[:-1], [r[:-1] for r in rows]
-    return table(headers, rows, right=(0, 1, 2, 4), indent="  ")
+    headers = ["generation", "step", "size", "shared", "status", "incarnation", "created",
+               "parts", "reason"]
+    rows = [[r["generation"], r["step"], human_size(r["bytes"]),
+             human_size(r["shared_bytes"]) if r["shared_bytes"] else "-", r["status"],
+             r["incarnation"], (r["created"] or "-")[:19].replace("T", " "),
+             ",".join(r["parts"]) or "-", _relative(root, r["reason"])] for r in records]
+    shown = [i for i, h in enumerate(headers)  # shared: for incremental runs only
+             if (h != "shared" or any(r["shared_bytes"] for r in records))
+             and (h != "reason" or any(r["reason"] for r in records))]
+    numeric = ("generation", "step", "size", "shared", "incarnation")
+    return table([headers[i] for i in shown], [[row[i] for i in shown] for row in rows],
+                 right=tuple(j for j, i in enumerate(shown) if headers[i] in numeric),
+                 indent="  ")
 
 
 # -- inspect ------------------------------------------------------------------------------------

@@ -146,8 +146,7 @@ class Persisting:
         encoded = encode_share(self._group, tree, stamps(step, self.incarnation, self.run_id),
                                plan)
         persister.submit({"step": step, "again": again, "keep": self.keep.to_json(),
-                          "manifest": self._manifest_fields(step, tree, values, 1),
-                          "linked": sorted(plan.linked) if plan else []}, encoded)
+                          "manifest": self._manifest_fields(step, tree, values, 1)}, encoded)
         log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
                  persister.nbytes, time.monotonic() - started)
 

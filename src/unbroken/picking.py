@@ -30,7 +30,7 @@ from .store.manifest import Artifact
 from .store.runrecord import RunRecord
 
 log = logging.getLogger("unbroken")
-_MAP_MIN = 1 << 20
+_MAP_MIN = 32 << 20
 
 
 @dataclass
@@ -80,6 +80,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
         everyone = group.all_gather(mine, "agreeing on the generation to restore")
         for r, x in enumerate(everyone):
             if x["fatal"]:
+                pick.mapped.close()
                 raise rebuild(x["fatal"], r if group.active else None)
         refused = [(r, x) for r, x in enumerate(everyone) if x["refused"]]
         if refused:
@@ -89,6 +90,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
             pick.labels[info.path] = ("foreign" if any(x["foreign"] for _, x in refused) else
                                       "torn" if info.status == "torn" else "corrupt")
             log.warning("rejected %s: %s", info.path, why)
+            pick.mapped.close()
             continue
         pick.info = info
         if pick.rejected:
@@ -163,8 +165,10 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
 
 def _copied_from(a: Artifact) -> bool:
     """The files a restore maps and copies from (rather than reads whole): a model's or
-    optimizer's tensors of 1 MiB or more (the optimizer state is copied into the live state
-    tensors, see `optim.load_optimizer_state`)."""
+    optimizer's tensors of 32 MiB or more (the optimizer state is copied into the live state
+    tensors, see `optim.load_optimizer_state`). Smaller ones are read whole and decoded as
+    views, which is faster for many small tensors; the two parts' small files together stay
+    under the 64 MiB a restore may add beyond its largest tensor."""
     return (a.size >= _MAP_MIN and a.name.endswith(".safetensors")
             and a.name.split(".", 1)[0] in (S.MODEL, S.OPTIMIZER))
 

@@ -140,9 +140,11 @@ class Restoring:
                 warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
                               "(to change a hyperparameter, set it after restore(), or "
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
-        S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                           self._group.rank), mapped=pick.mapped)
-        pick.mapped.close()
+        try:
+            S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
+                               self._group.rank), mapped=pick.mapped)
+        finally:
+            pick.mapped.close()
         self._restored = True
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
@@ -157,7 +159,8 @@ class Restoring:
         self._parent = {"run_id": manifest.run_id, "generation": manifest.generation,
                         "incarnation": manifest.incarnation}
         self._last_saved = manifest.step
-        if self._incremental:  # the next save links what did not change since
+        if self._incremental and manifest.run_id == self.run_id:  # the next save links
+            # what did not change since (files of an adopted run are stamped with its id)
             self._held = held_files(pick.layout, info.path, {
                 a.name: (a.size, a.xxh3_128) for a in manifest.artifacts})
         log.info("restored %s (step %d)", info.path, manifest.step)
@@ -196,8 +199,10 @@ class Restoring:
         pick = self._pick(src, scanned, generation, "warm_start", allow, False)
         info = pick.info
         assert info is not None and info.manifest is not None
-        S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped)
-        pick.mapped.close()
+        try:
+            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped)
+        finally:
+            pick.mapped.close()
         self._restored = True
         self._after_restore(0, None)
         self._origin = {"operation": "warm_start", "source": src.root,

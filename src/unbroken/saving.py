@@ -5,6 +5,7 @@ read-back after the commit, and whether a repeated save of a step changed anythi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterable
 from typing import Any
 
@@ -17,7 +18,9 @@ from .dist.sharded import encode_shards, split
 from .errors import CorruptCheckpoint, SaveFailed
 from .inputs import same_number
 from .state import parts as S
-from .state.incremental import Linked, Plan
+from .state.codec import encode_tree
+from .state.incremental import Linked, Plan, tensor_digest
+from .state.jsontext import dumps_json, loads_json
 from .store.generations import GenerationInfo, GenerationStore
 from .store.lock import errno_text
 
@@ -120,14 +123,42 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     m = info.manifest
     same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
                                              for k, v in values.items())
-    if same:
+    if same and plan is not None:  # its layout came from the generation before it
+        same = not group.active and _same_state(store, info, tree, plan)
+    elif same:
         assert m is not None
         listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
-        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id),
-                               plan and Plan(plan.generation, plan.held, plan.frozen))
+        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id))
         same = (group.active or set(encoded) == set(listed)) and all(
             listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
     return all(group.all_gather(same, "comparing with the saved generation"))
+
+
+def _same_state(store: GenerationStore, info: GenerationInfo, tree: dict[str, Any],
+                plan: Plan) -> bool:
+    """(Incremental saves.) Whether ``tree`` is what generation ``info`` holds, as ``plan``
+    describes it (the files of that very generation): every part's skeleton as its
+    ``state.json`` has it, and every tensor's digest as its file stamps it."""
+    tree, shards = split(tree)
+    if shards or not all(os.path.dirname(f.path) == info.path
+                         for files in plan.held.values() for f in files):
+        return False
+    where = os.path.join(info.path, S.STATE_FILE)
+    try:
+        saved = loads_json(store.fs.read_file(where, S.MAX_STATE_BYTES), where,
+                           S.MAX_STATE_BYTES)["parts"]
+    except (OSError, CorruptCheckpoint, KeyError, TypeError):
+        return False
+    if not isinstance(saved, dict) or set(saved) != set(tree):
+        return False
+    for part, value in tree.items():
+        skeleton, tensors = encode_tree(value, "")
+        if dumps_json(skeleton, sort_keys=False) != dumps_json(saved[part], sort_keys=False):
+            return False
+        held = {k: d for f in plan.held.get(part, []) for k, d in f.digests.items()}
+        if held != {k: tensor_digest(t) for k, t in tensors.items()}:
+            return False
+    return True
 
 
 def _size_and_hash(chunks: Any) -> tuple[int, str]:

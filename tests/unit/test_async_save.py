@@ -259,17 +259,53 @@ def test_a_failed_save_in_the_persisting_process_raises_typed(tmp_path, monkeypa
     train(model, opt, ckpt, 0, 1)
     submit = ProcessPersister.submit
 
-    def lost_snapshot(self, request, artifacts):
-        submit(self, request, artifacts)
-        os.unlink(self._shm_path)  # before the persisting process maps it (it is starting)
-        self._shm_path = None
+    def garbled(self, request, artifacts):  # a manifest field the persisting process refuses
+        submit(self, {**request, "manifest": {**request["manifest"], "bogus": 1}}, artifacts)
 
-    monkeypatch.setattr(ProcessPersister, "submit", lost_snapshot)
+    monkeypatch.setattr(ProcessPersister, "submit", garbled)
     ckpt.save()
-    with pytest.raises(SaveFailed, match="No such file"):
+    with pytest.raises(SaveFailed, match="persisting process failed on generation 1"):
         ckpt.wait()
+    monkeypatch.undo()
+    train(model, opt, ckpt, 1, 2)
+    ckpt.save()  # the same persisting process goes on
+    assert ckpt.wait().generation == 2
     ckpt.close()
-    assert GenerationStore(tmp_path / "run").scan() == []
+    assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [2]
+
+
+def test_a_forked_child_does_not_keep_the_persisting_process_waiting(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, time, torch, unbroken
+        model = torch.nn.Linear(8, 8)
+        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, model=model,
+                                     async_save="process")
+        ckpt.step_done(1)
+        ckpt.save()
+        ckpt.wait()
+        child = os.fork()  # a DataLoader worker, say, that outlives the writer
+        if child == 0:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, 1)  # (not holding the test's pipes open)
+            os.dup2(null, 2)
+            time.sleep(20)
+            os._exit(0)
+        print(child, ckpt._persister._proc.pid, flush=True)
+        os._exit(0)  # the writer dies (no close())
+        """)
+    out = subprocess.run([sys.executable, "-c", script], check=True, timeout=120,
+                         capture_output=True, text=True).stdout.split()
+    child, persister = int(out[0]), int(out[1])
+    try:
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{persister}") and time.monotonic() < deadline:
+            time.sleep(0.05)  # it saw the writer's end although the fork holds on
+        status = open(f"/proc/{persister}/stat").read().split()[2] \
+            if os.path.exists(f"/proc/{persister}") else "gone"
+        assert status in ("gone", "Z"), status
+        assert os.path.exists(f"/proc/{child}")  # while the fork still lives
+    finally:
+        os.kill(child, 9)
 
 
 def test_a_new_writer_waits_for_the_persisting_process_of_a_dead_one(tmp_path, monkeypatch):

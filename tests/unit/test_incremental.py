@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -270,3 +271,84 @@ def test_saving_the_same_step_again_is_still_a_no_op(tmp_path):
         before = files(tmp_path)[10]["MANIFEST.json"].st_ino
         assert ckpt.save() is None  # nothing changed since generation 10
         assert files(tmp_path)[10]["MANIFEST.json"].st_ino == before
+
+
+def test_the_same_step_saved_again_after_a_change_supersedes_and_restores(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.Linear(768, 768))
+    model[0].requires_grad_(False)  # 2.25 MiB frozen, 2.25 MiB trainable
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt,
+                               incremental=True) as ckpt:
+        ckpt.restore()
+        ckpt.step_done(1)
+        assert ckpt.save() is not None
+        assert ckpt.save() is None  # nothing changed
+        opt.param_groups[0]["lr"] = 0.05  # the state changed, no tensor did
+        assert ckpt.save() is not None  # supersedes generation 1
+    names = set(os.listdir(tmp_path / "gen-000000001"))
+    assert {"model.g1.safetensors", "model.g1.1.safetensors"} <= names  # both stable files
+    final = weights(model)
+    model2 = torch.nn.Sequential(torch.nn.Linear(768, 768), torch.nn.Linear(768, 768))
+    model2[0].requires_grad_(False)
+    opt2 = torch.optim.SGD(model2[1].parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path, model=model2, optimizer=opt2) as ckpt:
+        assert ckpt.restore() == 1
+    assert opt2.param_groups[0]["lr"] == 0.05
+    assert all(torch.equal(final[k], v) for k, v in model2.state_dict().items())
+
+
+def test_files_of_an_adopted_run_are_written_again_not_linked(tmp_path):
+    model, opt = lora()
+    with unbroken.Checkpointer(tmp_path / "a", model=model, optimizer=opt, every=5,
+                               incremental=True) as ckpt:
+        ckpt.restore()
+        train(model, opt, ckpt, 0, 5)
+    model, opt = lora()
+    with unbroken.Checkpointer(tmp_path / "b", model=model, optimizer=opt) as ckpt:
+        ckpt.restore()
+        train(model, opt, ckpt, 0, 1)
+        ckpt.save()
+    shutil.copytree(tmp_path / "a/gen-000000005", tmp_path / "b/gen-000000005")
+    model, opt = lora()
+    with unbroken.Checkpointer(tmp_path / "b", model=model, optimizer=opt, every=5,
+                               incremental=True) as ckpt:
+        assert ckpt.restore(adopt=True) == 5
+        train(model, opt, ckpt, 5, 10)
+        final = weights(model)
+    assert not os.path.samefile(tmp_path / "b/gen-000000010/model.g10.safetensors",
+                                tmp_path / "b/gen-000000005/model.g5.safetensors")
+    model, opt = lora()
+    with unbroken.Checkpointer(tmp_path / "b", model=model, optimizer=opt) as ckpt:
+        assert ckpt.restore() == 10
+    assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_file_written_anew_for_a_link_must_hash_as_its_source(tmp_path, monkeypatch):
+    from unbroken.errors import SaveFailed
+    from unbroken.state.incremental import Linked
+
+    monkeypatch.setattr(LocalFS, "link", lambda self, src, dst: (_ for _ in ()).throw(
+        OSError(errno.EXDEV, "cross-device link")))
+    store = GenerationStore(tmp_path)
+    store.lock()
+    staging = store.stage(1)
+    with pytest.raises(SaveFailed, match="written anew"):
+        store.write_artifacts(staging, {"model.g1.safetensors": Linked(
+            str(tmp_path / "elsewhere"), 3, "0" * 32, lambda: [b"abc"])}, 1)
+    store.unlock()
+
+
+def test_digests_naming_other_tensors_than_the_file_holds_are_refused(tmp_path):
+    found = _generation(tmp_path)
+    name = "model.g7.safetensors"
+    header_len = int.from_bytes(found[name][:8], "little")
+    header = json.loads(found[name][8:8 + header_len])
+    digests = json.loads(header["__metadata__"]["unbroken.digests"])
+    digests["0.weight.extra"] = "0" * 32
+    header["__metadata__"]["unbroken.digests"] = json.dumps(digests)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-(8 + len(raw)) % 64)
+    found[name] = len(raw).to_bytes(8, "little") + raw + found[name][8 + header_len:]
+    with pytest.raises(CorruptCheckpoint, match="other tensors than the file holds"):
+        S.decode_generation(found, "gen")

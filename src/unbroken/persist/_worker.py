@@ -1,17 +1,18 @@
-"""The persisting process (`persist.process`): ``python -m unbroken.persist._worker RUN``.
+"""The persisting process (`persist.process`): ``python -m unbroken.persist._worker RUN FD``.
 
-Holds the persister byte of the run's lock for its whole life, reads one JSON request per
-save from its standard input (where the snapshot lies in shared memory, and the manifest's
-fields), commits, reads back, applies retention, and answers one JSON line. At the end of
-its input (the writer closed it, or died) it ends, removing the last segment: a save handed
-over before the writer died is finished first."""
+Takes the persister byte of the run's lock first (handed over by its writer) and says so;
+holds it for its whole life. Then, over the socket ``FD`` (`_wire`), one request per save:
+where the snapshot lies in the shared-memory segment (received as a descriptor when new) and
+the manifest's fields; it commits, reads back, applies retention and replies. At the end of
+its input (the writer said quit, or died) it ends: a save handed over before the writer died
+is finished first."""
 
 from __future__ import annotations
 
 import functools
-import json
 import mmap
 import os
+import socket
 import sys
 import warnings
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ from .._procs import PERSISTER_OF_ENV
 from .._progress import Progress
 from ..dist.commit import describe
 from ..dist.group import Group
+from ..errors import SaveFailed, UnbrokenError
 from ..saving import read_back, save_failed
 from ..state.incremental import Linked
 from ..store.generations import GenerationStore
@@ -28,22 +30,22 @@ from ..store.lock import take_persister
 from ..store.manifest import Artifact, Manifest
 from ..store.retention import Keep
 from ..writer import RunWriter
+from . import _wire
 
 
 def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
-    """A linked file's bytes, read again where a link cannot be made."""
+    """A linked file's bytes, read again where a link cannot be made (the store checks that
+    they hash as listed)."""
     with open(path, "rb") as f:
         while data := f.read(chunk):
             yield data
 
 
-def _save(store: GenerationStore, request: dict[str, Any]) -> dict[str, Any]:
+def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap) -> dict[str, Any]:
     step = request["step"]
-    with open(request["shm"], "rb") as f:
-        shm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(shm)
+    artifacts: dict[str, Any] = {}
     try:
-        view = memoryview(shm)
-        artifacts: dict[str, Any] = {}
         for a in request["artifacts"]:
             if "link" in a:
                 source, size, digest = a["link"]
@@ -60,12 +62,11 @@ def _save(store: GenerationStore, request: dict[str, Any]) -> dict[str, Any]:
             info = store.commit(step, artifacts, make_manifest, supersede=request["again"])
         except OSError as e:
             raise save_failed(store.root, step, e) from e
-        finally:
-            artifacts.clear()
-            view.release()
+        linked = {n for n, c in artifacts.items() if isinstance(c, Linked) and c.linked}
     finally:
-        shm.close()
-    read_back(Group(), store, info, Progress("", 0), request["linked"])
+        artifacts.clear()
+        view.release()
+    read_back(Group(), store, info, Progress("", 0), linked)
     keep = request["keep"]
     writer = RunWriter(store, Keep(keep["last"], keep["every"],
                                    tuple(keep["best"]) if keep["best"] else None,
@@ -76,32 +77,55 @@ def _save(store: GenerationStore, request: dict[str, Any]) -> dict[str, Any]:
     return {"ok": True, "warnings": [str(w.message) for w in caught]}
 
 
-def main(root: str) -> None:
+def _serve(store: GenerationStore, sock: socket.socket) -> None:
+    segment: tuple[int, mmap.mmap] | None = None
+    while True:
+        try:
+            request = _wire.receive(sock)
+        except (_wire.Closed, OSError, ValueError):
+            return  # the writer is gone (or said nothing more): nothing left to commit
+        if request.get("quit"):
+            return
+        try:
+            if segment is None or segment[0] != request["segment"]:
+                fd = _wire.receive_fd(sock)
+                try:
+                    segment = (request["segment"], mmap.mmap(
+                        fd, request["segment_size"], access=mmap.ACCESS_READ))
+                finally:
+                    os.close(fd)
+            reply = _save(store, request, segment[1])
+        except Exception as e:  # noqa: BLE001 -- handed to the writer, typed
+            if not isinstance(e, (UnbrokenError, OSError)):
+                e = SaveFailed(f"{store.root}: the persisting process failed on generation "
+                               f"{request.get('step')} ({type(e).__name__}: {e}); older "
+                               "generations are untouched")
+            reply = {"ok": False, **describe(e)}
+        reply["seq"] = request.get("seq")
+        try:
+            _wire.send(sock, reply)
+        except OSError:
+            pass  # the writer is gone; the save was finished all the same
+
+
+def main(root: str, fd: int) -> None:
+    sock = socket.socket(fileno=fd)
     store = GenerationStore(root)
-    store.adopt_lock(take_persister(store.root))
-    out = sys.stdout.buffer
-    last_shm = None
     try:
-        for line in sys.stdin.buffer:
-            request = json.loads(line)
-            last_shm = request["shm"]
-            try:
-                reply = _save(store, request)
-            except Exception as e:  # noqa: BLE001 -- handed to the writer, typed
-                reply = {"ok": False, **describe(e)}
-            try:
-                out.write(json.dumps(reply).encode() + b"\n")
-                out.flush()
-            except OSError:
-                pass  # the writer is gone; the save was finished all the same
+        held = take_persister(store.root)
+    except Exception as e:  # noqa: BLE001 -- the writer raises it at its next save
+        _wire.send(sock, {"ok": False, **describe(e)})
+        return
+    if str(os.getppid()) != os.environ.get(PERSISTER_OF_ENV):
+        os.close(held)  # the writer died before handing anything over
+        return
+    store.adopt_lock(held)
+    try:
+        _wire.send(sock, {"locked": os.getpid()})
+        _serve(store, sock)
     finally:
-        if last_shm is not None and str(os.getppid()) != os.environ.get(PERSISTER_OF_ENV):
-            try:  # the writer died: the segment is this process's to remove
-                os.unlink(last_shm)
-            except OSError:
-                pass
         store.unlock()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

@@ -5,46 +5,33 @@ out-of-memory kill) after ``save()`` returned, the persisting process still comm
 generation, verified as usual, and the next writer of the run waits for it (the lock's
 persister byte, `store.lock`) before it reads the run.
 
-The persisting process is started once, in a session of its own (a Ctrl-C of the training
-job does not stop a save midway), and talks to the writer in JSON lines over its standard
-input and output: nothing is pickled. The shared-memory segment is reused from one save to
-the next (at most one save is in flight), and either side removes it when it ends."""
+The persisting process is started with the Checkpointer, in a session of its own (a Ctrl-C
+of the training job does not stop a save midway). It takes the persister byte first and says
+so; no save is handed over before that, so a save ``save()`` returned from is always in the
+hands of a process that holds the run. The two talk in JSON messages over a Unix socket pair
+(`_wire`; nothing is pickled). The snapshot lives in an anonymous shared-memory file
+(``memfd``) allocated in full up front (a full ``/dev/shm`` or memory limit is a `SaveFailed`,
+never a SIGBUS) and passed to the persisting process as a descriptor: it is freed when both
+processes have let go of it, whichever dies, and never named in a folder another job sees.
+It is reused from one save to the next (at most one save is in flight)."""
 
 from __future__ import annotations
 
-import glob
-import json
 import mmap
 import os
+import socket
 import subprocess
 import sys
-import tempfile
-import uuid
+import weakref
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import Any
 
 from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
 from ..errors import SaveFailed
 from ..state.incremental import Linked, Source
 from ..store.generations import GenerationStore
-
-_PREFIX = "unbroken-snapshot-"
-
-
-def _shm_folder() -> str:
-    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-
-
-def _remove_stale() -> None:
-    """Segments of writers and persisting processes that are all gone (both killed)."""
-    for path in glob.glob(os.path.join(_shm_folder(), f"{_PREFIX}*")):
-        pid = os.path.basename(path)[len(_PREFIX):].split("-")[0]
-        if pid.isdecimal() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+from . import _wire
 
 
 class ProcessPersister:
@@ -53,19 +40,22 @@ class ProcessPersister:
     def __init__(self, store: GenerationStore) -> None:
         self._store = store
         self._proc: subprocess.Popen[bytes] | None = None
-        self._shm_path: str | None = None
+        self._sock: socket.socket | None = None
+        self._handed_over = False  # the persister byte went to a persisting process
+        self._locked = False  # the running persisting process said it holds it
+        self._seq = 0
         self._shm: mmap.mmap | None = None
+        self._shm_fd: int | None = None
+        self._shm_id = 0
+        self._shm_sent = False  # the running persisting process has the segment
         self.nbytes = 0  # bytes copied by the last snapshot
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
-    def _start(self) -> subprocess.Popen[bytes]:
-        if self._proc is None:  # the first one: the persister byte goes to it
-            _remove_stale()
-            self._store.hand_over()
-        env = {**os.environ, PERSISTER_OF_ENV: str(os.getpid()), "UNBROKEN_PROGRESS": "0"}
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "unbroken.persist._worker", self._store.root],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
-        return self._proc
+    def _fail(self, what: str, e: BaseException) -> SaveFailed:
+        pid = self._proc.pid if self._proc is not None else "none"
+        return SaveFailed(f"{self._store.root}: {what} (persisting process {pid}): {e}; older "
+                          "generations are untouched")
 
     def start(self) -> None:
         """Start the persisting process now (it imports torch: a second or two, overlapped
@@ -73,39 +63,72 @@ class ProcessPersister:
         if self._proc is None:
             self._start()
 
+    def _start(self) -> None:
+        if not self._handed_over:  # the first one: the persister byte goes to it
+            self._store.hand_over()
+            self._handed_over = True
+        self._disconnect()
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            env = {**os.environ, PERSISTER_OF_ENV: str(os.getpid()), "UNBROKEN_PROGRESS": "0"}
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.persist._worker", self._store.root,
+                 str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True)
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        self._sock, self._locked, self._shm_sent = mine, False, False
+
+    def _ready(self) -> socket.socket:
+        """The socket of a persisting process that holds the run (started again if it
+        died since the last save)."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._start()
+        assert self._sock is not None
+        if not self._locked:
+            said = _wire.receive(self._sock)
+            if "locked" not in said:
+                raise rebuild(said) if "type" in said else SaveFailed(str(said)[:200])
+            self._locked = True
+        return self._sock
+
     def _segment(self, size: int) -> mmap.mmap:
         """The reused shared-memory segment, grown to ``size`` bytes when needed."""
         if self._shm is not None and len(self._shm) >= size:
             return self._shm
         self._drop_segment()
-        path = os.path.join(_shm_folder(), f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.memfd_create("unbroken-snapshot", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, max(size, 1))
+            os.posix_fallocate(fd, 0, max(size, 1))  # all of it now: no SIGBUS while copying
             self._shm = mmap.mmap(fd, max(size, 1))
-        finally:
+        except BaseException:
             os.close(fd)
-        self._shm_path = path
+            raise
+        self._shm_fd, self._shm_id, self._shm_sent = fd, self._shm_id + 1, False
         return self._shm
 
     def _drop_segment(self) -> None:
         if self._shm is not None:
             self._shm.close()
             self._shm = None
-        if self._shm_path is not None:
-            try:
-                os.unlink(self._shm_path)
-            except FileNotFoundError:
-                pass  # the persisting process removed it when it ended
-            self._shm_path = None
+        if self._shm_fd is not None:
+            os.close(self._shm_fd)
+            self._shm_fd = None
 
     def submit(self, request: Mapping[str, Any], artifacts: Mapping[str, Source]) -> None:
         """Copy ``artifacts`` into shared memory (the snapshot: when this returns, nothing
-        the training loop does changes what is written) and hand the save over."""
+        the training loop does changes what is written) and hand the save over to a
+        persisting process that holds the run."""
         chunked = {n: [memoryview(c).cast("B") for c in chunks]
                    for n, chunks in artifacts.items() if not isinstance(chunks, Linked)}
         total = sum(c.nbytes for chunks in chunked.values() for c in chunks)
-        view = memoryview(self._segment(total))
+        try:
+            view = memoryview(self._segment(total))
+        except OSError as e:
+            raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
         listed: list[dict[str, Any]] = []
         offset = 0
         for name, chunks in artifacts.items():
@@ -120,49 +143,67 @@ class ProcessPersister:
             listed.append({"name": name, "offset": start, "size": offset - start})
         view.release()
         self.nbytes = total
-        line = json.dumps({**request, "shm": self._shm_path, "artifacts": listed}) + "\n"
-        proc = self._proc if self._proc is not None and self._proc.poll() is None \
-            else self._start()
+        assert self._shm is not None
+        self._seq += 1
+        message = {**request, "seq": self._seq, "segment": self._shm_id,
+                   "segment_size": len(self._shm), "artifacts": listed}
         try:
-            _send(proc.stdin, line.encode())
-        except OSError:  # it died between saves: a new one takes over
-            _send(self._start().stdin, line.encode())
+            sock = self._ready()
+            _wire.send(sock, message, None if self._shm_sent else self._shm_fd)
+        except (OSError, _wire.Closed, ValueError) as e:
+            raise self._fail("the save could not be handed over", e) from e
+        self._shm_sent = True
 
     def result(self) -> dict[str, Any]:
         """Block until the save handed over ended; its reply, or raise its error."""
-        assert self._proc is not None and self._proc.stdout is not None
-        line = self._proc.stdout.readline()
-        if not line:
+        assert self._sock is not None and self._proc is not None
+        try:
+            while True:
+                reply = _wire.receive(self._sock)
+                if reply.get("seq") == self._seq:
+                    break
+        except (OSError, _wire.Closed, ValueError) as e:
             code = self._proc.wait()
-            raise SaveFailed(f"{self._store.root}: the persisting process (pid "
-                             f"{self._proc.pid}) ended with exit code {code} before the save "
-                             "was committed; older generations are untouched")
-        reply: dict[str, Any] = json.loads(line)
+            raise self._fail(f"it ended with exit code {code} before the save was committed",
+                             e) from None
         if not reply.get("ok"):
             raise rebuild(reply)
         return reply
 
     def close(self) -> None:
-        """End the persisting process (after the save in flight: the caller waited) and
-        remove the segment; the persister byte returns with the process's end."""
+        """End the persisting process (the caller waited for the save in flight: it is idle)
+        and free the segment; the persister byte returns with the process's end."""
         proc, self._proc = self._proc, None
-        if proc is not None:
-            assert proc.stdin is not None
+        if proc is not None and self._sock is not None:
             try:
-                proc.stdin.close()
+                _wire.send(self._sock, {"quit": True})
             except OSError:
                 pass
+        self._disconnect()
+        if proc is not None:
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
         self._drop_segment()
 
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
-def _send(pipe: IO[bytes] | None, data: bytes) -> None:
-    assert pipe is not None
-    pipe.write(data)
-    pipe.flush()
+
+def _forget_in_child(me: weakref.ref[ProcessPersister]) -> None:
+    """In a process forked from the writer (a DataLoader worker): let go of the socket and the
+    segment, so the persisting process sees the writer's end when the writer ends."""
+    persister = me()
+    if persister is None:
+        return
+    if persister._sock is not None:
+        os.close(persister._sock.detach())
+        persister._sock = None
+    if persister._shm_fd is not None:
+        os.close(persister._shm_fd)
+        persister._shm_fd = None
+    persister._proc = None

@@ -77,15 +77,17 @@ def disk_ident(path: str) -> tuple[int, ...]:
 FileRow = tuple[str, int, int, dict[str, str], bool]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Linked:
     """An artifact that already exists (``source``): linked into the new generation; when
-    linking fails, ``write()`` gives the chunks that write it anew."""
+    linking fails, ``write()`` gives the chunks that write it anew, which must hash as the
+    source did. ``linked``: set by the store once it was linked, not written."""
 
     source: str
     size: int
     xxh3_128: str
     write: Callable[[], Iterable[memoryview | bytes]]
+    linked: bool = False
 
 
 Source = Iterable[memoryview | bytes] | Linked  # what the store writes as one artifact
@@ -101,7 +103,12 @@ class Plan:
     frozen: frozenset[str] = frozenset()
     # filled while encoding: the files of each part as this generation will list them
     layout: dict[str, list[FileRow]] = field(default_factory=dict)
-    linked: set[str] = field(default_factory=set)  # names linked rather than written
+    links: dict[str, Linked] = field(default_factory=dict)  # by name, as handed to the store
+
+    @property
+    def linked(self) -> set[str]:
+        """The names the store linked rather than wrote (known once written)."""
+        return {name for name, link in self.links.items() if link.linked}
 
 
 def split_part(plan: Plan, part: str, tensors: Mapping[str, torch.Tensor]
@@ -167,7 +174,14 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
         out[name] = encode_safetensors(main, stamped(plan.generation, incarnation, main))
         layout.append((name, plan.generation, incarnation, {k: digests[k] for k in main}, False))
     if stable:
-        name = stable_name(prefix, part, plan.generation)
+        # unique among the part's files: a save of the same step again may link a stable
+        # file this generation number already wrote
+        taken = {f.name for f in linked}
+        name, n = stable_name(prefix, part, plan.generation), 1
+        while name in taken:
+            name = stable_name(prefix, part, plan.generation).replace(
+                ".safetensors", f".{n}.safetensors")
+            n += 1
         out[name] = encode_safetensors(stable, stamped(plan.generation, incarnation, stable))
         extra.append(stable_entry(name, plan.generation, incarnation))
         layout.append((name, plan.generation, incarnation, {k: digests[k] for k in stable},
@@ -177,8 +191,7 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
         def rewrite(f: HeldFile = f) -> list[memoryview]:
             return encode_safetensors({k: tensors[k] for k in f.digests},
                                       stamped(f.generation, f.incarnation, f.digests))
-        out[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite)
-        plan.linked.add(f.name)
+        out[f.name] = plan.links[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite)
         extra.append(stable_entry(f.name, f.generation, f.incarnation))
         layout.append((f.name, f.generation, f.incarnation, dict(f.digests), True))
     return out, extra

@@ -179,6 +179,12 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                         parts[prev].load_state_dict(backup[prev])
                     except Exception:  # noqa: BLE001 - best effort; the error below says why
                         pass
+            if name in big and isinstance(e, OSError):  # reading the verified file failed
+                raise UnbrokenError(
+                    f"part {name!r}: reading the saved state into the live objects failed "
+                    f"({e}); the {' and '.join(p for p in big if p in [*done, name])} are "
+                    "partly restored now: build them anew (restart) before restoring "
+                    "again") from e
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({e}); nothing was changed") from e
         done.append(name)
@@ -337,6 +343,9 @@ def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
                 raise CorruptCheckpoint(f"{folder}/{name}: listed for part {part!r} but missing")
             found, file_meta = decode_safetensors(files[name], f"{folder}/{name}")
             digests = read_digests(file_meta, f"{folder}/{name}")
+            if DIGESTS_KEY in file_meta and set(digests) != set(found):
+                raise CorruptCheckpoint(f"{folder}/{name}: its {DIGESTS_KEY!r} name other "
+                                        "tensors than the file holds")
             file_meta.pop(DIGESTS_KEY, None)
             if file_meta != stamps:
                 raise CorruptCheckpoint(

@@ -31,7 +31,7 @@ from typing import Any
 
 import xxhash
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, SaveFailed
 from ..state.incremental import Linked, Source
 from .aside import AsideFolder
 from .backends._mapped import MappedFiles
@@ -264,11 +264,12 @@ class GenerationStore(AsideFolder):
             if wanted is not None and a.name not in wanted:
                 continue
             if mapped is not None and map_if(a):
-                self._check_loadable(os.path.join(info.path, a.name), a)
-                self._check_artifact(info.path, a)
                 path = os.path.join(info.path, a.name)
+                self._check_loadable(path, a)
                 try:
-                    out[a.name] = mapped.add(self.fs.map_file(path, a.size), path)
+                    before = os.lstat(path)
+                    self._check_artifact(info.path, a)
+                    out[a.name] = mapped.add(self.fs.map_file(path, a.size), path, before)
                 except OSError as e:
                     raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
                 if len(out[a.name]) != a.size:
@@ -384,9 +385,15 @@ class GenerationStore(AsideFolder):
             path = os.path.join(staging, name)
             if isinstance(chunks, Linked) and self._link(chunks, path):
                 size, digest = chunks.size, chunks.xxh3_128
+                chunks.linked = True
+            elif isinstance(chunks, Linked):  # written anew: it must be what it replaces
+                size, digest = self.fs.write_file(path, chunks.write())
+                if (size, digest) != (chunks.size, chunks.xxh3_128):
+                    raise SaveFailed(
+                        f"{path}: written anew from {chunks.source} (a link could not be "
+                        f"made), it hashes {digest} ({size} bytes) where the file it replaces "
+                        f"was {chunks.xxh3_128} ({chunks.size} bytes)")
             else:
-                if isinstance(chunks, Linked):
-                    chunks = chunks.write()
                 size, digest = self.fs.write_file(path, chunks)
             written.append(Artifact(name, size, digest))
             fault_point(f"artifact-{first + len(written) - 1}-written", generation)
@@ -397,8 +404,6 @@ class GenerationStore(AsideFolder):
         False where that cannot be done (another filesystem, no hard links, the source gone
         or changed since it was verified): the caller writes it anew. The source folder's
         verdict stays remembered (a link changes its file's ctime, not its content)."""
-        folder = os.path.dirname(linked.source)
-        before = self._verified.get(folder)
         try:
             self.fs.link(linked.source, path)
         except OSError:
@@ -406,10 +411,12 @@ class GenerationStore(AsideFolder):
         if os.lstat(path).st_size != linked.size:
             self.fs.unlink(path)
             return False
-        source = self.scan_one(_number(folder)) if before is not None else None
-        if source is not None and source.manifest is not None and before is not None:
-            after = self.file_identity(source)
-            if after is not None and len(after) == len(before) and all(
+        # The link changed the shared file's ctime in every generation that holds it; their
+        # verdicts stand (content, size and mtime are the same).
+        for folder, before in list(self._verified.items()):
+            info = self.scan_one(_number(folder))
+            after = self.file_identity(info) if info.manifest is not None else None
+            if after is not None and after != before and len(after) == len(before) and all(
                     a[:4] == b[:4] for a, b in zip(after, before, strict=True)):
                 self._verified[folder] = after
         return True

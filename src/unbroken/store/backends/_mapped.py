@@ -17,17 +17,35 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...errors import CorruptCheckpoint
+
+
+def _ident(st: os.stat_result) -> tuple[int, ...]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+_SMALL = 1 << 20  # tensors under this are copied from the mapping, not read with preadv
+_FAULTED_MAX = 32 << 20  # pages faulted in by those copies before they are all released
+
 
 class MappedFiles:
     """The mapped files of one restore, by address range, and page release after a copy."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[int, int, Any, int]] = []  # (first address, size, mmap, fd)
+        self._faulted = 0  # bytes of small tensors copied from the mappings since a release
 
-    def add(self, view: memoryview, path: str) -> memoryview:
-        """Register ``path`` mapped as ``view`` (`LocalFS.map_file`); returns the view."""
+    def add(self, view: memoryview, path: str, hashed: os.stat_result) -> memoryview:
+        """Register ``path`` mapped as ``view`` (`LocalFS.map_file`); returns the view.
+        ``hashed``: the file as it was when its hash was checked; a file replaced or
+        written since is refused (`CorruptCheckpoint`)."""
         if view.nbytes and isinstance(view.obj, mmap.mmap):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            st = os.fstat(fd)
+            if _ident(st) != _ident(hashed):
+                os.close(fd)
+                raise CorruptCheckpoint(f"{path}: changed while being restored (replaced or "
+                                        "written after its hash was checked)")
             self._spans.append((np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes,
                                 view.obj, fd))
         return view
@@ -50,6 +68,14 @@ class MappedFiles:
             with torch.no_grad():
                 dst.copy_(src)
             self.release(src)
+            return dst
+        nbytes = src.numel() * src.element_size()
+        if nbytes < _SMALL:  # a syscall costs more than faulting its pages in; released below
+            with torch.no_grad():
+                dst.copy_(src)
+            self._faulted += nbytes
+            if self._faulted > _FAULTED_MAX:
+                self._release_all()
             return dst
         base, _, _, fd = span
         into = dst.reshape(-1).view(torch.uint8).numpy().data
@@ -75,13 +101,20 @@ class MappedFiles:
         if last > first:
             mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
-    def close(self) -> None:
-        """Release every page still held (what was copied without `release`); the mappings
-        themselves go with the last tensor that views them."""
-        for _, size, mm, fd in self._spans:
-            os.close(fd)
+    def _release_all(self) -> None:
+        """Drop every page of every mapping from this process (those of tensors not copied
+        yet are read again when touched: the mappings are private and never written)."""
+        for _, size, mm, _ in self._spans:
             try:
                 mm.madvise(mmap.MADV_DONTNEED, 0, size)
             except (ValueError, OSError):
                 pass  # closed already
+        self._faulted = 0
+
+    def close(self) -> None:
+        """Release every page still held (what was copied without `release`) and the
+        descriptors; the mappings themselves go with the last tensor that views them."""
+        self._release_all()
+        for _, _, _, fd in self._spans:
+            os.close(fd)
         self._spans.clear()
