@@ -345,13 +345,19 @@ def remove(path: str) -> None:
         os.unlink(path)
 
 
-def tree_bytes(path: str, written: bool = False) -> int:
-    """Bytes of the files under ``path``; ``written``: only files not hard-linked from
-    elsewhere (what a save really wrote; unbroken's incremental saves link unchanged data)."""
+def tree_files(path: str) -> dict[tuple[int, int], int]:
+    """(device, inode) -> size of every file under ``path``."""
     paths = [path] if os.path.isfile(path) else [os.path.join(d, f) for d, _, fs in
                                                   os.walk(path) for f in fs]
-    stats = [os.lstat(p) for p in paths]
-    return sum(st.st_size for st in stats if not written or st.st_nlink == 1)
+    stats = [os.lstat(p) for p in paths if os.path.lexists(p)]
+    return {(st.st_dev, st.st_ino): st.st_size for st in stats}
+
+
+def tree_bytes(path: str, before: dict[tuple[int, int], int] | None = None) -> int:
+    """Bytes of the files under ``path``; with ``before`` (`tree_files` before a save), only
+    those of files that did not exist then: what the save wrote (unbroken's incremental
+    saves hard-link unchanged data from the previous generation)."""
+    return sum(n for key, n in tree_files(path).items() if before is None or key not in before)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,6 +845,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                         continue
                     if op == "save":
                         m.before_save()
+                        existing = tree_files(m.files()) if os.path.exists(m.files()) else {}
                     elif cold:
                         drop_cache(m.files())
                         pct = resident_pct(m.files())
@@ -860,7 +867,7 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                         peaks[m.name][op].append(mem.delta_mb)
                     if op == "save":
                         file_bytes[m.name] = tree_bytes(m.files())
-                        written[m.name] = tree_bytes(m.files(), written=True)
+                        written[m.name] = tree_bytes(m.files(), existing)
                 log(f"   {op} round {rep + 1}/{warmup + repeats}"
                     f"{' (warm-up)' if rep < warmup else ''}: " +
                     ", ".join(f"{m.name} {times[m.name][op][-1]:.3f}s" if rep >= warmup

@@ -55,12 +55,30 @@ def weights(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_a_frozen_base_is_written_once_and_linked_after(tmp_path):
+def saved(root, stop: int, **options) -> torch.nn.Module:
+    """A LoRA-like run saved incrementally every 5 updates up to ``stop``."""
     model, opt = lora()
-    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt, every=5,
-                               incremental=True) as ckpt:
+    with unbroken.Checkpointer(root, model=model, optimizer=opt, every=5, incremental=True,
+                               **options) as ckpt:
         ckpt.restore()
-        train(model, opt, ckpt, 0, 15)
+        train(model, opt, ckpt, 0, stop)
+    return model
+
+
+def restored(root, step: int) -> dict[str, torch.Tensor]:
+    """The weights a fresh process restores from ``root`` (at generation ``step``)."""
+    model, opt = lora()
+    with unbroken.Checkpointer(root, model=model, optimizer=opt) as ckpt:
+        assert ckpt.restore() == step
+    return weights(model)
+
+
+def equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_frozen_base_is_written_once_and_linked_after(tmp_path):
+    saved(tmp_path, 15)
     gens = files(tmp_path)
     assert sorted(gens) == [5, 10, 15]
     base = gens[5]["model.g5.safetensors"]
@@ -106,10 +124,7 @@ def test_retention_deleting_the_origin_keeps_the_shared_data(tmp_path):
     final = weights(model)
     assert sorted(files(tmp_path)) == [20, 25]
     assert (tmp_path / "gen-000000025/model.g5.safetensors").stat().st_nlink == 2
-    model, opt = lora()
-    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
-        assert ckpt.restore() == 25
-    assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    assert equal(restored(tmp_path, 25), final)
 
 
 def test_unchanged_tensors_found_by_content_go_stable_then_linked(tmp_path):
@@ -140,10 +155,7 @@ def test_a_changed_stable_tensor_is_written_again(tmp_path):
         final = weights(model)
     gens = files(tmp_path)
     assert "model.g5.safetensors" not in gens[10]
-    model, opt = lora()
-    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt) as ckpt:
-        assert ckpt.restore() == 10
-    assert all(torch.equal(final[k], v) for k, v in model.state_dict().items())
+    assert equal(restored(tmp_path, 10), final)
 
 
 def test_without_links_the_stable_file_is_written_again_byte_for_byte(tmp_path, monkeypatch):
@@ -151,11 +163,7 @@ def test_without_links_the_stable_file_is_written_again_byte_for_byte(tmp_path, 
         raise OSError(errno.EXDEV, "cross-device link", dst)
 
     monkeypatch.setattr(LocalFS, "link", no_links)
-    model, opt = lora()
-    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt, every=5,
-                               incremental=True) as ckpt:
-        ckpt.restore()
-        train(model, opt, ckpt, 0, 10)
+    saved(tmp_path, 10)
     gens = {g.generation: g.manifest for g in GenerationStore(tmp_path).scan()}
     a, b = (gens[n].artifact("model.g5.safetensors") for n in (5, 10))
     assert a == b  # same name, size and hash: the same file, written twice
@@ -164,11 +172,7 @@ def test_without_links_the_stable_file_is_written_again_byte_for_byte(tmp_path, 
 
 
 def test_corrupt_shared_data_fails_every_generation_that_uses_it(tmp_path):
-    model, opt = lora()
-    with unbroken.Checkpointer(tmp_path, model=model, optimizer=opt, every=5,
-                               incremental=True) as ckpt:
-        ckpt.restore()
-        train(model, opt, ckpt, 0, 15)
+    model = saved(tmp_path, 15)
     shared = tmp_path / "gen-000000010/model.g5.safetensors"
     with open(shared, "r+b") as f:  # one flipped byte in the data of the shared inode
         f.seek(-5, os.SEEK_END)

@@ -26,12 +26,16 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
 from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
 from ..errors import SaveFailed
 from ..state.incremental import Linked, Source
 from ..store.generations import GenerationStore
 from . import _wire
+
+_TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
 
 
 class ProcessPersister:
@@ -131,6 +135,7 @@ class ProcessPersister:
             raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
         listed: list[dict[str, Any]] = []
         offset = 0
+        into = torch.frombuffer(view, dtype=torch.uint8) if total else None
         for name, chunks in artifacts.items():
             if isinstance(chunks, Linked):
                 listed.append({"name": name, "link": [chunks.source, chunks.size,
@@ -138,9 +143,14 @@ class ProcessPersister:
                 continue
             start = offset
             for c in chunked[name]:
-                view[offset:offset + c.nbytes] = c
+                if c.nbytes >= _TORCH_COPY and not c.readonly and into is not None:
+                    # torch copies with its intra-op threads, as the thread mode's snapshot
+                    into[offset:offset + c.nbytes].copy_(torch.frombuffer(c, dtype=torch.uint8))
+                else:
+                    view[offset:offset + c.nbytes] = c
                 offset += c.nbytes
             listed.append({"name": name, "offset": start, "size": offset - start})
+        del into
         view.release()
         self.nbytes = total
         assert self._shm is not None

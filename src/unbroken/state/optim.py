@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -195,16 +195,16 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
-                         copy_from: Callable[..., torch.Tensor] | None = None) -> None:
+                         mapped: Any = None) -> None:
     """``optimizer.load_state_dict(ready)`` (torch's positional form), without its per-value
     casting where every value already has the dtype and device it would be cast to: then
     that cast is the identity, and skipping it saves ~15 µs a tensor (0.12 s for 10,000).
     Anything else (a subclass that loads its own way, hooks, GPU or mixed-dtype state, fused
     or capturable steps) goes through ``load_state_dict``.
 
-    With ``copy_from(src, dst)`` the saved tensors are views into mapped files (see
-    `parts.apply`): each is copied into the live state tensor of the same shape and dtype (or
-    a new one), so the optimizer never keeps a view of a file."""
+    With ``mapped`` (`parts.Copier`) saved tensors that view mapped files (see `parts.apply`)
+    are copied into the live state tensor of the same shape and dtype (or a new one), so the
+    optimizer never keeps a view of a file; the others are adopted as they are."""
     base = torch.optim.Optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_ids = [i for g in ready["param_groups"] for i in g["params"]]
@@ -216,15 +216,15 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
             and all(i in by_id and _identity_cast(by_id[i], values, optimizer)
                     for i, values in ready["state"].items()))
     if not fast:
-        if copy_from is not None:  # torch keeps what it is given: copies, not views of files
-            ready = {**ready, "state": {i: {k: _owned(None, v, copy_from) for k, v in vals.items()}
+        if mapped is not None:  # torch keeps what it is given: copies, not views of files
+            ready = {**ready, "state": {i: {k: _owned(None, v, mapped) for k, v in vals.items()}
                                         for i, vals in ready["state"].items()}}
         optimizer.load_state_dict(dict(ready))
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
         live = optimizer.state.get(by_id[i], {})
-        state[by_id[i]] = {k: _owned(live.get(k), v, copy_from) for k, v in values.items()}
+        state[by_id[i]] = {k: _owned(live.get(k), v, mapped) for k, v in values.items()}
     groups = []
     for live, saved in zip(optimizer.param_groups, copy.deepcopy(ready["param_groups"]),
                            strict=True):
@@ -236,15 +236,16 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
                             "param_groups": groups})
 
 
-def _owned(live: Any, saved: Any, copy_from: Callable[..., torch.Tensor] | None) -> Any:
-    """``saved``, or with ``copy_from`` a tensor of this process's own holding its value: the
-    live one when it has the same shape, dtype and device (copied into), else a new one."""
-    if copy_from is None or not isinstance(saved, torch.Tensor):
+def _owned(live: Any, saved: Any, mapped: Any) -> Any:
+    """``saved``, or when it views a mapped file a tensor of this process's own holding its
+    value: the live one when it has the same shape, dtype and device (copied into), else a
+    new one."""
+    if mapped is None or not isinstance(saved, torch.Tensor) or not mapped.holds(saved):
         return saved
     if (isinstance(live, torch.Tensor) and live.shape == saved.shape
             and live.dtype == saved.dtype and live.device == saved.device):
-        return copy_from(saved, live)
-    return copy_from(saved, None)
+        return mapped.copy(saved, live)
+    return mapped.copy(saved, None)
 
 
 def _identity_cast(param: torch.Tensor, values: Mapping[str, Any],

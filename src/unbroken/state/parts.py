@@ -138,6 +138,8 @@ class Copier(Protocol):
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def holds(self, t: torch.Tensor) -> bool: ...
+
     def release(self, t: torch.Tensor) -> None: ...
 
 
@@ -165,8 +167,7 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
             if name == MODEL and _plain_modules(obj):
                 _copy_into(obj, ready[name], mapped)
             elif name == OPTIMIZER:
-                load_optimizer_state(obj, ready[name],  # type: ignore[arg-type]
-                                     None if mapped is None else mapped.copy)
+                load_optimizer_state(obj, ready[name], mapped)  # type: ignore[arg-type]
             else:
                 obj.load_state_dict(ready[name])
                 if name == MODEL and mapped is not None:

@@ -57,22 +57,26 @@ class MappedFiles:
                 return span
         return None
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views a mapped file (else it is this process's own memory)."""
+        return bool(self._spans) and self._span(t) is not None
+
     def copy(self, src: torch.Tensor, dst: torch.Tensor | None = None) -> torch.Tensor:
-        """``src`` (a view into a mapped file, or any tensor) copied into ``dst`` (same shape
-        and dtype) or into a new tensor, which is returned."""
+        """``src``'s value in ``dst`` (same shape and dtype; under ``no_grad`` when it is a
+        parameter), returned. Without ``dst``: a new tensor when ``src`` views a mapped file,
+        else ``src`` itself (memory of this process's own, adopted as it is)."""
+        span = self._span(src) if self._spans and src.numel() else None
+        if span is None:
+            if dst is None:
+                return src
+            dst.copy_(src)
+            return dst
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype)
-        span = self._span(src) if src.numel() else None
-        if (span is None or not src.is_contiguous() or not dst.is_contiguous()
-                or not dst.is_cpu or dst.dtype != src.dtype or dst.shape != src.shape):
-            with torch.no_grad():
-                dst.copy_(src)
-            self.release(src)
-            return dst
         nbytes = src.numel() * src.element_size()
-        if nbytes < _SMALL:  # a syscall costs more than faulting its pages in; released below
-            with torch.no_grad():
-                dst.copy_(src)
+        if (nbytes < _SMALL or not src.is_contiguous() or not dst.is_contiguous()
+                or not dst.is_cpu or dst.dtype != src.dtype or dst.shape != src.shape):
+            dst.copy_(src)  # a syscall costs more than faulting small tensors' pages in
             self._faulted += nbytes
             if self._faulted > _FAULTED_MAX:
                 self._release_all()
