@@ -36,6 +36,7 @@ import xxhash
 from ..._procs import kill_job
 from ...errors import CorruptCheckpoint
 from ._direct import drop_direct, try_direct, write_direct
+from ._readahead import read_ahead
 
 ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 KILL_ENV = "UNBROKEN_KILL_AT"
@@ -239,8 +240,8 @@ class LocalFS:
 
     def hash_file(self, path: str, limit: int, drop_cache: bool = False,
                   chunk: int = 8 << 20) -> tuple[int, str]:
-        """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through one
-        small reused buffer (no copy of the file is held). ``drop_cache`` first evicts the
+        """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through two
+        small buffers (no copy of the file is held; `_readahead`). ``drop_cache`` first evicts the
         file's pages (clean once fsynced) so that the bytes come from the disk, not from the
         page cache that the write just filled."""
         self._op(READ, path)
@@ -248,12 +249,18 @@ class LocalFS:
         try:
             if drop_cache:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            view = memoryview(bytearray(min(chunk, max(st.st_size, 1))))
             h = xxhash.xxh3_128()
             size = 0
-            while n := os.readv(fd, [view]):
-                h.update(view[:n])
-                size += n
+            if st.st_size > chunk:  # read ahead while hashing
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                for piece in read_ahead(fd, chunk):
+                    h.update(piece)
+                    size += len(piece)
+            else:
+                view = memoryview(bytearray(max(st.st_size, 1)))
+                while n := os.readv(fd, [view]):
+                    h.update(view[:n])
+                    size += n
             if drop_cache:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             return size, h.hexdigest()
