@@ -302,7 +302,7 @@ def _skip_hash() -> Callable[[], None]:
     def read(self: GenerationStore, folder: str, a: Any) -> bytes:
         return self.fs.read_file(os.path.join(folder, a.name), a.size)
 
-    GenerationStore._read_artifact = read  # type: ignore[method-assign]
+    GenerationStore._read_artifact = read  # type: ignore[method-assign,assignment]
     return lambda: setattr(GenerationStore, "_read_artifact", original)
 
 

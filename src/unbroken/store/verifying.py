@@ -1,0 +1,176 @@
+"""Verifying generations: re-hashing their files (streaming, or while reading them for a
+restore), and remembering a verdict by file identity so that a generation verified once costs
+a few ``lstat`` calls until one of its files changes. Mixed into `GenerationStore`."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+from ..errors import CorruptCheckpoint
+from .backends._mapped import MappedFiles
+from .backends.local import LocalFS
+from .manifest import MANIFEST, Artifact, Manifest
+
+
+def _memory_bytes() -> int:
+    """Physical memory: no artifact larger than this can be read (and verified) whole."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 1 << 62
+
+
+@dataclass
+class GenerationInfo:
+    """What listing found in one ``gen-*`` folder. ``status``: complete / torn / corrupt."""
+
+    generation: int
+    path: str
+    status: str
+    reason: str = ""
+    manifest: Manifest | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "complete"
+
+
+class Verifying:
+    """Verification of the generations of a run folder (see module doc)."""
+
+    fs: LocalFS
+    _verified: dict[str, tuple[tuple[int, ...], ...]]
+
+    def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
+        """Device, inode, size, mtime and ctime of the manifest and every artifact: any write,
+        replacement or truncation of a file changes it. ``None`` if a file is missing."""
+        assert info.manifest is not None
+        try:
+            return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+                         for st in (os.lstat(os.path.join(info.path, n)) for n in
+                                    (MANIFEST, *(a.name for a in info.manifest.artifacts))))
+        except OSError:
+            return None
+
+    def verified_elsewhere(self, info: GenerationInfo,
+                           ident: tuple[tuple[int, ...], ...] | None) -> None:
+        """Remember ``info`` as verified by other processes (every rank of a job re-hashed
+        its share), as of ``ident`` (`file_identity` taken before they started): retention
+        then does not hash the whole job's files again on the leader."""
+        if ident is not None:
+            self._verified[info.path] = ident
+
+    def verified(self, info: GenerationInfo) -> str | None:
+        """``None`` when every byte of the generation matches its manifest, else the reason.
+
+        The verdict is remembered by file identity (see ``file_identity``): a generation
+        verified since it was committed or restored by this store costs a few ``lstat`` calls;
+        one whose files changed since is re-hashed."""
+        if not info.ok or info.manifest is None:
+            return info.reason or f"{info.path}: {info.status}"
+        ident = self.file_identity(info)
+        if ident is not None and self._verified.get(info.path) == ident:
+            return None
+        try:
+            self.verify(info)
+        except CorruptCheckpoint as e:
+            return str(e)
+        return None
+
+    def read_verified(self, info: GenerationInfo, names: Iterable[str] | None = None,
+                      advance: Callable[[int], None] | None = None,
+                      mapped: MappedFiles | None = None,
+                      map_if: Callable[[Artifact], bool] = lambda a: False
+                      ) -> dict[str, Any]:
+        """Read artifacts (all by default) and check each one's size and content hash;
+        ``advance(nbytes)`` is called after each (a progress bar). With ``mapped``, an
+        artifact for which ``map_if`` holds is hashed streaming and then mapped (registered in
+        ``mapped``), not read into memory: a restore copies from it into live tensors."""
+        if not info.ok or info.manifest is None:
+            raise CorruptCheckpoint(info.reason)
+        ident = self.file_identity(info) if names is None else None
+        wanted = set(names) if names is not None else None
+        out: dict[str, Any] = {}
+        for a in info.manifest.artifacts:
+            if wanted is not None and a.name not in wanted:
+                continue
+            if mapped is not None and map_if(a):
+                path = os.path.join(info.path, a.name)
+                self._check_loadable(path, a)
+                try:
+                    before = os.lstat(path)
+                    self._check_artifact(info.path, a)
+                    out[a.name] = mapped.add(self.fs.map_file(path, a.size), path, before)
+                except OSError as e:
+                    raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+                if len(out[a.name]) != a.size:
+                    raise CorruptCheckpoint(f"{path}: changed size while being read")
+            else:
+                out[a.name] = self._read_artifact(info.path, a)
+            if advance is not None:
+                advance(a.size)
+        if ident is not None:
+            self._verified[info.path] = ident
+        return out
+
+    @staticmethod
+    def _check_loadable(path: str, a: Artifact) -> None:
+        """An artifact larger than this machine's memory could never be restored here: refuse
+        it before reading (a sparse 8 TiB file would take hours to hash)."""
+        if a.size > _memory_bytes():
+            raise CorruptCheckpoint(f"{path}: the manifest lists {a.size} bytes, more than this "
+                                    f"machine's memory ({_memory_bytes()}); refusing to read it")
+
+    def _read_artifact(self, folder: str, a: Artifact) -> bytes:
+        path = os.path.join(folder, a.name)
+        self._check_loadable(path, a)
+        try:
+            data = self.fs.read_file(path, a.size, aligned=a.name.endswith(".safetensors"))
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+        if len(data) != a.size:
+            raise CorruptCheckpoint(f"{path}: {len(data)} bytes, the manifest lists {a.size}")
+        digest = xxhash.xxh3_128(data).hexdigest()
+        if digest != a.xxh3_128:
+            raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
+                                    f"{a.xxh3_128} (the file changed after commit)")
+        return data
+
+    def verify(self, info: GenerationInfo, from_disk: bool = False,
+               advance: Callable[[int], None] | None = None,
+               names: set[str] | None = None) -> None:
+        """Re-hash every artifact of a generation, streaming (no file is held in memory);
+        raise ``CorruptCheckpoint`` on the first bad one. ``from_disk``: evict each file's
+        cached pages first, so a just-written generation is read from the disk itself.
+        ``names``: only those artifacts (one rank's share of a generation of many ranks)."""
+        if not info.ok or info.manifest is None:
+            raise CorruptCheckpoint(info.reason)
+        ident = self.file_identity(info) if names is None else None
+        chosen = [a for a in info.manifest.artifacts if names is None or a.name in names]
+        for a in chosen:
+            self._check_loadable(os.path.join(info.path, a.name), a)
+        for a in chosen:
+            self._check_artifact(info.path, a, from_disk)
+            if advance is not None:
+                advance(a.size)
+        if ident is not None:
+            self._verified[info.path] = ident
+
+    def _check_artifact(self, folder: str, a: Artifact, from_disk: bool = False) -> None:
+        """Hash one artifact streaming (no copy of it is held); `CorruptCheckpoint` unless it
+        has the listed size and hash."""
+        path = os.path.join(folder, a.name)
+        try:
+            size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+        if size != a.size:
+            raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest lists {a.size}")
+        if digest != a.xxh3_128:
+            raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
+                                    f"{a.xxh3_128} (the file changed after commit)")
