@@ -213,10 +213,11 @@ def test_a_corrupt_own_file_falls_back_to_the_previous_generation(tmp_path):
                             tmp_path / "gen-000000005/model.g5.safetensors")
 
 
-def test_async_incremental_and_warm_start_read_the_stable_files(tmp_path):
+@pytest.mark.parametrize("mode", [True, "process"])
+def test_async_incremental_and_warm_start_read_the_stable_files(tmp_path, mode):
     model, opt = lora()
     with unbroken.Checkpointer(tmp_path / "a", model=model, optimizer=opt, every=5,
-                               incremental=True, async_save=True) as ckpt:
+                               incremental=True, async_save=mode) as ckpt:
         ckpt.restore()
         train(model, opt, ckpt, 0, 10)
         final = weights(model)
