@@ -27,7 +27,6 @@ whose IQR exceeds 25% of the median is flagged unstable instead of reported.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -361,21 +360,12 @@ def main(argv: list[str] | None = None) -> int:
                       "unstable": f"IQR > {sl.UNSTABLE_PCT:.0f}% of the median"},
            "summary": summarize(rounds, copies), "rounds": rounds,
            "total_seconds": time.perf_counter() - started}
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        load = info["loadavg_before_after"]
-        print(f"machine: {info['cpu']}, {info['cpu_count']} CPUs, torch {info['torch']}; "
-              f"target {info['target']['dir']} ({info['target']['fstype']}); "
-              f"{doc['total_seconds']:.0f} s, load average before/after "
-              f"{load[0][0]:.2f}/{load[1][0]:.2f}")
-        print(fmt_table(doc))
-        print()
-        print(text)
+    load = info["loadavg_before_after"]
+    sl.emit(doc, args.json, args.out, [
+        f"machine: {info['cpu']}, {info['cpu_count']} CPUs, torch {info['torch']}; "
+        f"target {info['target']['dir']} ({info['target']['fstype']}); "
+        f"{doc['total_seconds']:.0f} s, load average before/after "
+        f"{load[0][0]:.2f}/{load[1][0]:.2f}", fmt_table(doc), ""])
     return 0
 
 

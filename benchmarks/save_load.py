@@ -1089,19 +1089,18 @@ def main(argv: list[str] | None = None) -> int:
                    "methods_notes": {cls.name: cls.note for cls in METHODS.values()
                                      if any(cls is METHODS[m] for m in methods)}},
         "cases": cases, "total_seconds": time.perf_counter() - started}
-    text = json.dumps(doc, indent=1)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    if args.json:
-        print(text)
-    else:
-        print(fmt_header(doc))
-        print()
-        print(fmt_table(doc))
-        print()
-        print(text)
+    emit(doc, args.json, args.out, [fmt_header(doc), "", fmt_table(doc), ""])
     return 0
+
+
+def emit(doc: dict[str, Any], json_only: bool, out: str | None, report: list[str]) -> None:
+    """The JSON document to ``out`` (if given), then to stdout after the ``report`` lines
+    (only the document with ``json_only``). Shared by the benchmarks of this folder."""
+    text = json.dumps(doc, indent=1)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    print("\n".join([*([] if json_only else report), text]))
 
 
 if __name__ == "__main__":
