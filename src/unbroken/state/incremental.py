@@ -25,7 +25,7 @@ import xxhash
 
 from ..errors import CorruptCheckpoint
 from .jsontext import dumps_json, loads_json
-from .tensorfile import encode_safetensors
+from .tensorfile import encode_safetensors, tensor_bytes
 
 DIGESTS_KEY = "unbroken.digests"  # in a stable file's metadata: {key: xxh3-128 of the tensor}
 MIN_STABLE_BYTES = 1 << 20  # a split into a stable file costs a file: not for a few scalars
@@ -35,7 +35,7 @@ def tensor_digest(t: torch.Tensor) -> str:
     """The content digest of a CPU tensor as it is written: dtype, shape and bytes."""
     h = xxhash.xxh3_128(f"{t.dtype}{tuple(t.shape)}".encode())
     if t.numel():
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        h.update(tensor_bytes(t.contiguous()))
     return h.hexdigest()
 
 

@@ -55,7 +55,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
 
     def flush() -> None:
         if run:
-            chunks.append(_bytes_of(run[0] if len(run) == 1 else _flatten(run)))
+            chunks.append(tensor_bytes(run[0] if len(run) == 1 else _flatten(run)))
             run.clear()
 
     offset = 0
@@ -75,7 +75,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         if run and (nbytes > _SMALL or run[-1].dtype != t.dtype):
             flush()
         if nbytes > _SMALL:
-            chunks.append(_bytes_of(t))
+            chunks.append(tensor_bytes(t))
         else:
             run.append(t)
     flush()
@@ -102,8 +102,11 @@ def _flatten(run: list[torch.Tensor]) -> torch.Tensor:
     return torch._C._nn.flatten_dense_tensors(run)
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (a view that keeps it alive)."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy: a view that keeps it alive, and
+    writable when the tensor is (a restore reads into it)."""
+    if t.requires_grad:  # (a parameter: its bytes, not its autograd history)
+        t = t.detach()
     if t.dtype in _NUMPY_DTYPES:
         return t.numpy().data.cast("B")
     return t.reshape(-1).view(torch.uint8).numpy().data  # no NumPy dtype (bfloat16, float8)

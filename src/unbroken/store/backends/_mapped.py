@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ...errors import CorruptCheckpoint
+from ...state.tensorfile import tensor_bytes
 
 
 def _ident(st: os.stat_result) -> tuple[int, ...]:
@@ -25,16 +26,6 @@ def _ident(st: os.stat_result) -> tuple[int, ...]:
 
 
 _FAULTED_MAX = 32 << 20  # bytes copied from the mappings (odd layouts) before a release
-_NUMPY = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64}
-
-
-def _writable_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable, without a copy."""
-    t = t.detach()
-    if t.dtype in _NUMPY:
-        return t.numpy().data.cast("B")
-    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class MappedFiles:
@@ -93,7 +84,7 @@ class MappedFiles:
         # cached file maps its whole folio (2 MiB on ext4 with large folios), so 61 biases
         # of 8 KiB once mapped 120 MiB into this process.
         base, _, _, fd = span
-        into = _writable_bytes(dst)
+        into = tensor_bytes(dst)
         offset, done = src.data_ptr() - base, 0
         while done < into.nbytes:
             n = os.preadv(fd, [into[done:]], offset + done)
