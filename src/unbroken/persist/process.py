@@ -35,6 +35,7 @@ from ..state.incremental import Linked, Source
 from ..store.generations import GenerationStore
 from . import _wire
 
+_HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
 _TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
 
 
@@ -92,8 +93,12 @@ class ProcessPersister:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._sock is not None
-        if not self._locked:
-            said = _wire.receive(self._sock)
+        if not self._locked:  # it imports torch first: seconds, never minutes
+            self._sock.settimeout(_HANDSHAKE_S)
+            try:
+                said = _wire.receive(self._sock)
+            finally:
+                self._sock.settimeout(None)
             if "locked" not in said:
                 raise rebuild(said) if "type" in said else SaveFailed(str(said)[:200])
             self._locked = True
