@@ -63,3 +63,14 @@ class UpdateBoundaryError(UnbrokenError):
 class UnbrokenWarning(UserWarning):
     """Warnings that do not stop a run (e.g. a different environment: bitwise equality may not
     hold)."""
+
+
+def shown(value: object, width: int = 40) -> str:
+    """``repr(value)`` cut to ``width`` characters, for messages about values read from files:
+    repr of an int past 4300 digits raises ValueError, which would replace the message."""
+    try:
+        text = repr(value)
+    except ValueError:
+        text = (f"<an int of {value.bit_length()} bits>" if isinstance(value, int)
+                else f"<a {type(value).__name__}>")
+    return text[:width]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue
+from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue, shown
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -82,8 +82,8 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
         for key, live in live_group.items():
             if key != "params" and not _same_kind(saved_group[key], live):
                 raise CorruptCheckpoint(
-                    f"{where}: param group {gi} {key!r} is {saved_group[key]!r:.40}, where the "
-                    f"live optimizer holds a {type(live).__name__} ({live!r:.40})")
+                    f"{where}: param group {gi} {key!r} is {shown(saved_group[key])}, where "
+                    f"the live optimizer holds a {type(live).__name__} ({shown(live)})")
     live_names = _live_group_names(model, optimizer)
     if saved_names != live_names:
         raise StateMismatch(
@@ -121,7 +121,9 @@ def _same_kind(saved: Any, live: Any) -> bool:
         return saved is None or isinstance(saved, bool)
     if isinstance(live, (int, float, torch.Tensor)):
         return (isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
-                and (not isinstance(saved, torch.Tensor) or saved.numel() == 1))
+                and (not isinstance(saved, torch.Tensor) or saved.numel() == 1)
+                # (an int no float can hold: torch and schedulers compute with it as one)
+                and (not isinstance(saved, int) or abs(saved) < 1 << 1000))
     if isinstance(live, (tuple, list)):
         return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
                 and all(_same_kind(a, b) for a, b in zip(saved, live)))
@@ -146,8 +148,8 @@ def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimiz
             same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and
                     isinstance(b, torch.Tensor) else _plain(a) == _plain(b))
             if not same:
-                out.append(f"optimizer param group {gi} {key!r}: saved {_plain(a)!r:.40}, "
-                           f"live {_plain(b)!r:.40}")
+                out.append(f"optimizer param group {gi} {key!r}: saved {shown(_plain(a))}, "
+                           f"live {shown(_plain(b))}")
     return out
 
 

@@ -76,8 +76,12 @@ class Counters:
 
     @staticmethod
     def validate_state_dict(saved: Mapping[str, Any], where: str) -> None:
-        if type(saved.get("step")) is not int or type(saved.get("epoch")) is not int:
-            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch'")
+        step, epoch = saved.get("step"), saved.get("epoch")
+        # (bounded before any message shows them: str() of an int past 4300 digits raises)
+        if type(step) is not int or type(epoch) is not int or not (
+                0 <= step < 1 << 63 and 0 <= epoch < 1 << 63):
+            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch' in "
+                                    "[0, 2**63)")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.step = saved["step"]
