@@ -46,7 +46,7 @@ def test_rng_streams_dropped_on_one_rank_are_attributed_to_that_rank(workdir, ca
     code, report = check(workdir, capsys, "--workdir", str(workdir / "drop"), "--at", "11",
                          "--phase", "after-update", "--drop", "rng@1",
                          "--reference", str(workdir / "ok" / "reference" / "trace.jsonl"))
-    assert code == 1 and report["verdict"] == "diverged"
+    assert code == 1 and report["verdict"] == "diverged", report
     case = report["cases"][0]
     assert case["rank"] == 1
     assert case["first_divergence"]["state_part"].startswith("rng")
