@@ -62,8 +62,10 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     Leaves are found in nested dicts (the model, the optimizer's per-parameter state, a
     part's own dicts)."""
     shards: dict[str, Any] = {}
-    if getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None) is None:
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
         return dict(tree), shards  # no DTensor can exist (see is_sharded)
+    plain = torch.Tensor  # (a plain tensor is no DTensor: one check for most leaves)
 
     def walk(node: Any, path: list[Any]) -> Any:
         """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own
@@ -73,7 +75,9 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             return node
         out: Any = None
         for k, v in node.items():
-            inner = None if is_sharded(v) else walk(v, [*path, k])
+            if type(v) is plain:
+                continue
+            inner = None if isinstance(v, dtensor) else walk(v, [*path, k])
             if inner is v:
                 continue
             if out is None:

@@ -5,7 +5,7 @@ writes them (see DESIGN.md: a pure bytes codec split from file I/O, as safetenso
 from __future__ import annotations
 
 import json
-import math
+import operator
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +30,8 @@ ST_DTYPES: dict[torch.dtype, str] = {
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
+_ORDER = operator.itemgetter(0, 1, 2)  # (unaligned, -element size, key): keys are unique
+_json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
@@ -45,11 +47,20 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size.
-    # (Per-tensor costs matter: 10,000 small tensors are common, so each step below is the
-    # cheapest torch call that does it.)
-    order = sorted(tensors, key=lambda k: (tensors[k].nbytes % 64 != 0,
-                                           -tensors[k].element_size(), k))
-    header: dict[str, Any] = {}
+    # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
+    # are read once, with the cheapest torch call that gives each.)
+    items = []
+    for key, t in tensors.items():
+        if t.requires_grad:
+            t = t.detach()
+        if not t.is_cpu:
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        nbytes = t.nbytes
+        items.append((nbytes % 64 != 0, -t.element_size(), key, t, nbytes))
+    items.sort(key=_ORDER)
+    entries: list[str] = []
     chunks: list[memoryview] = []
     run: list[torch.Tensor] = []  # consecutive small tensors of one dtype: copied as one chunk
 
@@ -59,20 +70,16 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             run.clear()
 
     offset = 0
-    for key in order:
-        t = tensors[key]
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_cpu:
-            t = t.cpu()
-        t = t.contiguous()
-        nbytes = t.nbytes
-        header[key] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + nbytes]}
+    for _, _, key, t, nbytes in items:
+        dtype = t.dtype
+        # the header's entry as JSON text: json.dumps of 10,000 dicts costs more than this
+        entries.append(f'{_json_key(key)}:{{"dtype":"{ST_DTYPES[dtype]}","shape":'
+                       f'[{",".join(map(str, t.shape))}],"data_offsets":[{offset},'
+                       f'{offset + nbytes}]}}')
         offset += nbytes
         if not nbytes:
             continue
-        if run and (nbytes > _SMALL or run[-1].dtype != t.dtype):
+        if run and (nbytes > _SMALL or run[-1].dtype != dtype):
             flush()
         if nbytes > _SMALL:
             chunks.append(tensor_bytes(t))
@@ -86,8 +93,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             h.update(chunk)
         meta[data_hash_key] = h.hexdigest()
     if meta:
-        header["__metadata__"] = meta
-    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        entries.append('"__metadata__":' + json.dumps(meta, separators=(",", ":")))
+    raw = ("{" + ",".join(entries) + "}").encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
     if len(raw) > MAX_HEADER_BYTES:  # what read_safetensors_header refuses is never written
         raise UnsupportedValue(
@@ -135,21 +142,29 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
         raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
     spans = []
     for key, entry in header.items():
+        # (a plain loop, not all()/math.prod over generators: headers list 10,000 tensors)
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            ok = (dtype in _ITEMSIZE and isinstance(shape, list) and len(shape) <= 64
-                  and all(type(d) is int and d >= 0 for d in shape)
-                  # strides must fit torch's int64 even when a zero makes the product 0
-                  and math.prod(max(d, 1) for d in shape) < 1 << 62
+            count = bound = 1
+            ok = (dtype in _ITEMSIZE and type(shape) is list and len(shape) <= 64
                   and type(begin) is int and type(end) is int)
+            if ok:
+                for d in shape:
+                    if type(d) is not int or d < 0:
+                        ok = False
+                        break
+                    count *= d
+                    bound *= d or 1
+                # strides must fit torch's int64 even when a zero makes the count 0
+                ok = ok and bound < 1 << 62
         except (TypeError, KeyError, ValueError):
             ok = False
         if not ok:
             raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
-        if end - begin != math.prod(shape) * _ITEMSIZE[dtype]:
+        if end - begin != count * _ITEMSIZE[dtype]:
             raise CorruptCheckpoint(
                 f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
-                f"{shape} need {math.prod(shape) * _ITEMSIZE[dtype]}")
+                f"{shape} need {count * _ITEMSIZE[dtype]}")
         spans.append((begin, end, key))
     expected = 0
     for begin, end, key in sorted(spans):
@@ -183,18 +198,19 @@ def decode_safetensors(data: bytes | memoryview, where: str
         address = np.frombuffer(data, dtype=np.uint8).ctypes.data
         out = {}
         for key, e in header.items():
-            dtype, (begin, end) = _ST_BY_NAME[e["dtype"]], e["data_offsets"]
-            count = (end - begin) // _ITEMSIZE[e["dtype"]]
+            name, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+            dtype = _ST_BY_NAME[name]
             if end == begin:
-                t = torch.empty(0, dtype=dtype)
-            elif (address + base + begin) % 64 == 0:
-                # its own storage object (APIs such as set_rng_state assume offset 0)
-                t = torch.frombuffer(data, dtype=dtype, count=count, offset=base + begin)
-            else:
-                t = torch.empty(count, dtype=dtype)
-                t.view(torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8,
-                                                           count=end - begin, offset=base + begin))
-            out[key] = t.reshape(e["shape"])
+                t = torch.empty(shape, dtype=dtype)
+                out[key] = t
+                continue
+            # its own storage object (APIs such as set_rng_state assume offset 0)
+            t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // _ITEMSIZE[name],
+                                 offset=base + begin)
+            if (address + base + begin) % 64:
+                t = t.clone()  # (a fresh allocation: 64-byte aligned)
+            # (1-D tensors, the usual shape of small ones, need no reshape: a call each)
+            out[key] = t if len(shape) == 1 else t.reshape(shape)
         return out, metadata
     try:
         return load(bytes(data)), metadata
