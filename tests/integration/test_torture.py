@@ -60,6 +60,46 @@ def test_crash_torture_30_kills(capsys):
     assert f["aside_explained"] > 0
 
 
+def _assert_recovered(f: dict) -> None:
+    summary = {k: v for k, v in f.items() if k != "kills_log"}
+    assert f["ok"] and f["failures"] == [], json.dumps(summary, indent=1)
+    assert f["recoveries"] == f["kills"] and f["generations_lost"] == 0
+    assert f["torn_or_corrupt_loaded"] == 0 and f["wrong_state_restored"] == 0
+    assert f["final_equal"] and f["episodes_equal"] == f["episodes"]
+
+
+def test_crash_torture_with_async_saves_in_a_thread(capsys):
+    """Kills while saves persist in a background thread: a save in flight dies with its
+    process, the restore falls back to the last committed one, nothing torn is loaded."""
+    code, f = _run("crash", "--kills", "20", "--seed", "2", "--async-save", "thread")
+    _show(capsys, "crash torture, async thread (seed 2)", {
+        k: f.get(k) for k in ("kills", "kills_in_flight", "committed_in_flight",
+                              "kills_after_save_returned", "generations_reported")})
+    assert code == 0
+    _assert_recovered(f)
+    assert f["kills_in_flight"] > 0  # kills landed while a save was persisting
+
+
+def test_crash_torture_with_a_persisting_process_saves_on_failure(capsys):
+    """async_save="process": the training process SIGKILLed right after save() returned
+    still gets that generation committed (verified, retention applied) by its persisting
+    process, in every trial; kills inside the persisting process (a lost machine) leave a
+    verified generation or none; every finished run equals the uninterrupted one."""
+    code, f = _run("crash", "--kills", "8", "--seed", "4", "--async-save", "process",
+                   "--kinds", "point", "--points",
+                   "step-done,artifact-1-written,step-done,after-rename")
+    _show(capsys, "crash torture, async process (seed 4)", {
+        k: f.get(k) for k in ("kills", "kills_after_save_returned",
+                              "committed_after_save_returned", "kills_in_flight",
+                              "committed_in_flight", "kills_by_phase")})
+    assert code == 0
+    _assert_recovered(f)
+    assert f["kills_after_save_returned"] >= 3
+    assert f["committed_after_save_returned"] == f["kills_after_save_returned"]
+    # and kills inside the persisting process's save, which take its writer with it
+    assert any(p.startswith(("save", "commit")) for p in f["kills_by_phase"]), f
+
+
 def test_crash_torture_is_reproducible_from_its_seed():
     """Numbered-I/O and named-point kills (no timers): the same seed, the same kills, landing
     in the same places with the same generations on disk after each."""

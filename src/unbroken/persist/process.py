@@ -54,6 +54,7 @@ class ProcessPersister:
         self._shm_id = 0
         self._shm_sent = False  # the running persisting process has the segment
         self.nbytes = 0  # bytes copied by the last snapshot
+        self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
@@ -183,6 +184,7 @@ class ProcessPersister:
                              e) from None
         if not reply.get("ok"):
             raise rebuild(reply)
+        self.io_ops = int(reply.get("ops", 0))
         return reply
 
     def close(self) -> None:

@@ -137,3 +137,28 @@ def take_persister(root: str) -> int:
         raise StoreLocked(f"{path}: the persister byte was not free ({errno_text(e)}): its "
                           "writer is gone and another holds the run") from None
     return fd
+
+
+def persister_gone(root: str, timeout: float) -> bool:
+    """(Tools that watch a run from outside: the crash torture.) Wait until no process holds
+    the persister byte of ``root``'s lock, i.e. the persisting process of a writer that died
+    has committed its last save and exited; False when one still holds it after ``timeout``
+    seconds. Takes the byte for an instant only (a writer starting meanwhile waits that long)."""
+    try:
+        fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return True  # no run yet
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
+                return True
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+    finally:
+        os.close(fd)  # (releases the byte)

@@ -61,10 +61,18 @@ def _crash_text(f: dict[str, Any]) -> str:
         ["torn, corrupt or rotten generations loaded (must be 0)", f["torn_or_corrupt_loaded"],
          ""],
         ["restored state differs (must be 0)", f["wrong_state_restored"], ""],
+        *([["kills right after save() returned / generation committed",
+            f"{f['kills_after_save_returned']} / {f['committed_after_save_returned']}",
+            "save on failure: the persisting process commits it" if f["async_save"] ==
+            "process" else "a thread dies with its process: the restore falls back"],
+           ["kills with a save in flight / committed",
+            f"{f['kills_in_flight']} / {f['committed_in_flight']}", "any kind of kill"]]
+          if f["async_save"] != "off" else []),
         ["final state bitwise equal to uninterrupted",
          f"{f['episodes_equal']}/{f['episodes']}", "yes" if f["final_equal"] else "NO"],
     ]
-    head = (f"crash torture: seed {f['seed']}, {f['kills']} kills in {f['seconds']} s "
+    mode = "" if f["async_save"] == "off" else f", async_save={f['async_save']!r}"
+    head = (f"crash torture{mode}: seed {f['seed']}, {f['kills']} kills in {f['seconds']} s "
             f"(reference run: {f['reference_ops']} I/O operations, {f['reference_seconds']} s)")
     lines = [head, "",
              table(["figure", "value", "note"], rows, right=(1,), indent="  "), "",
@@ -120,10 +128,17 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--kinds", default="op,timer,point",
                    help="kill kinds to draw from: op (numbered I/O operation), timer, point "
                         "(named fault point); comma-separated")
+    c.add_argument("--points", help="the named fault points point kills rotate through "
+                                    "(comma-separated; default: every one)")
     c.add_argument("--events", default="rot,no-restore",
                    help="events between lives: rot (the newest generation rots on disk), "
                         "no-restore (a script starts without restore()); comma-separated, "
                         "or none")
+    c.add_argument("--async-save", choices=["off", "thread", "process"], default="off",
+                   help="the run saves asynchronously: in a thread, or through a persisting "
+                        "process that commits a save handed over even when the training "
+                        "process is killed (named kills after a save then land right after "
+                        "save() returned; figures: how many of those generations committed)")
     c.add_argument("--dir", help="work in DIR (kept) instead of a temporary folder")
     c.add_argument("--sabotage", choices=["retention-first", "skip-hash",
                                           "first-save-unchecked"],
@@ -153,18 +168,23 @@ def main(argv: list[str] | None = None) -> int:
     text: Callable[[dict[str, Any]], str]
     if args.mode == "crash":
         from ._events import EVENTS
-        from .crash import KINDS, crash
+        from .crash import KINDS, POINTS, crash
 
         kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+        points = tuple(k.strip() for k in (args.points or ",".join(POINTS)).split(",")
+                       if k.strip())
         events = tuple(k.strip() for k in args.events.split(",")
                        if k.strip() and k.strip() != "none")
         if (args.kills < 1 or not kinds or any(k not in KINDS for k in kinds)
-                or any(e not in EVENTS for e in events)):
-            print(f"torture: --kills must be >= 1, --kinds a subset of {','.join(KINDS)} and "
-                  f"--events a subset of {','.join(EVENTS)} (or none)", file=sys.stderr)
+                or any(e not in EVENTS for e in events)
+                or not points or any(p not in POINTS for p in points)):
+            print(f"torture: --kills must be >= 1, --kinds a subset of {','.join(KINDS)}, "
+                  f"--points of {','.join(POINTS)} and --events of {','.join(EVENTS)} (or "
+                  "none)", file=sys.stderr)
             return 2
         result = crash(args.kills, args.seed, args.dir, kinds, sabotage=args.sabotage,
-                       events=events).to_json()
+                       events=events, async_save=args.async_save,
+                       points=points).to_json()
         text = _crash_text
     else:
         from .corrupt import corrupt

@@ -23,8 +23,8 @@ import xxhash
 from ..store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore, generation_name
 from ..store.lock import LOCK
 from ._disk import DiskState, inspect_run, lost_generations
-from ._job import KEEP_LAST, start_without_restore
-from ._life import read_events, run_life, tail
+from ._job import KEEP_LAST
+from ._life import Script, read_events, run_life, tail
 
 if TYPE_CHECKING:
     from .crash import Figures
@@ -128,6 +128,8 @@ class Events:
     _pending_bad: dict[tuple[str, str, int], None]
     _aside_seen: set[tuple[str, str]]
     _seen_bad: set[tuple[str, str, int]]
+    job: Script  # a life of training (`_job.train`, with the torture's async mode)
+    no_restore_job: Script  # a start without restore() (`_job.start_without_restore`)
 
     def fail(self, message: str) -> None:
         raise NotImplementedError
@@ -191,10 +193,8 @@ class Events:
         log = os.path.join(ep.folder, f"event-{ep.specials:03d}.jsonl")
         err = os.path.join(ep.folder, f"event-{ep.specials:03d}.err")
         self.f.lives += 1
-        if start_only:
-            life = run_life(ep.run, log, err, {}, ep.every, None, start_without_restore)
-        else:
-            life = run_life(ep.run, log, err, {}, ep.every, None)
+        life = run_life(ep.run, log, err, {}, ep.every, None,
+                        self.no_restore_job if start_only else self.job)
         events, _ = read_events(log, 0)
         return life.code, events, tail(err, 4000)
 

@@ -37,10 +37,10 @@ class Job:
     data: torch.Generator
 
 
-def build(run: str, every: int | None, keep_last: int) -> Job:
+def build(run: str, every: int | None, keep_last: int, async_save: bool | str = False) -> Job:
     """A small model with everything a resume can get wrong: AdamW moments, a warm-up
     schedule, dropout (global torch RNG), a registered data generator, NumPy and Python
-    randomness. Deterministic given the seeds set here."""
+    randomness. Deterministic given the seeds set here. ``async_save``: the Checkpointer's."""
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -52,7 +52,7 @@ def build(run: str, every: int | None, keep_last: int) -> Job:
     ckpt = Checkpointer(run, model=model, optimizer=opt, scheduler=sched,
                         generators={"data": data},
                         identity=Identity(config={"torture": 1, "width": 16}),
-                        every=every, keep=Keep(last=keep_last))
+                        every=every, keep=Keep(last=keep_last), async_save=async_save)
     return Job(ckpt, model, opt, sched, data)
 
 
@@ -98,13 +98,17 @@ def _emitter(log: str) -> tuple[int, Any]:
 
 
 def train(run: str, log: str, steps: int = STEPS, every: int = 2,
-          keep_last: int = KEEP_LAST, reseed: int | None = None) -> None:
+          keep_last: int = KEEP_LAST, reseed: int | None = None,
+          async_save: bool | str = False) -> None:
     """One life of the run: restore from disk, train to ``steps``, logging exact digests.
     ``reseed``: reseed every random stream after restoring (an independent run, whose states
-    differ from the usual one's)."""
+    differ from the usual one's). With ``async_save``, a save is logged twice: "handed" when
+    ``step_done`` returned (the snapshot taken, persisting in the background), and
+    "committed" once `Checkpointer.wait` returned it, just before the next save (the point
+    where the Checkpointer waits for it anyway) and at the end."""
     fd, emit = _emitter(log)
     emit(e="start", pid=os.getpid())
-    job = build(run, every, keep_last)
+    job = build(run, every, keep_last, async_save)
     start = job.ckpt.restore()
     emit(e="restored", step=start, digest=state_digest(job),
          rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
@@ -115,21 +119,34 @@ def train(run: str, log: str, steps: int = STEPS, every: int = 2,
         job.data.manual_seed(reseed)
     for step in range(start + 1, steps + 1):
         loss = update(job)
+        if async_save and step % every == 0:
+            _confirm(job, emit)
         saved = job.ckpt.step_done(step, loss=loss)
-        emit(e="step", step=step, saved=saved, digest=state_digest(job))
+        emit(e="step", step=step, saved=saved and not async_save,
+             handed=bool(saved and async_save), digest=state_digest(job))
+    if async_save:
+        _confirm(job, emit)
+    persister = job.ckpt._persister  # (async_save="process": its I/O counts as the run's)
     job.ckpt.close()
-    emit(e="done", step=steps, digest=state_digest(job), ops=io_count())
+    emit(e="done", step=steps, digest=state_digest(job),
+         ops=io_count() + (persister.io_ops if persister is not None else 0))
     os.close(fd)
 
 
+def _confirm(job: Job, emit: Any) -> None:
+    info = job.ckpt.wait()
+    if info is not None:
+        emit(e="committed", step=info.generation)
+
+
 def start_without_restore(run: str, log: str, steps: int = STEPS, every: int = 2,
-                          keep_last: int = KEEP_LAST) -> None:
+                          keep_last: int = KEEP_LAST, async_save: bool | str = False) -> None:
     """A script that forgot ``restore()``: it trains from step 0 in a used run folder until its
     first save, which must raise `RunNotRestored` before writing or deleting anything. Logs
     "refused" (with the error) or, if the save went through, "saved"."""
     fd, emit = _emitter(log)
     emit(e="start", pid=os.getpid())
-    job = build(run, every, keep_last)
+    job = build(run, every, keep_last, async_save)
     step = 0
     try:
         while step < steps:

@@ -20,13 +20,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from ..checkpointer import Checkpointer
 from ..store.backends.local import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
+from ..store.lock import persister_gone
 from ._disk import POINT_PHASE, DiskState, inspect_run, phase_of_note, phase_of_state
 from ._events import EVENTS, Episode, Events
-from ._job import KEEP_LAST, STEPS, prepare_parent
+from ._job import KEEP_LAST, STEPS, prepare_parent, start_without_restore, train
 from ._life import count_lines, read_events, read_lines, run_life, tail
 
 KINDS = ("op", "timer", "point")
@@ -34,7 +36,7 @@ KINDS = ("op", "timer", "point")
 # and the named points in a fixed order, so that every run of 10 kills covers all kinds and the
 # first named-point kills cover the commit and retention.
 _ROTATION = ("op", "timer", "point", "op", "op", "timer", "op", "point", "timer", "op")
-_POINTS = ("before-rename", "retention-unlinked", "artifact-1-written", "after-rename",
+POINTS = ("before-rename", "retention-unlinked", "artifact-1-written", "after-rename",
            "manifest-written", "artifact-2-written", "step-done", "artifact-4-written")
 
 
@@ -67,6 +69,14 @@ class Figures:
     aside_unexplained: int = 0
     torn_or_corrupt_loaded: int = 0
     wrong_state_restored: int = 0
+    async_save: str = "off"
+    # async saves: kills right after save() returned ("step-done" at a save step), and how
+    # many of those generations were committed all the same (by the persisting process)
+    kills_after_save_returned: int = 0
+    committed_after_save_returned: int = 0
+    # any kill while a save was handed over and not yet confirmed, and how many committed
+    kills_in_flight: int = 0
+    committed_in_flight: int = 0
     episodes: int = 0
     episodes_equal: int = 0
     final_equal: bool = False
@@ -95,8 +105,14 @@ class Figures:
 
 class Torture(Events):
     def __init__(self, kills: int, seed: int, workdir: str, kinds: tuple[str, ...] = KINDS,
-                 keep: bool = False, events: tuple[str, ...] = EVENTS) -> None:
-        self.f = Figures(seed=seed, kills_requested=kills)
+                 keep: bool = False, events: tuple[str, ...] = EVENTS,
+                 async_save: str = "off", points: tuple[str, ...] = POINTS) -> None:
+        self.f = Figures(seed=seed, kills_requested=kills, async_save=async_save)
+        mode: bool | str = False if async_save == "off" else async_save
+        self.async_save = mode
+        self.job = partial(train, async_save=mode)
+        self.no_restore_job = partial(start_without_restore, async_save=mode)
+        self.points = points
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.kinds = kinds
@@ -124,7 +140,8 @@ class Torture(Events):
         os.makedirs(d)
         run, log = os.path.join(d, "run"), os.path.join(d, "log.jsonl")
         t0 = time.monotonic()
-        life = run_life(run, log, os.path.join(d, "err.txt"), {}, 2, None)
+        life = run_life(run, log, os.path.join(d, "err.txt"), {}, 2, None, self.job)
+        self._persister_gone(run, "the uninterrupted reference run")
         events, _ = read_events(log, 0) if os.path.exists(log) else ([], 0)
         if life.code != 0 or not events or events[-1]["e"] != "done":
             self.fail(f"the uninterrupted reference run failed (exit {life.code}): "
@@ -160,12 +177,15 @@ class Torture(Events):
             delay = self.rng.uniform(0, self.ref_start + self.ref_train * remaining / STEPS)
             return kind, {}, delay, f"after {delay * 1000:.1f} ms"
         saves = [s for s in range(expected + 1, STEPS + 1) if s % every == 0] or [STEPS]
-        point = _POINTS[self._points % len(_POINTS)]
+        point = self.points[self._points % len(self.points)]
         self._points += 1
         at = self.rng.choice(saves)
         if point == "retention-unlinked":
             at = max(every, at - KEEP_LAST * every)  # the generation the save of `at` deletes
             at -= at % every
+        elif point == "step-done" and self.async_save:
+            # right after the next save() returned (save on failure): one trial per save
+            at = saves[0]
         elif point == "step-done":
             at = self.rng.randint(expected + 1, STEPS)
         return kind, {KILL_ENV: f"{point}@{at}"}, None, f"{point}@{at}"
@@ -193,10 +213,12 @@ class Torture(Events):
                 env[KILL_NOTE_ENV] = note
             notes_before = count_lines(note)
             err = os.path.join(d, f"life-{life_no:03d}.err")
-            life = run_life(ep.run, log, err, env, ep.every, delay)
+            life = run_life(ep.run, log, err, env, ep.every, delay, self.job)
             where = f"episode {number} life {life_no} ({kind}: {desc})"
             if not life.group_gone:
                 self.fail(f"{where}: processes of the killed group survived")
+                return kills
+            if not self._persister_gone(ep.run, where):
                 return kills
             events, offset = read_events(log, offset)
             restored = [e for e in events if e["e"] == "restored"]
@@ -211,6 +233,9 @@ class Torture(Events):
                     if e["saved"]:
                         ep.committed(e["step"])
                         self.f.generations_reported += 1
+                elif e["e"] == "committed":  # an async save, confirmed
+                    ep.committed(e["step"])
+                    self.f.generations_reported += 1
             if life.code == 0:
                 done = [e for e in events if e["e"] == "done"]
                 self._check_finished(ep, done, where)
@@ -233,15 +258,51 @@ class Torture(Events):
             else:
                 phase = phase_of_state(state)
             self.f.kills_by_phase[phase] = self.f.kills_by_phase.get(phase, 0) + 1
+            pending = self._count_in_flight(events, env, ep, state) if self.async_save else 0
             entry = {"episode": number, "life": life_no, "kind": kind, "at": desc,
                      "phase": phase, "complete": state.complete, "torn": state.torn,
-                     "corrupt": state.corrupt}
+                     "corrupt": state.corrupt,
+                     # (an async save in flight: committed after the kill, or lost with it)
+                     **({"in_flight": {"step": pending, "committed": pending in state.complete}}
+                        if pending else {})}
             self.f.kills_log.append(entry)
             self._after_kill(state, ep, where)
             expected, event = self.between_lives(ep, state, max(state.complete, default=0),
                                                  where)
             if event:
                 entry["event"] = event
+
+    def _persister_gone(self, run: str, where: str) -> bool:
+        """(async_save="process") Wait for the persisting process of the life that ended: a
+        killed trainer's persisting process goes on committing its last save, and the disk is
+        checked once it is done."""
+        if self.async_save != "process" or persister_gone(run, 120.0):
+            return True
+        self.fail(f"{where}: the persisting process still holds the run 120 s after its "
+                  "writer ended")
+        return False
+
+    def _count_in_flight(self, events: list[dict[str, Any]], env: dict[str, str],
+                         ep: Episode, state: DiskState) -> int:
+        """An async save handed over and not confirmed when the life was killed: committed all
+        the same, or lost (then the restore falls back, which the usual checks verify).
+        Returns its step (0: none was in flight)."""
+        handed = {e["step"] for e in events if e["e"] == "step" and e.get("handed")}
+        point, _, at = env.get(KILL_ENV, "").partition("@")
+        returned = point == "step-done" and int(at) % ep.every == 0
+        if returned:  # killed inside step_done(at), after its save() returned
+            handed.add(int(at))
+        confirmed = {e["step"] for e in events if e["e"] == "committed"}
+        pending = max(handed, default=0)
+        if pending == 0 or pending in confirmed:
+            return 0
+        committed = pending in state.complete
+        self.f.kills_in_flight += 1
+        self.f.committed_in_flight += committed
+        if returned:
+            self.f.kills_after_save_returned += 1
+            self.f.committed_after_save_returned += committed
+        return pending
 
     def _after_kill(self, state: DiskState, ep: Episode, where: str) -> None:
         for status, gens in (("torn", state.torn), ("corrupt", state.corrupt)):
@@ -362,14 +423,15 @@ SABOTAGE: dict[str, Callable[[], Callable[[], None]]] = {
 
 def crash(kills: int, seed: int, workdir: str | None = None, kinds: tuple[str, ...] = KINDS,
           keep: bool = False, sabotage: str | None = None,
-          events: tuple[str, ...] = EVENTS) -> Figures:
+          events: tuple[str, ...] = EVENTS, async_save: str = "off",
+          points: tuple[str, ...] = POINTS) -> Figures:
     prepare_parent()
     own = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="unbroken-torture-")
     os.makedirs(work, exist_ok=True)
     undo = SABOTAGE[sabotage]() if sabotage else None  # forked lives inherit it
     try:
-        return Torture(kills, seed, work, kinds, keep, events).run()
+        return Torture(kills, seed, work, kinds, keep, events, async_save, points).run()
     finally:
         if undo is not None:
             undo()
