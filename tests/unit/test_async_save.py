@@ -178,6 +178,34 @@ def test_snapshot_buffers_are_reused_and_tied_weights_stay_one_tensor():
     assert torch.equal(second["model"]["a"], w)
 
 
+def test_a_snapshot_rebuilds_every_container_and_shares_nothing_mutable():
+    import collections
+
+    import numpy as np
+
+    Pair = collections.namedtuple("Pair", "a b")
+    sd = torch.nn.Sequential(torch.nn.Linear(2, 2)).state_dict()  # an OrderedDict + _metadata
+    w = torch.randn(4, 6)
+    tree = {"model": sd, "c": collections.Counter({3: 2}), "p": Pair(w[:, 1], 5),
+            "np": np.arange(4), "t": (torch.tensor(1.5), torch.empty(0, 3),
+                                      torch.randn(3).to(torch.bfloat16), w.t())}
+    snap = SnapshotBuffers().take(tree)
+    assert type(snap["model"]) is type(sd) and snap["model"]._metadata == sd._metadata
+    assert snap["model"]._metadata is not sd._metadata
+    assert type(snap["c"]) is collections.Counter and snap["c"] == tree["c"]
+    assert type(snap["p"]) is Pair and torch.equal(snap["p"].a, w[:, 1])
+    assert snap["np"] is not tree["np"] and (snap["np"] == tree["np"]).all()
+    for got, want in zip([*snap["model"].values(), *snap["t"]], [*sd.values(), *tree["t"]]):
+        assert torch.equal(got, want) and got.dtype == want.dtype and got.shape == want.shape
+    before = {k: v.clone() for k, v in sd.items()}
+    for v in sd.values():
+        v.add_(1)  # the loop goes on: the snapshot keeps the state at take()
+    w.add_(1)
+    tree["np"][0] = 99
+    assert all(torch.equal(snap["model"][k], before[k]) for k in before)
+    assert not torch.equal(snap["p"].a, w[:, 1]) and snap["np"][0] == 0
+
+
 @pytest.mark.parametrize("mode", [True, "process"])
 def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path, mode):
     script = textwrap.dedent(f"""

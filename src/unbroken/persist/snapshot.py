@@ -7,10 +7,15 @@ of live tensors that mixes two steps)."""
 from __future__ import annotations
 
 import copy
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+
+# Leaves taken as they are: immutable, they cannot change after ``save()`` returns.
+_IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype,
+                        torch.device, torch.Size})
 
 
 class SnapshotBuffers:
@@ -24,31 +29,13 @@ class SnapshotBuffers:
 
     def take(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of ``tree`` that shares no mutable object with it."""
-        memo: dict[int, Any] = {}
-        seen: dict[tuple[Any, ...], torch.Tensor] = {}
-        used: set[tuple[Any, ...]] = set()
-        self.nbytes = 0
-        cuda = False
-        for path, t in _tensors(tree, ()):
-            # The same view twice (tied weights: two state_dict entries of one parameter)
-            # stays one tensor, as the encoder stores it once.
-            ident = _ident(t)
-            if ident in seen:
-                memo[id(t)] = seen[ident]
-                continue
-            buf = self._buffer(path, t)
-            used.add(path)
-            cuda = cuda or t.device.type == "cuda"
-            buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-            self.nbytes += t.numel() * t.element_size()
-            memo[id(t)] = seen[ident] = buf
-        if cuda:
-            torch.cuda.synchronize()  # the non-blocking copies have landed
-        self._buffers = {p: b for p, b in self._buffers.items() if p in used}
-        return copy.deepcopy(dict(tree), memo)
+        return _Taking(self).tree(tree)
 
     def _buffer(self, path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
+        if (buf is not None and type(t) is torch.Tensor and type(buf) is torch.Tensor
+                and buf.dtype == t.dtype and buf.shape == t.shape):
+            return buf  # (the usual case, without the checks below: a call costs ~1 us)
         if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
                 or type(buf) is not type(t) or not _same_layout(buf, t)):
             if t.device.type == "cuda":
@@ -61,15 +48,91 @@ class SnapshotBuffers:
         return buf
 
 
+class _Taking:
+    """One snapshot: the tree rebuilt (dicts, lists and tuples directly; any other container
+    through ``copy.deepcopy``), every tensor replaced by its buffer. The CPU tensors' copies
+    run at the end, in one ``_foreach_copy_`` call: 10,000 small tensors are common, and a
+    ``copy_`` each costs more than their bytes."""
+
+    def __init__(self, buffers: SnapshotBuffers) -> None:
+        self.buffers = buffers
+        self.memo: dict[int, Any] = {}  # id(tensor) -> its buffer, for deepcopy
+        self.seen: dict[tuple[Any, ...], torch.Tensor] = {}  # one buffer per view
+        self.used: set[tuple[Any, ...]] = set()
+        self.dst: list[torch.Tensor] = []
+        self.src: list[torch.Tensor] = []
+        self.cuda = False
+        buffers.nbytes = 0
+
+    def tree(self, tree: Mapping[str, Any]) -> dict[str, Any]:
+        out = {k: self.node(v, (k,)) for k, v in tree.items()}
+        if self.dst:
+            with torch.no_grad():  # (a parameter's history is not the buffer's)
+                torch._foreach_copy_(self.dst, self.src)
+        if self.cuda:
+            torch.cuda.synchronize()  # the non-blocking copies have landed
+        b = self.buffers
+        b._buffers = {p: buf for p, buf in b._buffers.items() if p in self.used}
+        return out
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        # The same view twice (tied weights: two state_dict entries of one parameter) stays
+        # one tensor, as the encoder stores it once.
+        ident = _ident(t)
+        buf = self.seen.get(ident)
+        if buf is None:
+            buf = self.seen[ident] = self.buffers._buffer(path, t)
+            self.used.add(path)
+            kind = type(t)
+            if t.is_cpu and (kind is torch.Tensor or kind is torch.nn.Parameter):
+                self.dst.append(buf)
+                self.src.append(t)
+            elif t.is_cpu:
+                buf.copy_(t.detach())  # (a DTensor: its own copy_)
+            else:
+                self.cuda = self.cuda or t.device.type == "cuda"
+                buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+            self.buffers.nbytes += t.nbytes
+        self.memo[id(t)] = buf
+        return buf
+
+    def node(self, node: Any, path: tuple[Any, ...]) -> Any:
+        kind = type(node)
+        if kind is torch.Tensor:
+            return self.tensor(node, path)
+        if kind in _IMMUTABLE:
+            return node
+        if isinstance(node, torch.Tensor):
+            return self.tensor(node, path)
+        if kind is dict:
+            return {k: self.node(v, (*path, k)) for k, v in node.items()}
+        if kind is list:
+            return [self.node(v, (*path, i)) for i, v in enumerate(node)]
+        if kind is tuple:
+            return tuple([self.node(v, (*path, i)) for i, v in enumerate(node)])
+        if kind is OrderedDict or kind is Counter:  # a module's state_dict: with _metadata
+            out: Any = kind()
+            for k, v in node.items():
+                out[k] = self.node(v, (*path, k))
+            if vars(node):
+                vars(out).update(self.node(vars(node), (*path, "<attributes>")))
+            return out
+        # Anything else (a NumPy array, a subclass of a container): deepcopy, after its
+        # tensors are in the memo, so that it takes their buffers.
+        for p, t in _tensors(node, path):
+            self.tensor(t, p)
+        return copy.deepcopy(node, self.memo)
+
+
 def _ident(t: torch.Tensor) -> tuple[Any, ...]:
     """What makes two tensor objects the same data (one view of one storage)."""
     try:
-        ptr = t.untyped_storage().data_ptr()
+        ptr = t.data_ptr()  # (the storage's address plus the offset)
     except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
         ptr = 0
     if ptr == 0:
         return (id(t),)
-    return (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
+    return (ptr, t.shape, t.stride(), t.dtype, t.device)
 
 
 def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:
