@@ -211,11 +211,12 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_ids = [i for g in ready["param_groups"] for i in g["params"]]
     by_id = dict(zip(saved_ids, params, strict=False))
+    exact = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     fast = (type(optimizer).load_state_dict is base.load_state_dict
             and not optimizer._optimizer_load_state_dict_pre_hooks
             and not optimizer._optimizer_load_state_dict_post_hooks
             and len(ready["param_groups"]) == len(optimizer.param_groups)
-            and all(i in by_id and _identity_cast(by_id[i], values, optimizer)
+            and all(i in by_id and _identity_cast(by_id[i], values, exact)
                     for i, values in ready["state"].items()))
     if not fast:
         if mapped is not None:  # torch keeps what it is given: copies, not views of files
@@ -250,18 +251,17 @@ def _owned(live: Any, saved: Any, mapped: Any) -> Any:
     return mapped.copy(saved, None)
 
 
-def _identity_cast(param: torch.Tensor, values: Mapping[str, Any],
-                   optimizer: torch.optim.Optimizer) -> bool:
-    """Whether torch's cast of ``values`` for ``param`` leaves every one as it is."""
-    if param.device.type != "cpu" or not param.is_floating_point():
+def _identity_cast(param: torch.Tensor, values: Mapping[str, Any], exact: bool) -> bool:
+    """Whether torch's cast of ``values`` for ``param`` leaves every one as it is (``exact``:
+    a fused or capturable group, where torch keeps ``step`` in float32)."""
+    if not param.is_cpu or not param.is_floating_point():
         return False
-    exact = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
     for key, v in values.items():
         if not isinstance(v, torch.Tensor):
             if isinstance(v, (dict, list, tuple)):
                 return False  # nested containers: torch casts inside them
             continue
-        if v.device.type != "cpu":
+        if not v.is_cpu:
             return False
         if key == "step":
             if exact and v.dtype != torch.float32:
