@@ -70,21 +70,27 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             run.clear()
 
     offset = 0
+    run_dtype = None
+    kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
     for _, _, key, t, nbytes in items:
-        dtype = t.dtype
+        dtype, shape = t.dtype, t.shape
+        kind = kinds.get((dtype, shape))
+        if kind is None:
+            kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
+                                          f'[{",".join(map(str, shape))}]')
         # the header's entry as JSON text: json.dumps of 10,000 dicts costs more than this
-        entries.append(f'{_json_key(key)}:{{"dtype":"{ST_DTYPES[dtype]}","shape":'
-                       f'[{",".join(map(str, t.shape))}],"data_offsets":[{offset},'
+        entries.append(f'{_json_key(key)}:{{{kind},"data_offsets":[{offset},'
                        f'{offset + nbytes}]}}')
         offset += nbytes
         if not nbytes:
             continue
-        if run and (nbytes > _SMALL or run[-1].dtype != dtype):
+        if run and (nbytes > _SMALL or run_dtype != dtype):
             flush()
         if nbytes > _SMALL:
             chunks.append(tensor_bytes(t))
         else:
             run.append(t)
+            run_dtype = dtype
     flush()
     meta = dict(metadata or {})
     if data_hash_key:
