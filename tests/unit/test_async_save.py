@@ -206,6 +206,25 @@ def test_a_snapshot_rebuilds_every_container_and_shares_nothing_mutable():
     assert not torch.equal(snap["p"].a, w[:, 1]) and snap["np"][0] == 0
 
 
+def test_a_snapshot_copies_tensor_dict_keys_and_keeps_attribute_buffers_apart():
+    """A tensor used as a dict key is copied like any value (the loop may change it in place
+    after save() returned); an OrderedDict's attributes never share a buffer with one of its
+    entries, whatever the entry is called."""
+    import collections
+
+    key = torch.zeros(2)
+    od = collections.OrderedDict(w=torch.ones(3))
+    od.extra = {"w": torch.full((3,), 5.0)}  # an attribute holding a tensor of the same path
+    tree = {"d": {key: 1}, "od": od}
+    snap = SnapshotBuffers().take(tree)
+    [snap_key] = snap["d"]
+    assert snap_key is not key and torch.equal(snap_key, torch.zeros(2))
+    key.add_(1)
+    assert torch.equal(snap_key, torch.zeros(2))
+    assert torch.equal(snap["od"]["w"], torch.ones(3))
+    assert torch.equal(snap["od"].extra["w"], torch.full((3,), 5.0))
+
+
 @pytest.mark.parametrize("mode", [True, "process"])
 def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path, mode):
     script = textwrap.dedent(f"""

@@ -467,3 +467,23 @@ def test_warm_start_may_change_precision_but_continue_may_not(tmp_path):
                                scheduler=sched3) as ckpt3:
         with pytest.raises(StateMismatch, match="bfloat16"):
             ckpt3.restore()
+
+
+@pytest.mark.parametrize("epoch", [-1, 0, 2**63 - 1])
+def test_an_epoch_sentinel_saved_is_restored(tmp_path, epoch):
+    """Whatever int64 epoch a run keeps (-1 for "not started" is common) restores as saved:
+    restore bounds the counters it reads to what a save can write."""
+    model = torch.nn.Linear(2, 2)
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
+        ckpt.epoch = epoch
+        ckpt.save(1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as again:
+        assert again.restore() == 1 and again.epoch == epoch
+
+
+def test_an_epoch_outside_int64_is_refused_at_save_not_at_restore(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
+        ckpt.epoch = 2**63
+        with pytest.raises(unbroken.errors.UnsupportedValue, match="epoch"):
+            ckpt.save(1)

@@ -714,3 +714,47 @@ def test_the_writer_refuses_a_header_the_reader_would_refuse(monkeypatch):
     tensors = {f"t{i:04d}": torch.zeros(1) for i in range(200)}
     with pytest.raises(UnsupportedValue, match="safetensors header, over the 4096-byte limit"):
         encode_safetensors(tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the small-tensor fast paths must keep (found by review of those paths)
+
+
+@pytest.mark.parametrize("kind", [dict, "odict"])
+def test_a_tensor_leaf_past_the_depth_limit_is_refused_at_save(kind):
+    """The fast path for tensor leaves must keep the depth limit that decoding applies:
+    else a generation saves and is then refused by every restore."""
+    from collections import OrderedDict
+
+    node = {"w": torch.ones(2)} if kind is dict else OrderedDict(w=torch.ones(2))
+    for _ in range(MAX_DEPTH):
+        node = {"a": node}
+    with pytest.raises(UnsupportedValue, match="deeper"):
+        encode_tree(node)
+
+
+@pytest.mark.parametrize("offset", range(1, 8))
+def test_unaligned_bool_tensors_keep_their_bytes(offset):
+    """A tensor the decoder copies (not 64-byte aligned) is copied as bytes: a bool tensor
+    holding bytes other than 0 and 1 (a mask made with .view(torch.bool)) comes back as it
+    was saved, as an aligned one does."""
+    raw = torch.tensor([0, 1, 2, 255, 7], dtype=torch.uint8)
+    tensors = {"a_pad": torch.ones(offset, dtype=torch.uint8), "mask": raw.view(torch.bool)}
+    blob = b"".join(encode_safetensors(tensors))
+    # a writable 64-byte aligned buffer, as the store reads a file: tensors decode as views
+    # where aligned and as copies elsewhere
+    buf = np.empty(len(blob) + 64, dtype=np.uint8)
+    start = -buf.ctypes.data % 64
+    view = memoryview(buf)[start:start + len(blob)]
+    view[:] = blob
+    got, _ = decode_safetensors(view, "part.safetensors")
+    assert got["mask"].data_ptr() % 64 == 0  # the copy
+    assert tensor_bytes(got["mask"]) == raw.numpy().tobytes()
+
+
+def test_a_conjugate_view_is_stored_with_its_own_values():
+    x = torch.randn(3, dtype=torch.complex64)
+    tree = {"x": x, "c": x.conj()}
+    got, _ = full_roundtrip(tree)
+    assert torch.equal(got["x"], x) and torch.equal(got["c"], x.conj().resolve_conj())
+    assert got["c"] is not got["x"]

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+# Path elements no user key equals: the buffers of an object's attributes and of dict keys.
+_ATTRIBUTES, _KEY = object(), object()
 # Leaves taken as they are: immutable, they cannot change after ``save()`` returns.
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype,
                         torch.device, torch.Size})
@@ -105,7 +107,8 @@ class _Taking:
         if isinstance(node, torch.Tensor):
             return self.tensor(node, path)
         if kind is dict:
-            return {k: self.node(v, (*path, k)) for k, v in node.items()}
+            return {k if type(k) in _IMMUTABLE else self.key(k, path): self.node(v, (*path, k))
+                    for k, v in node.items()}
         if kind is list:
             return [self.node(v, (*path, i)) for i, v in enumerate(node)]
         if kind is tuple:
@@ -113,15 +116,19 @@ class _Taking:
         if kind is OrderedDict or kind is Counter:  # a module's state_dict: with _metadata
             out: Any = kind()
             for k, v in node.items():
-                out[k] = self.node(v, (*path, k))
+                out[k if type(k) in _IMMUTABLE else self.key(k, path)] = self.node(v, (*path, k))
             if vars(node):
-                vars(out).update(self.node(vars(node), (*path, "<attributes>")))
+                vars(out).update(self.node(vars(node), (*path, _ATTRIBUTES)))
             return out
         # Anything else (a NumPy array, a subclass of a container): deepcopy, after its
         # tensors are in the memo, so that it takes their buffers.
         for p, t in _tensors(node, path):
             self.tensor(t, p)
         return copy.deepcopy(node, self.memo)
+
+    def key(self, key: Any, path: tuple[Any, ...]) -> Any:
+        """A mutable dict key (a tensor, a tuple holding one): a copy, as any other value."""
+        return self.node(key, (*path, _KEY, id(key)))
 
 
 def _ident(t: torch.Tensor) -> tuple[Any, ...]:

@@ -37,6 +37,7 @@ _DTYPE_NAMES = (
 _DTYPES: dict[str, torch.dtype] = {
     n: d for n in _DTYPE_NAMES if isinstance(d := getattr(torch, n, None), torch.dtype)}
 _DTYPE_NAME_OF = {d: n for n, d in _DTYPES.items()}
+_COMPLEX = frozenset(d for d in _DTYPES.values() if d.is_complex)
 
 
 def _dtype_name(dtype: torch.dtype, path: str = "") -> str:
@@ -96,6 +97,8 @@ class _Encoder:
             raise UnsupportedValue(
                 f"{path}: tensor with layout {t.layout} cannot be stored; convert it to a dense "
                 "tensor (e.g. .to_dense()) in state_dict()")
+        if t.dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
+            t = t.resolve_conj().resolve_neg()  # a lazy view of its base: its own values
         # The same view referenced twice (tied weights) is stored once and decoded as one object.
         # (data_ptr() is the storage's address plus the offset: one call for both.)
         ptr = t.data_ptr()
@@ -166,13 +169,14 @@ class _Encoder:
             def child(k: Any) -> str:
                 return f"{path}.{k}" if path else str(k)
 
+            leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
             if t is dict and all(type(k) is str for k in obj) and TAG not in obj:
                 # (a plain tensor leaf skips a level of calls: state dicts hold thousands)
-                return {k: self.tensor(v, child(k)) if type(v) is torch.Tensor
+                return {k: self.tensor(v, child(k)) if leaf and type(v) is torch.Tensor
                         else self.encode(v, child(k), depth + 1) for k, v in obj.items()}
             return {TAG: _MAPPINGS[t], "v": [
                 [k if type(k) is str else self.encode(k, child("<key>"), depth + 1),
-                 self.tensor(v, child(k)) if type(v) is torch.Tensor
+                 self.tensor(v, child(k)) if leaf and type(v) is torch.Tensor
                  else self.encode(v, child(k), depth + 1)] for k, v in obj.items()]}
         if t is bytes:
             if len(obj) >= _INLINE_BYTES:

@@ -15,7 +15,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
+from ..errors import (
+    CorruptCheckpoint,
+    MissingState,
+    StateMismatch,
+    UnbrokenError,
+    UnsupportedValue,
+    shown,
+)
 from .codec import decode_tree, encode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
@@ -72,16 +79,20 @@ class Counters:
         self._epoch = int(value)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "epoch": self.epoch}
+        state = {"step": self.step, "epoch": self.epoch}
+        for name, value in state.items():  # what validate_state_dict accepts, nothing else
+            if not -1 << 63 <= value < 1 << 63:
+                raise UnsupportedValue(f"counters: {name} {shown(value)} is outside int64; a "
+                                       "restore could not read it back")
+        return state
 
     @staticmethod
     def validate_state_dict(saved: Mapping[str, Any], where: str) -> None:
         step, epoch = saved.get("step"), saved.get("epoch")
         # (bounded before any message shows them: str() of an int past 4300 digits raises)
         if type(step) is not int or type(epoch) is not int or not (
-                0 <= step < 1 << 63 and 0 <= epoch < 1 << 63):
-            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch' in "
-                                    "[0, 2**63)")
+                -1 << 63 <= step < 1 << 63 and -1 << 63 <= epoch < 1 << 63):
+            raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch' (int64)")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.step = saved["step"]

@@ -214,7 +214,9 @@ def decode_safetensors(data: bytes | memoryview, where: str
             t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // _ITEMSIZE[name],
                                  offset=base + begin)
             if (address + base + begin) % 64:
-                t = t.clone()  # (a fresh allocation: 64-byte aligned)
+                # a fresh allocation (64-byte aligned), copied as bytes: a bool's clone would
+                # make any nonzero byte 1
+                t = t.view(torch.uint8).clone().view(dtype)
             # (1-D tensors, the usual shape of small ones, need no reshape: a call each)
             out[key] = t if len(shape) == 1 else t.reshape(shape)
         return out, metadata

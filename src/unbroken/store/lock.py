@@ -123,20 +123,26 @@ def hand_over(fd: int) -> None:
     fcntl.lockf(fd, fcntl.LOCK_UN, 1, PERSISTER)
 
 
-def take_persister(root: str) -> int:
+def take_persister(root: str, settle: float = 2.0) -> int:
     """(A persisting process.) Hold the persister byte of ``root``'s lock, which its writer
     released just before starting it; returns the descriptor (closing it releases the byte).
-    One attempt: a byte taken meanwhile belongs to a later writer (this one's writer died),
-    and then `StoreLocked`."""
+    A byte still taken after ``settle`` seconds belongs to a later writer (this one's writer
+    died), and then `StoreLocked`; a shorter hold is the persisting process of a writer that
+    died while it started, which lets go as soon as it sees that."""
     path = os.path.join(root, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
-    except OSError as e:
-        os.close(fd)
-        raise StoreLocked(f"{path}: the persister byte was not free ({errno_text(e)}): its "
-                          "writer is gone and another holds the run") from None
-    return fd
+    deadline = time.monotonic() + settle
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
+            return fd
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
+                os.close(fd)
+                raise StoreLocked(f"{path}: the persister byte was not free "
+                                  f"({errno_text(e)}): its writer is gone and another holds "
+                                  "the run") from None
+        time.sleep(0.01)
 
 
 def persister_gone(root: str, timeout: float) -> bool:

@@ -302,6 +302,10 @@ class Torture(Events):
         if returned:
             self.f.kills_after_save_returned += 1
             self.f.committed_after_save_returned += committed
+            if self.async_save == "process" and not committed:
+                self.fail(f"episode {ep.number}: the trainer was killed right after save() of "
+                          f"generation {pending} returned, and its persisting process did not "
+                          f"commit it (the disk holds {state.complete})")
         return pending
 
     def _after_kill(self, state: DiskState, ep: Episode, where: str) -> None:
