@@ -69,10 +69,11 @@ class Checkpointer(Persisting, Restoring):
     persisting process writes it, so a save survives the training process being killed
     after ``save()`` returned (`persist.process`).
 
-    ``read_back="background"`` (one process, synchronous saves): ``save()`` returns once the
-    generation is committed and durable; reading it back, verifying it and retention go on in
-    the background (``wait()`` blocks for them; a failure raises at the next save, ``wait()``
-    or ``close()``; no older generation is deleted before the new one verified).
+    ``read_back="background"`` (synchronous saves): ``save()`` returns once the generation is
+    committed and durable; reading it back, verifying it and retention go on in the
+    background (``wait()`` blocks for them; a failure raises at the next save, ``wait()`` or
+    ``close()``; no older generation is deleted before the new one verified). In a job, the
+    saves then use a gloo group of their own, as async ones do (``async_timeout``).
 
     ``incremental=True``: tensors unchanged since the previous generation (a frozen base
     under LoRA, frozen embeddings; found by content digest) are linked from it, not written
@@ -107,20 +108,20 @@ class Checkpointer(Persisting, Restoring):
                              "job of many ranks use async_save=True")
         if read_back not in ("sync", "background"):
             raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
-        if read_back == "background" and self._group.active:
-            raise ValueError("read_back='background' is for one process; in a job use "
-                             "async_save=True")
-        if async_save and not async_timeout > 0:
+        later = read_back == "background" and not async_save
+        if (async_save or later) and not async_timeout > 0:
             raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
-        # An async save's collectives run beside the training loop's: a group of their own,
-        # made here, where every rank builds its Checkpointer at the same point.
+        # An async save's collectives (a read-back later's too) run beside the training loop's:
+        # a group of their own, made here, where every rank builds its Checkpointer at the
+        # same point. (A save's commit uses it too, after the previous save ended: the two
+        # never overlap on it.)
         self._save_group = (background_group(process_group, async_timeout)
-                            if async_save and self._group.active else self._group)
+                            if (async_save or later) and self._group.active else self._group)
         self._async = bool(async_save)
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
         self._process = async_save == "process"
-        self._read_back_later = read_back == "background" and not async_save
+        self._read_back_later = later
         self._persister: ProcessPersister | None = None
         self._incremental = bool(incremental)
         self._held: dict[str, list[HeldFile]] = {}  # the newest generation's files, by part
