@@ -19,6 +19,7 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 
 from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
 
@@ -92,30 +93,41 @@ def release_writer_lock(root: str, fd: int) -> None:
     _LOCKED_HERE.discard(os.path.realpath(os.path.join(root, LOCK)))
 
 
+def _take_byte(fd: int, seconds: float, pause: float,
+               waiting: Callable[[], None] | None = None) -> OSError | None:
+    """Take the persister byte of the lock ``fd``, trying again every ``pause`` seconds for up
+    to ``seconds`` (``waiting`` is called once, at the first retry); None once taken, else
+    the error of the last attempt. Errors other than "held by another" raise."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
+            return None
+        except OSError as e:
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            if time.monotonic() > deadline:
+                return e
+        if waiting is not None:
+            waiting()
+            waiting = None
+        time.sleep(pause)
+
+
 def _await_persister(fd: int, path: str) -> None:
     """Take the persister byte too, once the persisting process of a writer that died (if
     any) has committed its last save and exited: a writer never reads or changes the run
     while a save of its predecessor is still being written."""
-    wait = PERSISTER_WAIT
-    deadline = time.monotonic() + wait
-    said = False
-    while True:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise _unwritable(path, e, "cannot be locked") from None
-        if time.monotonic() > deadline:
-            raise StoreLocked(f"{path}: the persisting process of an earlier writer still "
-                              f"holds the run after {wait:.0f} s; stop it (see `ps`), or point "
-                              "this run at another folder")
-        if not said:
-            said = True
-            logging.getLogger("unbroken").warning(
-                "%s: waiting for the persisting process of an earlier writer to commit its "
-                "last save", path)
-        time.sleep(0.05)
+    try:
+        busy = _take_byte(fd, PERSISTER_WAIT, 0.05, lambda: logging.getLogger("unbroken").warning(
+            "%s: waiting for the persisting process of an earlier writer to commit its last "
+            "save", path))
+    except OSError as e:
+        raise _unwritable(path, e, "cannot be locked") from None
+    if busy is not None:
+        raise StoreLocked(f"{path}: the persisting process of an earlier writer still holds "
+                          f"the run after {PERSISTER_WAIT:.0f} s; stop it (see `ps`), or point "
+                          "this run at another folder")
 
 
 def hand_over(fd: int) -> None:
@@ -131,18 +143,15 @@ def take_persister(root: str, settle: float = 2.0) -> int:
     died while it started, which lets go as soon as it sees that."""
     path = os.path.join(root, LOCK)
     fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    deadline = time.monotonic() + settle
-    while True:
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
-            return fd
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                os.close(fd)
-                raise StoreLocked(f"{path}: the persister byte was not free "
-                                  f"({errno_text(e)}): its writer is gone and another holds "
-                                  "the run") from None
-        time.sleep(0.01)
+    try:
+        busy = _take_byte(fd, settle, 0.01)
+    except OSError as e:  # (no POSIX locks here: the same answer, typed)
+        busy = e
+    if busy is not None:
+        os.close(fd)
+        raise StoreLocked(f"{path}: the persister byte was not free ({errno_text(busy)}): its "
+                          "writer is gone and another holds the run")
+    return fd
 
 
 def persister_gone(root: str, timeout: float) -> bool:
@@ -155,16 +164,6 @@ def persister_gone(root: str, timeout: float) -> bool:
     except FileNotFoundError:
         return True  # no run yet
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, PERSISTER)
-                return True
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES):
-                    raise
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.01)
+        return _take_byte(fd, timeout, 0.01) is None
     finally:
         os.close(fd)  # (releases the byte)
