@@ -206,6 +206,13 @@ def test_a_snapshot_rebuilds_every_container_and_shares_nothing_mutable():
     assert not torch.equal(snap["p"].a, w[:, 1]) and snap["np"][0] == 0
 
 
+def test_a_snapshot_keeps_a_conjugate_view_apart_from_its_base():
+    x = torch.randn(3, dtype=torch.complex64)
+    snap = SnapshotBuffers().take({"x": x, "c": x.conj()})
+    assert snap["c"] is not snap["x"]
+    assert torch.equal(snap["x"], x) and torch.equal(snap["c"], x.conj())
+
+
 def test_a_snapshot_copies_tensor_dict_keys_and_keeps_attribute_buffers_apart():
     """A tensor used as a dict key is copied like any value (the loop may change it in place
     after save() returned); an OrderedDict's attributes never share a buffer with one of its

@@ -139,6 +139,8 @@ def _ident(t: torch.Tensor) -> tuple[Any, ...]:
         ptr = 0
     if ptr == 0:
         return (id(t),)
+    if t.dtype.is_complex:  # a conjugate view shares its base's memory, not its values
+        return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
     return (ptr, t.shape, t.stride(), t.dtype, t.device)
 
 
