@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from ..state.codec import view_ident
+
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
 # Leaves taken as they are: immutable, they cannot change after ``save()`` returns.
@@ -80,7 +82,7 @@ class _Taking:
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         # The same view twice (tied weights: two state_dict entries of one parameter) stays
         # one tensor, as the encoder stores it once.
-        ident = _ident(t)
+        ident = view_ident(t) or (id(t),)
         buf = self.seen.get(ident)
         if buf is None:
             buf = self.seen[ident] = self.buffers._buffer(path, t)
@@ -129,19 +131,6 @@ class _Taking:
     def key(self, key: Any, path: tuple[Any, ...]) -> Any:
         """A mutable dict key (a tensor, a tuple holding one): a copy, as any other value."""
         return self.node(key, (*path, _KEY, id(key)))
-
-
-def _ident(t: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two tensor objects the same data (one view of one storage)."""
-    try:
-        ptr = t.data_ptr()  # (the storage's address plus the offset)
-    except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
-        ptr = 0
-    if ptr == 0:
-        return (id(t),)
-    if t.dtype.is_complex:  # a conjugate view shares its base's memory, not its values
-        return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
-    return (ptr, t.shape, t.stride(), t.dtype, t.device)
 
 
 def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:

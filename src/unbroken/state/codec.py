@@ -85,6 +85,21 @@ _MAPPINGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "coun
 _MAPPING_TYPES: dict[str, Any] = {v: k for k, v in _MAPPINGS.items()}
 
 
+def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensor objects one view of the same data (tied weights: two state_dict
+    entries of one parameter); None for a tensor without memory of its own (empty, or a
+    DTensor)."""
+    try:
+        ptr = t.data_ptr()  # (the storage's address plus the offset: one call for both)
+    except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
+        return None
+    if ptr == 0:
+        return None
+    if t.dtype in _COMPLEX:  # a conjugate view shares its base's memory, not its values
+        return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
+    return (ptr, t.shape, t.stride(), t.dtype, t.device)
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -100,10 +115,8 @@ class _Encoder:
         if t.dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
             t = t.resolve_conj().resolve_neg()  # a lazy view of its base: its own values
         # The same view referenced twice (tied weights) is stored once and decoded as one object.
-        # (data_ptr() is the storage's address plus the offset: one call for both.)
-        ptr = t.data_ptr()
-        ident = (ptr, t.shape, t.stride(), t.dtype, t.device)
-        if ptr != 0 and ident in self._alias:
+        ident = view_ident(t)
+        if ident is not None and ident in self._alias:
             return self._alias[ident]
         data = t.detach() if t.requires_grad else t
         if not data.is_cpu:
@@ -118,7 +131,8 @@ class _Encoder:
             ref["shape"] = list(data.shape)
             data = data.contiguous().reshape(-1).view(torch.uint8)
         self.tensors[key] = data
-        self._alias[ident] = ref
+        if ident is not None:
+            self._alias[ident] = ref
         return ref
 
     def _key(self, path: str) -> str:
