@@ -60,6 +60,9 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+_INT64 = range(-(1 << 63), 1 << 63)  # the counters a save writes and a restore reads
+
+
 class Counters:
     """Completed updates and epoch. The epoch lives here only when no data part owns it."""
 
@@ -81,7 +84,7 @@ class Counters:
     def state_dict(self) -> dict[str, Any]:
         state = {"step": self.step, "epoch": self.epoch}
         for name, value in state.items():  # what validate_state_dict accepts, nothing else
-            if not -1 << 63 <= value < 1 << 63:
+            if value not in _INT64:
                 raise UnsupportedValue(f"counters: {name} {shown(value)} is outside int64; a "
                                        "restore could not read it back")
         return state
@@ -90,8 +93,8 @@ class Counters:
     def validate_state_dict(saved: Mapping[str, Any], where: str) -> None:
         step, epoch = saved.get("step"), saved.get("epoch")
         # (bounded before any message shows them: str() of an int past 4300 digits raises)
-        if type(step) is not int or type(epoch) is not int or not (
-                -1 << 63 <= step < 1 << 63 and -1 << 63 <= epoch < 1 << 63):
+        if (type(step) is not int or type(epoch) is not int or step not in _INT64
+                or epoch not in _INT64):
             raise CorruptCheckpoint(f"{where}: counters need integer 'step' and 'epoch' (int64)")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
