@@ -101,6 +101,7 @@ def main() -> None:
                                  data=loader, every=args.every,
                                  signals=[signal.SIGTERM], async_save=args.async_save,
                                  read_back="background" if args.read_back_later else "sync",
+                                 async_timeout=60,  # a background collective never hangs CI
                                  stop_check_every=args.stop_check_every)
     if os.environ.get("HASH_LOG") and rank == 0:  # which files rank 0 re-hashes, and when
         hash_file = ckpt.store.fs.hash_file
