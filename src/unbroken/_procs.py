@@ -64,6 +64,30 @@ def kill(processes: set[Process]) -> set[Process]:
     return alive
 
 
+def kill_tree(root: int) -> None:
+    """SIGKILL ``root`` and every descendant, this process last if it is among them.
+
+    Each is stopped (SIGSTOP) first, and the tree listed again until no new process shows up:
+    a stopped process cannot fork, so no DataLoader worker started between a listing and the
+    kill escapes as an orphan (an orphan holding the job's output pipes kept a test waiting
+    until its timeout)."""
+    me = os.getpid()
+    stopped: set[Process] = set()
+    for _ in range(100):
+        new = {p for p in tree(root) if p[0] != me} - stopped
+        if not new:
+            break
+        for pid, _ in new:
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+        stopped |= new
+    kill(stopped)
+    if any(pid == me for pid, _ in tree(root)):
+        os.kill(me, signal.SIGKILL)
+
+
 def kill_job() -> None:
     """SIGKILL the whole job this process belongs to, as a lost machine would end it: under
     torchrun (``$TORCHELASTIC_RUN_ID``) the launcher and everything it started; otherwise
@@ -72,10 +96,11 @@ def kill_job() -> None:
     if owner.isdecimal() and int(owner) == os.getppid():
         # the persisting process of a writer (`persist.process`): the machine dies, the
         # writer with it (this process is among its descendants)
-        kill(tree(int(owner)))
-    root = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
-    if root is not None:
-        kill(tree(root) | {p for p in tree(os.getpid())})
+        kill_tree(int(owner))
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        kill_tree(os.getppid())
+    # Not the whole tree here: a persisting process (its own session) outlives its writer,
+    # as it would a crash of the writer alone.
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)

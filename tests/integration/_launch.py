@@ -5,9 +5,13 @@ process-group timeout: nothing can hang the suite."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 from conftest import SCRIPTS
@@ -15,14 +19,83 @@ from conftest import SCRIPTS
 SCRIPT = str(SCRIPTS / "ddp_train.py")
 
 
+JOB_TAG_ENV = "UNBROKEN_TEST_JOB"  # every process of one launched job inherits it
+
+
 def torchrun(n: int, folder: Path, trace: Path, *args: str, env: dict[str, str] | None = None
              ) -> subprocess.CompletedProcess[str]:
-    """``ddp_train.py`` on ``n`` ranks, tracing each rank to ``<trace>.rank<r>``."""
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-         "--master-port", str(free_port()), SCRIPT, "--folder", str(folder), *args],
-        env={**os.environ, "UNBROKEN_TRACE": str(trace), **(env or {})},
-        capture_output=True, text=True, timeout=240)
+    """``ddp_train.py`` on ``n`` ranks, tracing each rank to ``<trace>.rank<r>``.
+
+    Output goes to files, not pipes, and the launcher's exit ends the wait: a straggler of the
+    job (a DataLoader worker orphaned by a kill) cannot hold the test until its timeout. Any
+    process of the job still alive 10 s after the launcher left is killed and named at the
+    end of ``stderr``."""
+    tag = uuid.uuid4().hex
+    with tempfile.TemporaryDirectory() as tmp:
+        out, err = Path(tmp, "out"), Path(tmp, "err")
+        with open(out, "w") as o, open(err, "w") as e:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
+                 "--master-port", str(free_port()), SCRIPT, "--folder", str(folder), *args],
+                env={**os.environ, "UNBROKEN_TRACE": str(trace), JOB_TAG_ENV: tag,
+                     **(env or {})}, stdout=o, stderr=e, text=True)
+            try:
+                proc.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise AssertionError(f"torchrun {' '.join(args)} ran past 240 s; left alive: "
+                                     f"{_sweep(tag, grace=0)}; stderr:\n"
+                                     f"{err.read_text()[-4000:]}") from None
+            leftovers = _sweep(tag)
+        stderr = err.read_text() + "".join(f"\nLEFT ALIVE, killed: {x}" for x in leftovers)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(), stderr)
+
+
+def assert_job_killed(r: subprocess.CompletedProcess[str]) -> None:
+    """A fault point's kill took the whole job down: the launcher died by it and no process of
+    the job (rank, DataLoader worker) was left alive."""
+    assert r.returncode != 0, r.stderr[-3000:]
+    assert "LEFT ALIVE" not in r.stderr, r.stderr[-3000:]
+
+
+def _sweep(tag: str, grace: float = 10.0) -> list[str]:
+    """Wait up to ``grace`` seconds for the processes carrying ``tag`` to leave, then SIGKILL
+    those left; returns their command lines."""
+    deadline = time.monotonic() + grace
+    while True:
+        alive = _tagged(tag)
+        if not alive or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in alive:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return list(alive.values())
+
+
+def _tagged(tag: str) -> dict[int, str]:
+    """pid -> command line of the living (non-zombie) processes whose environment holds
+    ``tag``."""
+    found = {}
+    needle = f"{JOB_TAG_ENV}={tag}".encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if needle not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                found[int(entry)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    return found
 
 
 def by_hand(n: int, folder: Path, env: dict[str, str], *args: str

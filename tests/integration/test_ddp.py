@@ -10,7 +10,14 @@ import os
 from pathlib import Path
 
 import pytest
-from _launch import assert_resumed_bitwise, by_hand, first_restores, gens, torchrun
+from _launch import (
+    assert_job_killed,
+    assert_resumed_bitwise,
+    by_hand,
+    first_restores,
+    gens,
+    torchrun,
+)
 
 from unbroken.trace import read_trace
 
@@ -32,7 +39,7 @@ def test_the_leader_never_rehashes_the_other_ranks_files(reference):
 def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path):
     folder = tmp_path / "run"
     killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17"})
-    assert killed.returncode != 0
+    assert_job_killed(killed)
     resumed = torchrun(2, folder, tmp_path / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
@@ -80,7 +87,7 @@ def test_a_job_of_two_resumes_on_one_rank_with_the_global_order(reference, tmp_p
     folder = tmp_path / "run"
     killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17",
                                                             "UNBROKEN_TRACE_HASH_EVERY": "1"})
-    assert killed.returncode != 0
+    assert_job_killed(killed)
     one = torchrun(1, folder, tmp_path / "one.jsonl")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "random streams of ranks 1..1 are dropped" in one.stderr
@@ -120,7 +127,7 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
     folder = tmp_path / "run"
     killed = torchrun(2, folder, tmp_path / "k.jsonl", "--async-save",
                       env={"UNBROKEN_KILL_AT": "artifact-1-written@15"})
-    assert killed.returncode != 0
+    assert_job_killed(killed)
     assert gens(folder) == ["gen-000000005", "gen-000000010"]  # 15 never committed
     resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--async-save")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -135,7 +142,7 @@ def test_a_job_reading_back_later_killed_after_a_commit_resumes_from_it(referenc
     folder = tmp_path / "run"
     killed = torchrun(2, folder, tmp_path / "k.jsonl", "--read-back-later",
                       env={"UNBROKEN_KILL_AT": "after-rename@15"})
-    assert killed.returncode != 0
+    assert_job_killed(killed)
     assert gens(folder)[-1] == "gen-000000015"
     resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--read-back-later")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

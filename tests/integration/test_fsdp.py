@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _launch import SCRIPT, assert_resumed_bitwise, first_restores, torchrun
+from _launch import SCRIPT, assert_job_killed, assert_resumed_bitwise, first_restores, torchrun
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def runs(tmp_path_factory) -> Path:
     assert ref.returncode == 0, ref.stderr[-3000:]
     killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp", "--workers", "0",
                       env={"UNBROKEN_KILL_AT": "step-done@17"})
-    assert killed.returncode != 0
+    assert_job_killed(killed)
     return tmp
 
 

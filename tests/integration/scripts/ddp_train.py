@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import random
@@ -72,6 +73,8 @@ def main() -> None:
     ap.add_argument("--dump")
     ap.add_argument("--dump-at", type=int, default=-1)
     args = ap.parse_args()
+    # a rank stuck past this shows every thread's stack in the test's failure, then exits
+    faulthandler.dump_traceback_later(150, exit=True)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
     rank = dist.get_rank()
     if os.environ.get("KILL_RANK") == str(rank):
