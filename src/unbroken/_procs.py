@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 PERSISTER_OF_ENV = "UNBROKEN_PERSISTER_OF"  # set in a persisting process: its writer's pid
 Process = tuple[int, int]  # (pid, start time in clock ticks): a pid is reused, the pair not
@@ -91,7 +92,21 @@ def kill_tree(root: int) -> None:
 def kill_job() -> None:
     """SIGKILL the whole job this process belongs to, as a lost machine would end it: under
     torchrun (``$TORCHELASTIC_RUN_ID``) the launcher and everything it started; otherwise
-    this process's group when it leads one (its DataLoader workers), and this process."""
+    this process's group when it leads one (its DataLoader workers), and this process.
+
+    Nothing may stop it halfway: a DataLoader's SIGCHLD handler raises when it sees a worker
+    killed (it did, leaving the job stopped and the killer exiting normally), so that
+    handler is set aside first, and an exception from any other handler starts over."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    while True:
+        try:
+            _kill_job()
+        except BaseException:  # noqa: BLE001 -- a signal handler's exception: kill on
+            continue
+
+
+def _kill_job() -> None:
     owner = os.environ.get(PERSISTER_OF_ENV, "")
     if owner.isdecimal() and int(owner) == os.getppid():
         # the persisting process of a writer (`persist.process`): the machine dies, the

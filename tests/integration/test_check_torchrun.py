@@ -39,7 +39,7 @@ def test_a_correct_ddp_job_is_equivalent_on_every_rank(workdir, capsys):
     names = {p.name for p in (workdir / "ok" / "case-01").iterdir()}
     assert {"life-01.jsonl.rank0", "life-01.jsonl.rank1", "life-02.jsonl.rank0",
             "life-02.jsonl.rank1"} <= names  # every rank traced every life
-    assert not _running(SCRIPT)  # no rank, no worker of a killed job outlives it
+    assert not _running(str(workdir / "ok"))  # no rank, no worker of a killed job outlives it
 
 
 def test_rng_streams_dropped_on_one_rank_are_attributed_to_that_rank(workdir, capsys):
@@ -53,13 +53,19 @@ def test_rng_streams_dropped_on_one_rank_are_attributed_to_that_rank(workdir, ca
     assert case["first_divergence"]["kind"] == "jump"
 
 
-def _running(script: str) -> list[int]:
-    """Living processes whose command line names ``script``."""
+def _running(workdir: str) -> list[int]:
+    """Living processes of the job ``unbroken check`` ran in ``workdir`` (their environment
+    names it: the trace and run folder live there); other tests' jobs do not count."""
     found = []
     for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if script.encode() in f.read() and entry.isdigit():
+                if SCRIPT.encode() not in f.read():
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if workdir.encode() in f.read():
                     found.append(int(entry))
         except OSError:
             continue
