@@ -6,6 +6,7 @@ from __future__ import annotations
 from .checkpointer import Checkpointer
 from .data import Packer, ResumableLoader, ResumableSampler, seeded
 from .errors import (
+                     CommitConflict,
                      CorruptCheckpoint,
                      IdentityMismatch,
                      MissingState,
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Checkpointer",
+    "CommitConflict",
     "CorruptCheckpoint",
     "Identity",
     "IdentityMismatch",

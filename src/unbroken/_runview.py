@@ -13,6 +13,7 @@ from ._table import human_size, table
 from .errors import UnbrokenError
 from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 from .store.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .store.objects import ObjectStore, is_url, open_store
 from .store.runrecord import RunRecord, folder_run
 
 _GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)
@@ -29,6 +30,11 @@ class UsageError(Exception):
 
 
 def open_run(path: str) -> GenerationStore:
+    if is_url(path):
+        try:
+            return open_store(path)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such run folder")
     if not os.path.isdir(path):
@@ -42,7 +48,8 @@ def _peek_manifest(store: GenerationStore, info: GenerationInfo) -> Manifest | N
     if info.manifest is not None:
         return info.manifest
     try:
-        where = os.path.join(info.path, MANIFEST)  # never a symlink, FIFO or device
+        where = (f"{store.root}/{info.name}/{MANIFEST}" if isinstance(store, ObjectStore)
+                 else os.path.join(info.path, MANIFEST))  # never a symlink, FIFO or device
         return parse_manifest(store.fs.read_file(where, MAX_MANIFEST_BYTES), where)
     except (UnbrokenError, OSError):
         return None
@@ -188,8 +195,10 @@ def newest_summary_lines(n: dict[str, Any]) -> list[str]:
     return lines
 
 
-def list_debris(root: str) -> list[dict[str, str]]:
-    return [{"name": name, "note": note} for name in sorted(os.listdir(root))
+def list_debris(store: GenerationStore) -> list[dict[str, str]]:
+    if isinstance(store, ObjectStore):
+        return [{"name": name, "note": note} for name, note in store.debris()]
+    return [{"name": name, "note": note} for name in sorted(os.listdir(store.root))
             for prefix, note in _DEBRIS.items() if name.startswith(prefix)]
 
 

@@ -31,7 +31,8 @@ from .state.incremental import HeldFile, Plan
 from .state.optim import check_optimizer_params
 from .state.rng import RNGStreams
 from .store.backends.local import fault_point, filesystem_type, rename_is_atomic
-from .store.generations import GenerationInfo, GenerationStore
+from .store.generations import GenerationInfo
+from .store.objects import is_url, open_store
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 from .writer import RunWriter
@@ -79,6 +80,10 @@ class Checkpointer(Persisting, Restoring):
     under LoRA, frozen embeddings; found by content digest) are linked from it, not written
     again; every generation still verifies and restores on its own (`state.incremental`).
 
+    ``root`` is a local folder or a URL (``s3://bucket/runs/exp1``, ``gs://...``,
+    ``memory://...``): an object store through fsspec, its credentials and endpoint from
+    fsspec's configuration and the environment, or ``storage_options`` (`store.objects`).
+
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
     saves, ``$UNBROKEN_KILL_AT`` kills the process at a named point."""
@@ -92,7 +97,8 @@ class Checkpointer(Persisting, Restoring):
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
                  stop_check_every: int = 1, process_group: Any = None,
                  async_save: bool | str = False, async_timeout: float = 600.0,
-                 incremental: bool = False, read_back: str = "sync") -> None:
+                 incremental: bool = False, read_back: str = "sync",
+                 storage_options: Mapping[str, Any] | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -157,10 +163,14 @@ class Checkpointer(Persisting, Restoring):
                                       stop_check_every)  # validated before the lock
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
-        self.store = GenerationStore(os.environ.get(ROOT_ENV) or root)
+        location = os.environ.get(ROOT_ENV) or root
+        if self._process and is_url(location):
+            raise ValueError(f"async_save='process' writes to a local run folder; {location} "
+                             "is on an object store: use async_save=True")
+        self.store = open_store(location, storage_options)
         self._writer = RunWriter(self.store, self.keep, leader=self._group.leader)
-        self.fstype = filesystem_type(self.store.root)
-        if not rename_is_atomic(self.fstype):
+        self.fstype = "object store" if is_url(location) else filesystem_type(self.store.root)
+        if self.fstype != "object store" and not rename_is_atomic(self.fstype):
             warnings.warn(f"{self.store.root} is on {self.fstype}: directory rename may not be "
                           "atomic there, so a crash during commit may leave a torn generation "
                           "(it is still detected and refused on load)", UnbrokenWarning,

@@ -207,7 +207,7 @@ def _inspect(args: argparse.Namespace) -> int:
     records = [record(store, g, run) for g in scanned]
     complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
     newest = newest_summary(complete[-1]) if complete else None
-    debris, aside = list_debris(store.root), aside_entries(store)
+    debris, aside = list_debris(store), aside_entries(store)
     ok = len(complete) == len(scanned)
     payload = {"run": store.root, "run_id": run.run_id if run else None,
                "lineage": run.lineage if run else [], "generations": records,

@@ -41,6 +41,11 @@ class SaveFailed(UnbrokenError):
     the next save may succeed."""
 
 
+class CommitConflict(SaveFailed):
+    """Another writer committed the same generation first (two writers on one run on an
+    object store): this save was not committed; the run holds the other writer's."""
+
+
 class ReadOnlyRun(SaveFailed):
     """The run folder cannot be written (read-only media, no permission, a full disk, a
     filesystem without locks): restore works, saving raises this, naming the cause."""

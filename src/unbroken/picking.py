@@ -126,7 +126,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         None if intent == "continue" else
         [a.name for a in manifest.artifacts  # the model's files (its main and stable ones)
          if a.name in (S.STATE_FILE, SHARDS_FILE) or a.name.startswith(f"{S.MODEL}.")])
-    progress = Progress(f"loading {os.path.basename(info.path)}", manifest.total_bytes)
+    progress = Progress(f"loading {info.name}", manifest.total_bytes)
     try:  # the model's and optimizer's files are copied from into live tensors (`apply`)
         files = store.read_verified(info, names, advance=progress.advance, mapped=pick.mapped,
                                     map_if=_copied_from)

@@ -24,7 +24,9 @@ from .state.identity import Identity
 from .state.incremental import HeldFile, held_files
 from .state.optim import param_group_changes
 from .store.generations import GenerationInfo, GenerationStore
+from .store.objects import is_url, open_store
 from .store.runrecord import RunRecord
+from .store.verifying import generation_of
 from .trace import TraceRecorder
 from .writer import RunWriter
 
@@ -180,19 +182,20 @@ class Restoring:
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
         self._watch.boundary(step, self._counters.epoch)
         if self._trace is not None:
-            self._trace.restored(step, os.path.basename(info.path) if info else None,
-                                 [os.path.basename(p) for p, _ in self.rejected])
+            self._trace.restored(step, info.name if info else None,
+                                 [generation_of(p) for p, _ in self.rejected])
 
     def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
                     allow: Iterable[str]) -> int:
-        if source is None or os.path.realpath(source) == os.path.realpath(self.store.root):
+        if source is None or (str(source).rstrip("/") == self.store.root if is_url(source)
+                              else os.path.realpath(source) == os.path.realpath(self.store.root)):
             raise UnbrokenError(
                 "warm_start begins a new run: give it its own folder and name the parent, e.g. "
                 "Checkpointer('runs/new', ...).restore(intent='warm_start', source='runs/old')")
         if self.store.scan():
             raise UnbrokenError(f"{self.store.root} already holds generations; a warm start "
                                 "writes a new run into an empty folder (or use continue)")
-        src = GenerationStore(source)
+        src = open_store(source)
         scanned = src.scan()
         if not scanned:
             raise NoCheckpoint(f"{src.root}: no generation to warm-start from")

@@ -5,7 +5,6 @@ generations."""
 
 from __future__ import annotations
 
-import os
 import warnings
 from typing import Any
 
@@ -109,7 +108,7 @@ class RunWriter:
         """A folder named like the generation about to be written can only be a leftover that
         restore could not move aside (abandoned or corrupt): move it now, never overwrite."""
         existing = self.store.scan_one(step)
-        if not os.path.lexists(existing.path):
+        if not self.store.present(existing):
             return
         why = "abandoned" if existing.ok else existing.status
         try:
@@ -128,7 +127,7 @@ class RunWriter:
         if not self.store.locked:
             self._pending.append((info, why))  # a writer moves it (become_writer)
             return
-        if not os.path.lexists(info.path):
+        if not self.store.present(info):
             return
         try:
             self.store.move_aside(info, why)

@@ -14,6 +14,29 @@ import pytest
 
 HERE = Path(__file__).parent
 SCRIPTS = HERE / "scripts"
+BUCKET = "unbroken-tests"
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """An S3-compatible server on 127.0.0.1 (moto's server mode) with bucket ``BUCKET``, for
+    the whole session (moto's state is global to the process): ``env``, what a user would export for it, and ``options``, the
+    same as ``storage_options``."""
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "FSSPEC_S3_ENDPOINT_URL": endpoint}
+    options = {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
+    s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir(BUCKET)
+    try:
+        yield {"env": env, "options": options}
+    finally:
+        server.stop()
 
 
 class _Zygote:

@@ -149,3 +149,26 @@ def test_a_job_reading_back_later_killed_after_a_commit_resumes_from_it(referenc
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 15)
     assert gens(folder) == ["gen-000000020", "gen-000000025", "gen-000000030"]  # retention ran
+
+
+def test_a_job_on_an_s3_server_killed_mid_epoch_resumes_bitwise(reference, tmp_path, s3):
+    """Every rank uploads its own files into the generation's upload folder; rank 0 uploads
+    the manifest after every rank confirmed. Killed after update 17, resumed from 15."""
+    import uuid
+
+    from conftest import BUCKET
+
+    from unbroken.store.objects import open_store
+
+    url = f"s3://{BUCKET}/ddp/{uuid.uuid4().hex[:12]}"
+    killed = torchrun(2, url, tmp_path / "k.jsonl",
+                      env={**s3["env"], "UNBROKEN_KILL_AT": "step-done@17"})
+    assert_job_killed(killed)
+    store = open_store(url, s3["options"])
+    (newest, *_) = reversed(store.scan())
+    assert newest.generation == 15 and newest.manifest and newest.manifest.world_size == 2
+    store.verify(newest)
+    resumed = torchrun(2, url, tmp_path / "r.jsonl", env=s3["env"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
+                           tmp_path / "r.jsonl"], 15)

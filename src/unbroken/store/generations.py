@@ -127,6 +127,10 @@ class GenerationStore(AsideFolder, Verifying):
                     found.append(info)
         return sorted(found, key=lambda g: g.generation)
 
+    def present(self, info: GenerationInfo) -> bool:
+        """Whether the generation ``info`` describes is still in the listing."""
+        return os.path.lexists(info.path)
+
     def scan_one(self, generation: int) -> GenerationInfo:
         """The cheap check of one generation by number."""
         path = os.path.join(self.root, generation_name(generation))
@@ -155,6 +159,10 @@ class GenerationStore(AsideFolder, Verifying):
             if manifest.generation != generation:
                 raise CorruptCheckpoint(f"{where}: names generation {manifest.generation}, the "
                                         f"folder is generation {generation}")
+            if manifest.folder:
+                raise CorruptCheckpoint(f"{where}: names an upload folder "
+                                        f"({manifest.folder!r}), as on an object store; a "
+                                        "local generation's files are beside its manifest")
             listed = {a.name for a in manifest.artifacts}
             for entry in sorted(os.listdir(path)):
                 if entry != MANIFEST and entry not in listed:

@@ -65,6 +65,9 @@ class Manifest:
     created: str = ""
     schema: str = SCHEMA
     world_size: int = 1  # ranks that wrote it (each its own rankNNNNN.* files when > 1)
+    # On an object store: the upload folder (``u-<id>``) inside the generation's prefix that
+    # holds its artifacts; empty for a local generation (its files are beside the manifest).
+    folder: str = ""
 
     def to_bytes(self) -> bytes:
         """The committed bytes: canonical JSON of every field, sealed with its checksum.
@@ -73,6 +76,8 @@ class Manifest:
         fields = asdict(self)
         fields["metrics"] = {k: v if math.isfinite(v) else repr(v)
                              for k, v in self.metrics.items()}
+        if not self.folder:
+            del fields["folder"]  # a local manifest's bytes stay as before object stores
         return seal(fields)
 
     def artifact(self, name: str) -> Artifact | None:
@@ -183,8 +188,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if type(world_size) is not int or not 1 <= world_size <= 1 << 20:
         raise CorruptCheckpoint(f"{where}: field 'world_size' should be a rank count, found "
                                 f"{world_size!r:.40}")
+    folder = raw.get("folder", "")  # absent in local manifests
+    if not isinstance(folder, str) or folder and not valid_artifact_name(folder):
+        raise CorruptCheckpoint(f"{where}: field 'folder' should be a plain folder name, found "
+                                f"{folder!r:.40}")
     return Manifest(
-        world_size=world_size,
+        world_size=world_size, folder=folder,
         generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
         artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
         origin=need("origin", dict, optional=True), identity=need("identity", dict),

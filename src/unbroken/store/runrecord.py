@@ -85,7 +85,7 @@ def _not_a_file(where: str) -> str:
 def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
     """The folder's record, ``None`` when it has none; ``CorruptCheckpoint`` when unreadable."""
     where = os.path.join(root, RUN_FILE)
-    if not os.path.lexists(where):
+    if not fs.exists(where):
         return None
     if _not_a_file(where):
         raise CorruptCheckpoint(_not_a_file(where))

@@ -25,6 +25,13 @@ def _memory_bytes() -> int:
         return 1 << 62
 
 
+def generation_of(path: str) -> str:
+    """The ``gen-*`` name in a generation's path (on an object store the path ends in the
+    generation's upload folder)."""
+    parts = path.rstrip("/").split("/")
+    return next((p for p in reversed(parts) if p.startswith("gen-")), parts[-1])
+
+
 @dataclass
 class GenerationInfo:
     """What listing found in one ``gen-*`` folder. ``status``: complete / torn / corrupt."""
@@ -38,6 +45,11 @@ class GenerationInfo:
     @property
     def ok(self) -> bool:
         return self.status == "complete"
+
+    @property
+    def name(self) -> str:
+        """``gen-NNNNNNNNN`` (on an object store ``path`` is its upload folder inside that)."""
+        return f"gen-{self.generation:09d}"
 
 
 class Verifying:

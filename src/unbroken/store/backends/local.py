@@ -310,6 +310,10 @@ class LocalFS:
         finally:
             os.close(fd)
 
+    def exists(self, path: str) -> bool:
+        """Whether anything (a symbolic link too) is at ``path``."""
+        return os.path.lexists(path)
+
     def fsync_dir(self, path: str) -> None:
         self._op("fsync_dir", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -1,0 +1,254 @@
+"""The object-store seam: `ObjectFS`, the operations of `LocalFS` that the store needs, on an
+fsspec filesystem (``s3://``, ``gs://``, ``az://``, ``memory://``, ...).
+
+An object store has no rename, no fsync and no hard links; what it has instead:
+
+* an object appears whole or not at all when its upload completes (a multipart upload whose
+  process dies is never completed, so a torn object cannot exist);
+* a conditional create (``If-None-Match: *`` on S3, ``ifGenerationMatch=0`` on GCS, fsspec's
+  ``pipe_file(mode="create")``): of two writers creating one key, exactly one succeeds.
+  `ObjectFS.atomic_create` says whether the store gives that guarantee; fsspec's generic
+  fallback (check, then write) does not.
+
+Every operation counts for ``$UNBROKEN_KILL_AT_OP`` as `LocalFS` does (``create`` before an
+upload starts, ``write`` per chunk, ``fsync`` just before the upload completes, ``unlink``), so
+the crash torture runs against object stores too. Errors of the client library (botocore's
+and others) surface as ``OSError`` naming the object, never as the library's own types."""
+
+from __future__ import annotations
+
+import errno
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+import xxhash
+
+from ...errors import CorruptCheckpoint
+from .local import ALIGN, READ, io_fault_point
+
+# Stores whose conditional create is atomic on the server (or, for memory://, in-process).
+ATOMIC_CREATE = ("s3", "s3a", "gs", "gcs", "memory")
+_PART = 16 << 20  # multipart part size (S3 needs >= 5 MiB); smaller objects go in one PUT
+_CHUNK = 8 << 20  # read size while hashing
+
+T = TypeVar("T")
+
+
+def _translated(path: str, call: Callable[[], T]) -> T:
+    """``call()``, with any error that is not an ``OSError`` (a client library's own) turned
+    into one naming ``path``."""
+    try:
+        return call()
+    except (OSError, CorruptCheckpoint):
+        raise
+    except Exception as e:  # the client library's own error types
+        raise OSError(errno.EIO, f"{type(e).__name__}: {e}", path) from None
+
+
+def _translating(method: Callable[..., T]) -> Callable[..., T]:
+    @functools.wraps(method)
+    def wrapper(self: ObjectFS, path: str, *args: Any, **kwargs: Any) -> T:
+        return _translated(path, lambda: method(self, path, *args, **kwargs))
+    return wrapper
+
+
+class ObjectFS:
+    """The store's file operations on an fsspec filesystem; paths are full URLs."""
+
+    def __init__(self, fs: Any) -> None:
+        self.fs = fs
+        protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+        self.atomic_create = any(p in ATOMIC_CREATE for p in protocols)
+
+    def _op(self, kind: str, path: str) -> None:
+        io_fault_point(kind, path)
+
+    # -- writing --------------------------------------------------------------------------------
+
+    @_translating
+    def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
+        """Upload ``path`` (a fresh key), hashing on the way; return (size, xxh3-128 hex).
+        Large objects go up as a multipart upload, part by part; the upload completes only
+        after the last part, and an upload that fails midway is aborted, so the object
+        exists whole or not at all. The stored size is then checked against what was sent."""
+        h = xxhash.xxh3_128()
+        size = 0
+        self._op("create", path)
+        pending: list[bytes | memoryview] = []
+        held = 0
+        stream = None
+        try:
+            for chunk in chunks:
+                view = memoryview(chunk).cast("B")
+                self._op("write", path)
+                h.update(view)
+                size += len(view)
+                pending.append(view)
+                held += len(view)
+                if held >= _PART:
+                    if stream is None:
+                        stream = self.fs.open(path, "wb", block_size=_PART)
+                    for piece in pending:
+                        stream.write(piece)
+                    pending, held = [], 0
+            self._op("fsync", path)
+            if stream is None:
+                self.fs.pipe_file(path, b"".join(pending))
+            else:
+                for piece in pending:
+                    stream.write(piece)
+                stream.close()
+                stream = None
+        finally:
+            if stream is not None:  # never complete a partial upload: abort it
+                discard = getattr(stream, "discard", None)
+                if discard is not None:
+                    discard()
+        stored = self.fs.info(path).get("size")
+        if stored != size:
+            raise OSError(errno.EIO, f"the store holds {stored} bytes after an upload of "
+                          f"{size}", path)
+        return size, h.hexdigest()
+
+    @_translating
+    def create_file(self, path: str, data: bytes) -> None:
+        """Create ``path`` holding ``data`` only if no object of that name exists
+        (`FileExistsError` otherwise); see `atomic_create` for how strong that is."""
+        self._op("create", path)
+        self._op("fsync", path)
+        self.fs.pipe_file(path, data, mode="create")
+
+    @_translating
+    def put_file(self, path: str, data: bytes) -> None:
+        """Write ``path`` whole, replacing any object of that name (small records only)."""
+        self._op("create", path)
+        self.fs.pipe_file(path, data)
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def _open(self, path: str, limit: int) -> tuple[Any, int]:
+        info = self.fs.info(path)
+        if info.get("type") != "file":
+            raise CorruptCheckpoint(f"{path}: not an object (a {info.get('type')})")
+        size = info.get("size")
+        if not isinstance(size, int) or size > limit:
+            raise CorruptCheckpoint(f"{path}: {size} bytes, over the {limit}-byte limit")
+        return self.fs.open(path, "rb", block_size=_CHUNK, cache_type="none"), size
+
+    @_translating
+    def read_file(self, path: str, limit: int, aligned: bool = False) -> Any:
+        """An object of at most ``limit`` bytes: a ``bytearray``, or with ``aligned`` a
+        writable memoryview whose first byte is 64-byte aligned (as `LocalFS.read_file`)."""
+        self._op(READ, path)
+        f, size = self._open(path, limit)
+        with f:
+            try:
+                if aligned:
+                    raw = np.empty(size + ALIGN, dtype=np.uint8)
+                    skip = -raw.ctypes.data % ALIGN
+                    view = raw[skip:skip + size].data
+                else:
+                    view = memoryview(bytearray(size))
+            except (MemoryError, OverflowError, ValueError):
+                raise CorruptCheckpoint(f"{path}: {size} bytes do not fit in memory") from None
+            got = 0
+            while got < size:
+                data = f.read(min(_CHUNK, size - got))
+                if not data:
+                    break
+                view[got:got + len(data)] = data
+                got += len(data)
+            if got != size or f.read(1):
+                raise CorruptCheckpoint(f"{path}: changed while being read ({got} of {size} "
+                                        "bytes)")
+        return view if aligned else view.obj
+
+    def map_file(self, path: str, limit: int) -> memoryview:
+        """An object store maps nothing: the object read whole, aligned."""
+        return self.read_file(path, limit, aligned=True)  # type: ignore[no-any-return]
+
+    @_translating
+    def hash_file(self, path: str, limit: int, drop_cache: bool = False,
+                  chunk: int = _CHUNK) -> tuple[int, str]:
+        """Size and xxh3-128 of an object of at most ``limit`` bytes, streamed (no copy of it
+        is held). ``drop_cache`` is accepted for `LocalFS`'s signature: every read of an
+        object store comes from the store."""
+        self._op(READ, path)
+        f, _ = self._open(path, limit)
+        h = xxhash.xxh3_128()
+        size = 0
+        with f:
+            while data := f.read(chunk):
+                h.update(data)
+                size += len(data)
+                if size > limit:
+                    raise CorruptCheckpoint(f"{path}: grew past the {limit}-byte limit while "
+                                            "being read")
+        return size, h.hexdigest()
+
+    @_translating
+    def listing(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every object under ``prefix`` (a full URL), by full URL, freshly listed (never
+        from a listing cache: a generation committed by another process must show)."""
+        self.fs.invalidate_cache()
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {self._url(p): info for p, info in found.items() if info.get("type") == "file"}
+
+    def _url(self, path: str) -> str:
+        return str(self.fs.unstrip_protocol(path))
+
+    @_translating
+    def exists(self, path: str) -> bool:
+        try:
+            self.fs.info(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    # -- deleting -------------------------------------------------------------------------------
+
+    @_translating
+    def unlink(self, path: str) -> None:
+        self._op("unlink", path)
+        self.fs.rm_file(path)
+
+    def rmtree(self, path: str) -> None:
+        """Delete every object under the prefix ``path``, one counted operation each."""
+        for url in sorted(self.listing(path)):
+            try:
+                self.unlink(url)
+            except FileNotFoundError:
+                pass
+
+    @_translating
+    def copy(self, src: str, dst: str) -> None:
+        """Copy one object (server-side where the store can)."""
+        self._op("create", dst)
+        self.fs.copy(src, dst)
+
+    # -- what a filesystem has and an object store has not --------------------------------------
+
+    def mkdir(self, path: str) -> None:
+        """Prefixes need no creating."""
+
+    def fsync_dir(self, path: str) -> None:
+        """A completed upload is durable; there is no folder to sync."""
+
+    def replace(self, src: str, dst: str) -> None:
+        """Overwrite ``dst`` with ``src`` (a single object: a small record), then drop
+        ``src``. The write of ``dst`` is one whole-object PUT."""
+        self.copy(src, dst)
+        self.unlink(src)
+
+    def link(self, src: str, dst: str) -> None:
+        """No hard links: an incremental save uploads the unchanged file anew."""
+        raise OSError(errno.ENOTSUP, "an object store has no hard links", dst)
+
+    def rename(self, src: str, dst: str) -> None:
+        raise OSError(errno.ENOTSUP, "an object store has no rename", src)
+

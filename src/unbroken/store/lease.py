@@ -1,0 +1,143 @@
+"""The single writer of a run on an object store: a lease object, ``RUN/LEASE.json``.
+
+An object store has no ``fcntl`` lock that dies with its process, so the writer holds a lease:
+an object created only if absent (`ObjectFS.create_file`), naming its holder (pid, host) and an
+expiry, renewed by a heartbeat thread every third of its length and at every commit. A second
+writer is refused (`StoreLocked`) while the lease is live; it takes over a lease past its
+expiry (its writer stopped renewing: dead, or cut off) or one whose holder was a process of
+this machine that is gone (a crashed writer restarted here need not wait). A writer whose
+lease was taken over learns it at its next renewal and stops. Two writers that both take an
+expired lease at once are possible; the conditional manifest upload still lets only one
+commit each generation (`objects.ObjectStore.publish`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CorruptCheckpoint, StoreLocked
+from .backends.objects import ObjectFS
+
+LEASE = "LEASE.json"
+
+
+class Lease:
+    """The lease at ``path``; ``held`` while this writer holds it."""
+
+    def __init__(self, fs: ObjectFS, path: str, seconds: float) -> None:
+        self.fs, self.path, self.seconds = fs, path, seconds
+        self.token: str | None = None  # this writer's lease id while it holds the lease
+        self._heartbeat: _Heartbeat | None = None
+        self._renewing = threading.Lock()  # the heartbeat and a commit renew it, one at a time
+
+    @property
+    def held(self) -> bool:
+        return self.token is not None
+
+    def _bytes(self, token: str) -> bytes:
+        return json.dumps({"lease": token, "pid": os.getpid(), "host": socket.gethostname(),
+                           "expires": time.time() + self.seconds}).encode()
+
+    def holder(self) -> dict[str, Any] | None:
+        """What the lease object says, or None when there is none or it is unreadable."""
+        try:
+            raw = json.loads(bytes(self.fs.read_file(self.path, 4096)))
+        except (OSError, ValueError, CorruptCheckpoint):
+            return None
+        return raw if isinstance(raw, dict) and isinstance(raw.get("expires"),
+                                                           (int, float)) else None
+
+    def acquire(self) -> None:
+        """Take the lease; `StoreLocked` names the holder of a live one."""
+        token = uuid.uuid4().hex
+        for _ in range(3):
+            try:
+                self.fs.create_file(self.path, self._bytes(token))
+            except FileExistsError:
+                holder = self.holder()
+                if holder is not None and holder["expires"] > time.time() and \
+                        not _dead_here(holder):
+                    raise StoreLocked(
+                        f"{self.path}: the run is leased by pid {holder.get('pid')} on "
+                        f"{holder.get('host')} until {time.ctime(float(holder['expires']))}; "
+                        "one writer per run: stop that one, or wait for its lease to expire"
+                        ) from None
+                try:  # expired, unreadable or its holder is gone: take it over
+                    self.fs.unlink(self.path)
+                except FileNotFoundError:
+                    pass
+                continue
+            self.token = token
+            self._heartbeat = _Heartbeat(self, self.seconds / 3)
+            return
+        raise StoreLocked(f"{self.path}: another writer keeps taking the lease; one writer per "
+                          "run")
+
+    def renew(self) -> None:
+        """Extend the lease; `StoreLocked` if another writer has taken it over meanwhile."""
+        with self._renewing:
+            token = self.token
+            if token is None:
+                raise StoreLocked(f"{self.path}: this writer's lease was lost")
+            holder = self.holder()
+            if holder is None or holder.get("lease") != token:
+                self.token = None
+                raise StoreLocked(f"{self.path}: this writer's lease ({token}) expired and "
+                                  "another writer took the run over; this writer stops")
+            self.fs.put_file(self.path, self._bytes(token))
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still this writer's."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        if self.token is None:
+            return
+        holder = self.holder()
+        if holder is not None and holder.get("lease") == self.token:
+            try:
+                self.fs.unlink(self.path)
+            except OSError:
+                pass  # it expires
+        self.token = None
+
+
+def _dead_here(holder: Mapping[str, Any]) -> bool:
+    """Whether the lease's holder was a process of this machine that is gone."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+class _Heartbeat:
+    """Renews a lease every ``every`` seconds from a daemon thread, so a writer that saves
+    rarely keeps the run, and one that died loses it within the lease's length."""
+
+    def __init__(self, lease: Lease, every: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(lease, every), daemon=True,
+                                        name="unbroken-lease")
+        self._thread.start()
+
+    def _run(self, lease: Lease, every: float) -> None:
+        while not self._stop.wait(every):
+            try:
+                lease.renew()
+            except (OSError, StoreLocked):
+                return  # the next commit renews too, and reports a lost lease
+
+    def stop(self) -> None:
+        self._stop.set()

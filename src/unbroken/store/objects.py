@@ -1,0 +1,331 @@
+"""Generations on an object store (``s3://``, ``gs://``, ``memory://``, ... through fsspec):
+commit without rename.
+
+Layout::
+
+    RUN/gen-000000500/MANIFEST.json      the commit: uploaded last, created only if absent
+    RUN/gen-000000500/u-<id>/...         the artifacts of the save that committed it
+    RUN/gen-000000600/u-<id>/...         a save in progress or interrupted: debris, never read
+    RUN/aside/gen-N-<reason>-<time>-<id>/ copies of generations taken out of the listing
+    RUN/LEASE.json                       the single writer's lease (conditional create, expiry)
+    RUN/RUN.json                         the run record
+
+Uncommitted generations are ignored: a ``gen-*`` prefix counts only when its manifest parses,
+names that generation, and every listed artifact is in the manifest's upload folder with its
+listed size (``verify`` then re-hashes every byte). Each save uploads into a folder of its own
+(``u-<id>``), so no attempt ever overwrites another's bytes; the manifest names that folder.
+"Newest" is found by listing, never by a pointer that could be written before the data.
+
+Where the store creates conditionally (`ObjectFS.atomic_create`: S3's If-None-Match, GCS
+generation preconditions), two writers cannot both commit generation N: the second manifest
+upload fails and that writer gets `CommitConflict`. The lease keeps a second writer out while
+the first renews it; a lease past its expiry may be taken over (its writer stopped renewing),
+and if two take it at once, the conditional manifest still lets only one commit each
+generation. Deletion removes the manifest first: a half-deleted generation is debris."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from ..errors import CommitConflict, CorruptCheckpoint
+from .aside import _ASIDE_NAME, ASIDE, ASIDE_REASONS, AsideEntry
+from .backends.local import fault_point
+from .backends.objects import ObjectFS
+from .generations import GenerationInfo, GenerationStore, generation_name
+from .lease import LEASE, Lease
+from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+
+UPLOAD_PREFIX = "u-"
+_GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
+_UPLOAD = re.compile(r"u-[0-9a-f]{16}", re.ASCII)
+
+
+class ObjectStore(GenerationStore):
+    """A run on an object store: the same contract as `GenerationStore` (reading needs no
+    lock; changing needs ``lock()``), committed by a conditional manifest upload."""
+
+    fs: ObjectFS  # type: ignore[assignment]
+
+    def __init__(self, url: str, fs: ObjectFS, lease_seconds: float = 60.0) -> None:
+        super().__init__(os.sep, None)
+        self.root = url.rstrip("/")
+        self.fs = fs
+        self.lease = Lease(fs, f"{self.root}/{LEASE}", lease_seconds)
+
+    # -- the lease ------------------------------------------------------------------------------
+
+    @property
+    def locked(self) -> bool:
+        return self.lease.held
+
+    def lock(self) -> None:
+        """Take the run's lease (`lease.Lease`), then remove the debris a dead writer left."""
+        self.lease.acquire()
+        self._clean_debris()
+
+    def renew(self) -> None:
+        """Extend this writer's lease (each commit does); `StoreLocked` if it was lost."""
+        self._need_lock()
+        self.lease.renew()
+
+    def unlock(self) -> None:
+        self.lease.release()
+
+    def hand_over(self) -> None:
+        raise ValueError(f"{self.root}: a persisting process (async_save='process') writes to "
+                         "a local run folder only")
+
+    def adopt_lock(self, fd: int) -> None:
+        self.hand_over()
+
+    def _need_lock(self) -> None:
+        if not self.lease.held:
+            raise RuntimeError("the run must be leased (lock()) before it is changed")
+
+    # -- listing --------------------------------------------------------------------------------
+
+    def _objects(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """One fresh listing: generation prefix name -> {key inside it: info}."""
+        out: dict[str, dict[str, dict[str, Any]]] = {}
+        base = self.root + "/"
+        for url, info in self.fs.listing(self.root).items():
+            if url.startswith(base):
+                head, _, rest = url[len(base):].partition("/")
+                if rest and _GEN.fullmatch(head):
+                    out.setdefault(head, {})[rest] = info
+        return out
+
+    def scan(self) -> list[GenerationInfo]:
+        """Every committed generation, oldest first, checked cheaply (manifest, names,
+        sizes); prefixes without a manifest are debris and not listed."""
+        found = []
+        for name, objects in self._objects().items():
+            info = self._check_objects(int(name[4:]), objects)
+            if info is not None:
+                found.append(info)
+        return sorted(found, key=lambda g: g.generation)
+
+    def scan_one(self, generation: int) -> GenerationInfo:
+        name = generation_name(generation)
+        objects = {url[len(self._prefix(generation)) + 1:]: info for url, info in
+                   self.fs.listing(self._prefix(generation)).items()}
+        info = self._check_objects(generation, objects)
+        if info is None:
+            return GenerationInfo(generation, f"{self.root}/{name}", "torn",
+                                  f"{self.root}/{name}/{MANIFEST}: missing (never committed)")
+        return info
+
+    def present(self, info: GenerationInfo) -> bool:
+        return self.fs.exists(f"{self._prefix(info.generation)}/{MANIFEST}")
+
+    def _prefix(self, generation: int) -> str:
+        return f"{self.root}/{generation_name(generation)}"
+
+    def _check_objects(self, generation: int, objects: Mapping[str, Mapping[str, Any]]
+                       ) -> GenerationInfo | None:
+        prefix = self._prefix(generation)
+        where = f"{prefix}/{MANIFEST}"
+        if MANIFEST not in objects:
+            return None
+        try:
+            manifest = parse_manifest(bytes(self.fs.read_file(where, MAX_MANIFEST_BYTES)), where)
+            if manifest.generation != generation:
+                raise CorruptCheckpoint(f"{where}: names generation {manifest.generation}, the "
+                                        f"prefix is generation {generation}")
+            if not _UPLOAD.fullmatch(manifest.folder):
+                raise CorruptCheckpoint(f"{where}: upload folder {manifest.folder!r:.40} is not "
+                                        "u-<16 hex digits>")
+            path = f"{prefix}/{manifest.folder}"
+            inside = {k[len(manifest.folder) + 1:]: v for k, v in objects.items()
+                      if k.startswith(manifest.folder + "/")}
+            listed = {a.name for a in manifest.artifacts}
+            for extra in sorted(set(inside) - listed):
+                raise CorruptCheckpoint(f"{path}/{extra}: not listed in the manifest (a "
+                                        "generation never changes after commit)")
+            for a in manifest.artifacts:
+                if a.name not in inside:
+                    raise CorruptCheckpoint(f"{path}/{a.name}: missing; the manifest lists "
+                                            f"{a.size} bytes")
+                if inside[a.name].get("size") != a.size:
+                    raise CorruptCheckpoint(f"{path}/{a.name}: {inside[a.name].get('size')} "
+                                            f"bytes, the manifest lists {a.size}")
+        except FileNotFoundError:
+            return None  # deleted while we looked
+        except (CorruptCheckpoint, OSError) as e:
+            reason = str(e) if isinstance(e, CorruptCheckpoint) else f"{where}: unreadable ({e})"
+            return GenerationInfo(generation, prefix, "corrupt", reason)
+        return GenerationInfo(generation, path, "complete", "", manifest)
+
+    def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
+        """Size and version tag (ETag, generation or mtime) of the manifest and every
+        artifact, from one listing: a re-upload of any of them changes it."""
+        assert info.manifest is not None
+        prefix = self._prefix(info.generation)
+        objects = self.fs.listing(prefix)
+        keys = [f"{prefix}/{MANIFEST}", *(f"{info.path}/{a.name}"
+                                          for a in info.manifest.artifacts)]
+        if any(k not in objects for k in keys):
+            return None
+        return tuple((objects[k].get("size", -1), hash(_version(objects[k]))) for k in keys)
+
+    def read_verified(self, info: GenerationInfo, names: Any = None, advance: Any = None,
+                      mapped: Any = None, map_if: Any = None) -> dict[str, Any]:
+        """As `GenerationStore.read_verified`; nothing is mapped from an object store."""
+        return super().read_verified(info, names, advance)
+
+    # -- changing the run (writer only) ---------------------------------------------------------
+
+    def _clean_debris(self) -> None:
+        """Upload folders no manifest names (saves that never committed, deletions that
+        stopped midway) belong to a dead writer. Best effort: debris is never read."""
+        try:
+            listed = self._objects()
+        except OSError:
+            return
+        for name, objects in sorted(listed.items()):
+            info = self._check_objects(int(name[4:]), objects)
+            keep = info.manifest.folder if info is not None and info.manifest else None
+            for key in sorted(objects):
+                if key != MANIFEST and not key.startswith(f"{keep}/"):
+                    if info is not None and not info.ok:
+                        continue  # a corrupt generation is moved aside whole, not picked at
+                    try:
+                        self.fs.unlink(f"{self.root}/{name}/{key}")
+                    except OSError:
+                        pass
+
+    def debris(self) -> list[tuple[str, str]]:
+        """(name, note) of what listing ignores: upload folders no manifest names."""
+        out = []
+        for name, objects in sorted(self._objects().items()):
+            info = self._check_objects(int(name[4:]), objects)
+            keep = info.manifest.folder if info is not None and info.manifest else None
+            folders = {k.partition("/")[0] for k in objects if "/" in k}
+            out += [(f"{name}/{f}", "in-progress or interrupted save, ignored")
+                    for f in sorted(folders) if f != keep]
+        return out
+
+    def stage(self, generation: int, supersede: bool = False) -> str:
+        """The upload folder of a new save of ``generation`` (nothing is created yet)."""
+        self._need_lock()
+        if not supersede and self.fs.exists(f"{self._prefix(generation)}/{MANIFEST}"):
+            raise FileExistsError(f"{self._prefix(generation)} already exists; move it aside "
+                                  "before saving over it")
+        return f"{self._prefix(generation)}/{UPLOAD_PREFIX}{uuid.uuid4().hex[:16]}"
+
+    def publish(self, staging: str, generation: int, manifest: Manifest,
+                supersede: bool = False) -> GenerationInfo:
+        """Upload the manifest last, only if no manifest of ``generation`` exists; on any
+        failure nothing is committed and the upload folder goes. `CommitConflict` when
+        another writer committed ``generation`` first."""
+        where = f"{self._prefix(generation)}/{MANIFEST}"
+        manifest = replace(manifest, folder=staging.rsplit("/", 1)[1])
+        try:
+            self.renew()
+            fault_point("before-rename", generation)
+            if supersede and self.fs.exists(where):
+                self.move_aside(self.scan_one(generation), "superseded")
+            try:
+                self.fs.create_file(where, manifest.to_bytes())
+            except FileExistsError:
+                raise CommitConflict(
+                    f"{where}: another writer committed generation {generation} first; this "
+                    "save was not committed (two writers on one run: stop one)") from None
+            fault_point("manifest-written", generation)
+        except BaseException:
+            self._discard(staging)
+            raise
+        fault_point("after-rename", generation)
+        return GenerationInfo(generation, staging, "complete", "", manifest)
+
+    def _discard(self, staging: str) -> None:
+        try:
+            self.fs.rmtree(staging)
+        except OSError:
+            pass  # debris: the next writer removes it on lock()
+
+    def delete(self, info: GenerationInfo) -> None:
+        """Delete a generation: its manifest first (a half-deleted generation never
+        verifies), then its objects."""
+        self._need_lock()
+        prefix = self._prefix(info.generation)
+        try:
+            self.fs.unlink(f"{prefix}/{MANIFEST}")
+        except FileNotFoundError:
+            pass
+        fault_point("retention-unlinked", info.generation)
+        self._verified.pop(info.path, None)
+        self._remove(prefix)
+
+    def _remove(self, path: str) -> None:
+        self.fs.rmtree(path)
+
+    # -- aside/ ----------------------------------------------------------------------------------
+
+    def move_aside(self, info: GenerationInfo, why: str) -> str:
+        """Copy a generation's objects under ``aside/`` (labelled with the reason and the
+        time), then delete it (manifest first): kept for inspection, never loaded."""
+        self._need_lock()
+        if why not in ASIDE_REASONS:
+            raise ValueError(f"why={why!r}: one of {ASIDE_REASONS}")
+        prefix = self._prefix(info.generation)
+        moved = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")
+        dest = (f"{self.root}/{ASIDE}/gen-{info.generation:09d}-{why}-{moved}-"
+                f"{uuid.uuid4().hex[:8]}")
+        for url in sorted(self.fs.listing(prefix)):
+            self.fs.copy(url, dest + url[len(prefix):])
+        self.delete(info)
+        return dest
+
+    def aside(self) -> list[AsideEntry]:
+        folder = f"{self.root}/{ASIDE}"
+        names = {url[len(folder) + 1:].partition("/")[0] for url in self.fs.listing(folder)}
+        out = []
+        for name in names:
+            m = _ASIDE_NAME.fullmatch(name)
+            out.append(AsideEntry(name, f"{folder}/{name}", m.group(2) if m else "unknown",
+                                  m and m.group(3) or ""))
+        return sorted(out, key=lambda e: (e.moved, e.name))
+
+
+def _version(info: Mapping[str, Any]) -> str:
+    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
+
+
+
+def is_url(location: object) -> bool:
+    """Whether ``location`` names a run on an object store (``scheme://...``, not
+    ``file://``)."""
+    return isinstance(location, str) and "://" in location and \
+        not location.startswith("file://")
+
+
+def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+               ) -> GenerationStore:
+    """The store of a run: a local folder, or a URL that fsspec resolves (its standard
+    configuration and environment apply: ``AWS_*``, ``FSSPEC_S3_*``, ...; ``storage_options``
+    are passed to the filesystem, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``)."""
+    if not is_url(location):
+        path = os.fspath(location)
+        return GenerationStore(path[len("file://"):] if path.startswith("file://") else path)
+    import fsspec
+
+    url = str(location).rstrip("/")
+    try:
+        fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
+    except (ImportError, ValueError) as e:
+        raise ValueError(f"{url}: no filesystem for this URL ({e}); install the fsspec "
+                         "backend for it (s3fs for s3://, gcsfs for gs://, adlfs for az://)"
+                         ) from None
+    # The URL as the filesystem writes it back (memory://x is memory:///x): listings then
+    # name objects under the same root.
+    return ObjectStore(str(fs.unstrip_protocol(fs._strip_protocol(url))), ObjectFS(fs))
