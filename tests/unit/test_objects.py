@@ -43,7 +43,7 @@ class Noisy(torch.utils.data.Dataset):
         return torch.randn(4, generator=g) + 0.1 * torch.randn(4), torch.tensor(i % 3)
 
 
-def build(url, every=3, keep=None):
+def build(url, every=3, keep=None, **options):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3),
                                 torch.nn.Linear(8, 3))
@@ -52,15 +52,15 @@ def build(url, every=3, keep=None):
     sampler = unbroken.ResumableSampler(40, batch_size=4, seed=1)
     loader = unbroken.ResumableLoader(unbroken.seeded(Noisy(), seed=2), sampler)
     ckpt = unbroken.Checkpointer(url, model=model, optimizer=opt, scheduler=sched, data=loader,
-                                 every=every, keep=keep or unbroken.Keep(last=3))
+                                 every=every, keep=keep or unbroken.Keep(last=3), **options)
     ckpt.sched = sched
     return model, opt, loader, ckpt
 
 
-def train(url, until, every=3, keep=None):
+def train(url, until, every=3, keep=None, **options):
     """Train from the run's newest generation up to update ``until``; the model's and the
     optimizer's state at the end."""
-    model, opt, loader, ckpt = build(url, every, keep)
+    model, opt, loader, ckpt = build(url, every, keep, **options)
     step = ckpt.restore()
     while step < until:
         for x, y in loader:
@@ -87,10 +87,13 @@ def same(a, b):
     return a == b
 
 
-def test_a_run_resumed_on_an_object_store_equals_the_uninterrupted_run(url):
+@pytest.mark.parametrize("options", [{}, {"async_save": True}, {"incremental": True},
+                                     {"read_back": "background"}],
+                         ids=["sync", "async", "incremental", "read-back-later"])
+def test_a_run_resumed_on_an_object_store_equals_the_uninterrupted_run(url, options):
     whole = train(url + "-whole", 23)
-    train(url, 14)  # saved at 12; updates 13 and 14 are lost and redone
-    resumed = train(url, 23)
+    train(url, 14, **options)  # saved at 12; updates 13 and 14 are lost and redone
+    resumed = train(url, 23, **options)
     assert same(whole[0], resumed[0]) and same(whole[1], resumed[1])
     names = sorted(g.name for g in open_store(url).scan())
     assert names == ["gen-000000015", "gen-000000018", "gen-000000021"]
