@@ -5,6 +5,7 @@ past damaged objects, retention, and the CLI on URLs. The S3 server runs the sam
 
 from __future__ import annotations
 
+import errno
 import json
 import subprocess
 import uuid
@@ -12,11 +13,14 @@ import uuid
 import fsspec
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import unbroken
 from unbroken import cli
 from unbroken.errors import CommitConflict, StoreLocked
 from unbroken.store.lease import LEASE
+from unbroken.store.backends.objects import ObjectFS
 from unbroken.store.objects import ObjectStore, open_store
 
 
@@ -261,3 +265,93 @@ def test_a_persisting_process_is_refused_for_an_object_store(url):
     model = torch.nn.Linear(1, 1)
     with pytest.raises(ValueError, match="local run folder"):
         unbroken.Checkpointer(url, model=model, async_save="process")
+
+
+class FailingAt(ObjectFS):
+    """An `ObjectFS` whose ``nth`` operation (reads included) raises ``OSError(EIO)``."""
+
+    def __init__(self, fs, nth):
+        super().__init__(fs)
+        self.nth, self.seen = nth, 0
+
+    def _op(self, kind, path):
+        self.seen += 1
+        if self.seen == self.nth:
+            raise OSError(errno.EIO, "injected", path)
+
+    def read_file(self, path, limit, aligned=False):
+        self._op("read", path)
+        return super().read_file(path, limit, aligned)
+
+
+def test_an_io_error_at_every_operation_of_a_save_loses_nothing(url):
+    """A save (upload, manifest, read-back, retention) failing at each of its operations in
+    turn: the save raises or succeeds, and the run then holds only verified generations, the
+    newest being the new one or the one before; a restore continues from it."""
+    base = url + "-base"
+    train(base, 6, keep=unbroken.Keep(last=2))
+    fs = memfs()
+    nth, outcomes = 1, set()
+    while True:
+        run = f"{url}-{nth}"
+        fs.copy(base + "/", run + "/", recursive=True)
+        model, opt, loader, ckpt = build(run, every=None, keep=unbroken.Keep(last=2))
+        assert ckpt.restore() == 6
+        faulty = FailingAt(ckpt.store.fs.fs, nth)
+        ckpt.store.fs = faulty
+        ckpt.store.lease.fs = faulty
+        try:
+            ckpt.save(9)
+            outcomes.add("saved")
+        except (unbroken.SaveFailed, unbroken.CorruptCheckpoint, unbroken.StoreLocked) as e:
+            outcomes.add(type(e).__name__)
+        ckpt.store.fs = ckpt.store.lease.fs = ObjectFS(faulty.fs)
+        ckpt.close()
+        store = open_store(run)
+        found = [g.generation for g in store.scan()]
+        for g in store.scan():
+            assert g.ok, g.reason
+            store.verify(g)
+        assert found[-1] in (6, 9), (nth, found)
+        model, opt, loader, ckpt = build(run)
+        assert ckpt.restore() == found[-1]
+        ckpt.close()
+        if faulty.seen < nth:  # the save needed fewer operations: every one has failed once
+            break
+        nth += 1
+    assert nth > 10 and "saved" in outcomes and "SaveFailed" in outcomes, (nth, outcomes)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_damage_to_a_manifest_is_a_verdict_never_a_crash(url, data):
+    """Random edits of the newest manifest's bytes (flips, cuts, insertions): listing gives a
+    verdict, and a restore falls back to the previous generation or refuses with a typed
+    error; nothing else escapes."""
+    base = url + "-m"
+    if not memfs().exists(base + "/gen-000000006/MANIFEST.json"):
+        train(base, 6)
+    run = f"{url}-{uuid.uuid4().hex[:6]}"
+    memfs().copy(base + "/", run + "/", recursive=True)
+    key = f"{run}/gen-000000006/MANIFEST.json"
+    raw = bytearray(memfs().cat_file(key))
+    for _ in range(data.draw(st.integers(1, 4))):
+        where = data.draw(st.integers(0, max(0, len(raw) - 1)))
+        how = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if how == "flip" and raw:
+            raw[where] ^= data.draw(st.integers(1, 255))
+        elif how == "cut":
+            del raw[where:where + data.draw(st.integers(1, 64))]
+        else:
+            raw[where:where] = data.draw(st.binary(min_size=1, max_size=16))
+    memfs().pipe_file(key, bytes(raw))
+    for g in open_store(run).scan():
+        assert g.status in ("complete", "corrupt")
+    model, opt, loader, ckpt = build(run)
+    try:
+        assert ckpt.restore() in (3, 6)
+    except unbroken.UnbrokenError:
+        pass
+    finally:
+        ckpt.close()

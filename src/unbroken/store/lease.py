@@ -44,14 +44,27 @@ class Lease:
         return json.dumps({"lease": token, "pid": os.getpid(), "host": socket.gethostname(),
                            "expires": time.time() + self.seconds}).encode()
 
-    def holder(self) -> dict[str, Any] | None:
-        """What the lease object says, or None when there is none or it is unreadable."""
+    def _read(self) -> dict[str, Any] | None:
+        """What the lease object says; None when there is none or it is not a lease. An I/O
+        error propagates: it says nothing about who holds the lease."""
         try:
-            raw = json.loads(bytes(self.fs.read_file(self.path, 4096)))
-        except (OSError, ValueError, CorruptCheckpoint):
+            data = self.fs.read_file(self.path, 4096)
+        except (FileNotFoundError, CorruptCheckpoint):
+            return None
+        try:
+            raw = json.loads(bytes(data))
+        except ValueError:
             return None
         return raw if isinstance(raw, dict) and isinstance(raw.get("expires"),
                                                            (int, float)) else None
+
+    def holder(self) -> dict[str, Any] | None:
+        """`_read`, with an unreadable lease taken as none (best effort: taking over,
+        giving back)."""
+        try:
+            return self._read()
+        except OSError:
+            return None
 
     def acquire(self) -> None:
         """Take the lease; `StoreLocked` names the holder of a live one."""
@@ -60,7 +73,7 @@ class Lease:
             try:
                 self.fs.create_file(self.path, self._bytes(token))
             except FileExistsError:
-                holder = self.holder()
+                holder = self._read()  # unreadable (an I/O error) is never taken over
                 if holder is not None and holder["expires"] > time.time() and \
                         not _dead_here(holder):
                     raise StoreLocked(
@@ -85,7 +98,7 @@ class Lease:
             token = self.token
             if token is None:
                 raise StoreLocked(f"{self.path}: this writer's lease was lost")
-            holder = self.holder()
+            holder = self._read()  # an I/O error fails this renewal, not the lease
             if holder is None or holder.get("lease") != token:
                 self.token = None
                 raise StoreLocked(f"{self.path}: this writer's lease ({token}) expired and "

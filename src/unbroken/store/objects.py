@@ -33,12 +33,13 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..errors import CommitConflict, CorruptCheckpoint
+from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun
 from .aside import _ASIDE_NAME, ASIDE, ASIDE_REASONS, AsideEntry
 from .backends.local import fault_point
 from .backends.objects import ObjectFS
 from .generations import GenerationInfo, GenerationStore, generation_name
 from .lease import LEASE, Lease
+from .lock import errno_text
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 UPLOAD_PREFIX = "u-"
@@ -66,7 +67,13 @@ class ObjectStore(GenerationStore):
 
     def lock(self) -> None:
         """Take the run's lease (`lease.Lease`), then remove the debris a dead writer left."""
-        self.lease.acquire()
+        try:
+            self.lease.acquire()
+        except OSError as e:
+            raise ReadOnlyRun(f"{self.lease.path}: cannot take the run's lease: "
+                              f"{errno_text(e)}. Restoring from this run works; saving needs "
+                              "a store this process can write (check the credentials, the "
+                              "endpoint and the bucket)") from None
         self._clean_debris()
 
     def renew(self) -> None:
@@ -157,9 +164,10 @@ class ObjectStore(GenerationStore):
                                             f"bytes, the manifest lists {a.size}")
         except FileNotFoundError:
             return None  # deleted while we looked
-        except (CorruptCheckpoint, OSError) as e:
-            reason = str(e) if isinstance(e, CorruptCheckpoint) else f"{where}: unreadable ({e})"
-            return GenerationInfo(generation, prefix, "corrupt", reason)
+        except CorruptCheckpoint as e:
+            return GenerationInfo(generation, prefix, "corrupt", str(e))
+        # Any other OSError propagates: a store that failed to answer (a timeout, a 503)
+        # says nothing about the generation, which must not be moved aside for it.
         return GenerationInfo(generation, path, "complete", "", manifest)
 
     def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:

@@ -11,7 +11,7 @@ An object store has no rename, no fsync and no hard links; what it has instead:
   fallback (check, then write) does not.
 
 Every operation counts for ``$UNBROKEN_KILL_AT_OP`` as `LocalFS` does (``create`` before an
-upload starts, ``write`` per chunk, ``fsync`` just before the upload completes, ``unlink``), so
+upload starts, ``write`` per chunk gathered, ``fsync`` just before the upload, ``unlink``), so
 the crash torture runs against object stores too. Errors of the client library (botocore's
 and others) surface as ``OSError`` naming the object, never as the library's own types."""
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import errno
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,8 +30,8 @@ from .local import ALIGN, READ, io_fault_point
 
 # Stores whose conditional create is atomic on the server (or, for memory://, in-process).
 ATOMIC_CREATE = ("s3", "s3a", "gs", "gcs", "memory")
-_PART = 16 << 20  # multipart part size (S3 needs >= 5 MiB); smaller objects go in one PUT
-_CHUNK = 8 << 20  # read size while hashing
+_RANGE = 16 << 20  # one ranged read
+_PARALLEL = 4  # ranged reads in flight at once
 
 T = TypeVar("T")
 
@@ -70,47 +70,25 @@ class ObjectFS:
     @_translating
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
         """Upload ``path`` (a fresh key), hashing on the way; return (size, xxh3-128 hex).
-        Large objects go up as a multipart upload, part by part; the upload completes only
-        after the last part, and an upload that fails midway is aborted, so the object
-        exists whole or not at all. The stored size is then checked against what was sent."""
+        The object's bytes are gathered first (one copy of this artifact in memory), then
+        sent as one PUT or, when large, as a multipart upload whose parts go up in parallel
+        and each confirmed (s3fs aborts the upload if one fails), so the object exists whole
+        or not at all. The stored size is then checked against what was sent."""
         h = xxhash.xxh3_128()
-        size = 0
         self._op("create", path)
-        pending: list[bytes | memoryview] = []
-        held = 0
-        stream = None
-        try:
-            for chunk in chunks:
-                view = memoryview(chunk).cast("B")
-                self._op("write", path)
-                h.update(view)
-                size += len(view)
-                pending.append(view)
-                held += len(view)
-                if held >= _PART:
-                    if stream is None:
-                        stream = self.fs.open(path, "wb", block_size=_PART)
-                    for piece in pending:
-                        stream.write(piece)
-                    pending, held = [], 0
-            self._op("fsync", path)
-            if stream is None:
-                self.fs.pipe_file(path, b"".join(pending))
-            else:
-                for piece in pending:
-                    stream.write(piece)
-                stream.close()
-                stream = None
-        finally:
-            if stream is not None:  # never complete a partial upload: abort it
-                discard = getattr(stream, "discard", None)
-                if discard is not None:
-                    discard()
+        body = bytearray()
+        for chunk in chunks:
+            view = memoryview(chunk).cast("B")
+            self._op("write", path)
+            h.update(view)
+            body += view
+        self._op("fsync", path)
+        self.fs.pipe_file(path, body)
         stored = self.fs.info(path).get("size")
-        if stored != size:
+        if stored != len(body):
             raise OSError(errno.EIO, f"the store holds {stored} bytes after an upload of "
-                          f"{size}", path)
-        return size, h.hexdigest()
+                          f"{len(body)}", path)
+        return len(body), h.hexdigest()
 
     @_translating
     def create_file(self, path: str, data: bytes) -> None:
@@ -128,41 +106,51 @@ class ObjectFS:
 
     # -- reading --------------------------------------------------------------------------------
 
-    def _open(self, path: str, limit: int) -> tuple[Any, int]:
+    def _size(self, path: str, limit: int) -> int:
         info = self.fs.info(path)
         if info.get("type") != "file":
             raise CorruptCheckpoint(f"{path}: not an object (a {info.get('type')})")
         size = info.get("size")
         if not isinstance(size, int) or size > limit:
             raise CorruptCheckpoint(f"{path}: {size} bytes, over the {limit}-byte limit")
-        return self.fs.open(path, "rb", block_size=_CHUNK, cache_type="none"), size
+        return size
+
+    def _pieces(self, path: str, size: int) -> Iterator[tuple[int, bytes]]:
+        """The object's bytes in order, as (offset, bytes): ranged reads of ``_RANGE`` bytes,
+        ``_PARALLEL`` at a time (concurrent on async stores such as s3fs), so that at most
+        ``_RANGE * _PARALLEL`` bytes are held beyond what the caller keeps."""
+        starts = list(range(0, size, _RANGE))
+        for i in range(0, len(starts), _PARALLEL):
+            window = starts[i:i + _PARALLEL]
+            ends = [min(start + _RANGE, size) for start in window]
+            got = self.fs.cat_ranges([path] * len(window), window, ends, on_error="raise")
+            for start, end, data in zip(window, ends, got, strict=True):
+                if isinstance(data, BaseException):
+                    raise data
+                if len(data) != end - start:
+                    raise CorruptCheckpoint(f"{path}: changed while being read (bytes "
+                                            f"{start}-{end} of {size} came back as "
+                                            f"{len(data)})")
+                yield start, data
 
     @_translating
     def read_file(self, path: str, limit: int, aligned: bool = False) -> Any:
         """An object of at most ``limit`` bytes: a ``bytearray``, or with ``aligned`` a
-        writable memoryview whose first byte is 64-byte aligned (as `LocalFS.read_file`)."""
+        writable memoryview whose first byte is 64-byte aligned (as `LocalFS.read_file`);
+        read in parallel ranges (`_pieces`)."""
         self._op(READ, path)
-        f, size = self._open(path, limit)
-        with f:
-            try:
-                if aligned:
-                    raw = np.empty(size + ALIGN, dtype=np.uint8)
-                    skip = -raw.ctypes.data % ALIGN
-                    view = raw[skip:skip + size].data
-                else:
-                    view = memoryview(bytearray(size))
-            except (MemoryError, OverflowError, ValueError):
-                raise CorruptCheckpoint(f"{path}: {size} bytes do not fit in memory") from None
-            got = 0
-            while got < size:
-                data = f.read(min(_CHUNK, size - got))
-                if not data:
-                    break
-                view[got:got + len(data)] = data
-                got += len(data)
-            if got != size or f.read(1):
-                raise CorruptCheckpoint(f"{path}: changed while being read ({got} of {size} "
-                                        "bytes)")
+        size = self._size(path, limit)
+        try:
+            if aligned:
+                raw = np.empty(size + ALIGN, dtype=np.uint8)
+                skip = -raw.ctypes.data % ALIGN
+                view = raw[skip:skip + size].data
+            else:
+                view = memoryview(bytearray(size))
+        except (MemoryError, OverflowError, ValueError):
+            raise CorruptCheckpoint(f"{path}: {size} bytes do not fit in memory") from None
+        for start, data in self._pieces(path, size):
+            view[start:start + len(data)] = data
         return view if aligned else view.obj
 
     def map_file(self, path: str, limit: int) -> memoryview:
@@ -170,22 +158,15 @@ class ObjectFS:
         return self.read_file(path, limit, aligned=True)  # type: ignore[no-any-return]
 
     @_translating
-    def hash_file(self, path: str, limit: int, drop_cache: bool = False,
-                  chunk: int = _CHUNK) -> tuple[int, str]:
-        """Size and xxh3-128 of an object of at most ``limit`` bytes, streamed (no copy of it
-        is held). ``drop_cache`` is accepted for `LocalFS`'s signature: every read of an
-        object store comes from the store."""
+    def hash_file(self, path: str, limit: int, drop_cache: bool = False) -> tuple[int, str]:
+        """Size and xxh3-128 of an object of at most ``limit`` bytes, hashed while streaming
+        parallel ranges (`_pieces`; no copy of the object is held). ``drop_cache`` is
+        accepted for `LocalFS`'s signature: every read of an object store comes from it."""
         self._op(READ, path)
-        f, _ = self._open(path, limit)
+        size = self._size(path, limit)
         h = xxhash.xxh3_128()
-        size = 0
-        with f:
-            while data := f.read(chunk):
-                h.update(data)
-                size += len(data)
-                if size > limit:
-                    raise CorruptCheckpoint(f"{path}: grew past the {limit}-byte limit while "
-                                            "being read")
+        for _, data in self._pieces(path, size):
+            h.update(data)
         return size, h.hexdigest()
 
     @_translating
