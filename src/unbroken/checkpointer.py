@@ -82,7 +82,8 @@ class Checkpointer(Persisting, Restoring):
 
     ``root`` is a local folder or a URL (``s3://bucket/runs/exp1``, ``gs://...``,
     ``memory://...``): an object store through fsspec, its credentials and endpoint from
-    fsspec's configuration and the environment, or ``storage_options`` (`store.objects`).
+    fsspec's configuration and the environment, or ``storage_options`` (`store.objects`);
+    ``cache_dir`` keeps what a restore downloaded, by content, for the next (`store.cache`).
 
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
@@ -98,7 +99,8 @@ class Checkpointer(Persisting, Restoring):
                  stop_check_every: int = 1, process_group: Any = None,
                  async_save: bool | str = False, async_timeout: float = 600.0,
                  incremental: bool = False, read_back: str = "sync",
-                 storage_options: Mapping[str, Any] | None = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None,
+                 cache_dir: str | os.PathLike[str] | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -167,7 +169,7 @@ class Checkpointer(Persisting, Restoring):
         if self._process and is_url(location):
             raise ValueError(f"async_save='process' writes to a local run folder; {location} "
                              "is on an object store: use async_save=True")
-        self.store = open_store(location, storage_options)
+        self.store = open_store(location, storage_options, cache_dir)
         self._writer = RunWriter(self.store, self.keep, leader=self._group.leader)
         self.fstype = "object store" if is_url(location) else filesystem_type(self.store.root)
         if self.fstype != "object store" and not rename_is_atomic(self.fstype):

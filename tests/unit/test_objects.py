@@ -355,3 +355,30 @@ def test_any_damage_to_a_manifest_is_a_verdict_never_a_crash(url, data):
         pass
     finally:
         ckpt.close()
+
+
+def test_a_local_cache_serves_the_next_restore_and_never_a_wrong_byte(url, tmp_path):
+    train(url, 6)
+    cache = tmp_path / "cache"
+
+    def restore():
+        model, opt, loader, ckpt = build(url, cache_dir=cache)
+        reads = []
+        read = ckpt.store.fs.read_file
+        ckpt.store.fs.read_file = lambda p, *a, **k: reads.append(p) or read(p, *a, **k)
+        assert ckpt.restore() == 6
+        ckpt.close()
+        return [p.rsplit("/", 1)[1] for p in reads if "/u-" in p], model.state_dict()
+
+    first, state = restore()
+    assert sorted(first) == ["model.safetensors", "optimizer.safetensors", "rng.safetensors",
+                             "state.json"]
+    assert len(list(cache.iterdir())) == 4
+    second, again = restore()
+    assert second == [] and same(state, again)  # every artifact from the cache
+    for f in cache.iterdir():  # a damaged cache entry is read from the store instead
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    third, again = restore()
+    assert len(third) == 4 and same(state, again)

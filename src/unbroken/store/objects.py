@@ -37,10 +37,11 @@ from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun
 from .aside import _ASIDE_NAME, ASIDE, ASIDE_REASONS, AsideEntry
 from .backends.local import fault_point
 from .backends.objects import ObjectFS
+from .cache import ReadCache
 from .generations import GenerationInfo, GenerationStore, generation_name
 from .lease import LEASE, Lease
 from .lock import errno_text
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
 
 UPLOAD_PREFIX = "u-"
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
@@ -53,11 +54,13 @@ class ObjectStore(GenerationStore):
 
     fs: ObjectFS  # type: ignore[assignment]
 
-    def __init__(self, url: str, fs: ObjectFS, lease_seconds: float = 60.0) -> None:
+    def __init__(self, url: str, fs: ObjectFS, lease_seconds: float = 60.0,
+                 cache: ReadCache | None = None) -> None:
         super().__init__(os.sep, None)
         self.root = url.rstrip("/")
         self.fs = fs
         self.lease = Lease(fs, f"{self.root}/{LEASE}", lease_seconds)
+        self.cache = cache
 
     # -- the lease ------------------------------------------------------------------------------
 
@@ -184,8 +187,21 @@ class ObjectStore(GenerationStore):
 
     def read_verified(self, info: GenerationInfo, names: Any = None, advance: Any = None,
                       mapped: Any = None, map_if: Any = None) -> dict[str, Any]:
-        """As `GenerationStore.read_verified`; nothing is mapped from an object store."""
-        return super().read_verified(info, names, advance)
+        """As `GenerationStore.read_verified`; nothing is mapped from an object store, and
+        with a `ReadCache` artifacts already cached (and hashing right) are read from it."""
+        out = super().read_verified(info, names, advance)
+        if self.cache is not None and info.manifest is not None:
+            self.cache.keep_only(a for a in info.manifest.artifacts if a.name in out)
+        return out
+
+    def _read_artifact(self, folder: str, a: Artifact) -> bytes:
+        cached = self.cache.get(a) if self.cache is not None else None
+        if cached is not None:
+            return cached  # type: ignore[no-any-return]
+        data = super()._read_artifact(folder, a)  # from the store, hash-checked
+        if self.cache is not None:
+            self.cache.put(a, data)
+        return data
 
     # -- changing the run (writer only) ---------------------------------------------------------
 
@@ -317,11 +333,12 @@ def is_url(location: object) -> bool:
         not location.startswith("file://")
 
 
-def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
-               ) -> GenerationStore:
+def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
+               cache_dir: str | os.PathLike[str] | None = None) -> GenerationStore:
     """The store of a run: a local folder, or a URL that fsspec resolves (its standard
     configuration and environment apply: ``AWS_*``, ``FSSPEC_S3_*``, ...; ``storage_options``
-    are passed to the filesystem, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``)."""
+    are passed to the filesystem, e.g. ``{"endpoint_url": ..., "key": ..., "secret": ...}``).
+    ``cache_dir``: a local `ReadCache` for restores from an object store."""
     if not is_url(location):
         path = os.fspath(location)
         return GenerationStore(path[len("file://"):] if path.startswith("file://") else path)
@@ -336,4 +353,5 @@ def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, A
                          ) from None
     # The URL as the filesystem writes it back (memory://x is memory:///x): listings then
     # name objects under the same root.
-    return ObjectStore(str(fs.unstrip_protocol(fs._strip_protocol(url))), ObjectFS(fs))
+    return ObjectStore(str(fs.unstrip_protocol(fs._strip_protocol(url))), ObjectFS(fs),
+                       cache=ReadCache(cache_dir) if cache_dir is not None else None)
