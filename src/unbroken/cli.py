@@ -16,14 +16,24 @@ anything from it. To add a command, write one function and register it with ``@c
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
+from ._commands import (
+    COMMANDS,
+    EXIT_OK,
+    EXIT_PROBLEM,
+    EXIT_USAGE,
+    Command,
+    arg,
+    command,
+    count,
+    emit,
+    error,
+    fail,
+    seconds,
+    tolerance,
+)
 from ._runview import (
     UsageError,
     aside_entries,
@@ -40,73 +50,26 @@ from ._runview import (
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .proof.checkplan import PHASES
 
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
 
 
-# -- command registry ---------------------------------------------------------------------------
+def _load_tools() -> None:
+    """Import every module of `unbroken.tools`: each registers its own commands."""
+    import importlib
+    import pkgutil
 
-Argument = tuple[tuple[str, ...], dict[str, Any]]
-Runner = Callable[[argparse.Namespace], int]
+    from . import tools
 
-
-def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an integer >= ``minimum``."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{text}: at least {minimum}")
-        return value
-    parse.__name__ = "integer"
-    return parse
-
-
-def _tolerance(text: str) -> float:
-    """An argparse type: a finite float >= 0."""
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: a finite number >= 0")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = _tolerance(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"{text}: more than 0 seconds")
-    return value
-
-
-def arg(*flags: str, **kwargs: Any) -> Argument:
-    """An ``add_argument`` call, written down for ``@command``."""
-    return flags, kwargs
-
-
-@dataclass(frozen=True)
-class Command:
-    name: str
-    help: str
-    run: Runner
-    arguments: tuple[Argument, ...]
-
-
-COMMANDS: dict[str, Command] = {}
-
-
-def command(name: str, help: str, *arguments: Argument
-            ) -> Callable[[Runner], Runner]:
-    """Register a subcommand; ``--json`` is added to every command."""
-    def register(run: Runner) -> Runner:
-        if name in COMMANDS:
-            raise ValueError(f"command {name!r} registered twice")
-        COMMANDS[name] = Command(name, help, run, arguments)
-        return run
-    return register
+    for module in pkgutil.iter_modules(tools.__path__):
+        if not module.name.startswith("_"):
+            importlib.import_module(f"{tools.__name__}.{module.name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
+    _load_tools()
     parser = argparse.ArgumentParser(
         prog="unbroken", description="Resume PyTorch training runs exactly, and prove it.",
         epilog="exit status: 0 good, 1 a problem was found, 2 usage or environment error")
@@ -131,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     cmd: Command | None = getattr(args, "command", None)
     if cmd is None:
         parser.print_usage(sys.stderr)
-        _error("a command is required (see unbroken --help)")
+        error("a command is required (see unbroken --help)")
         return EXIT_USAGE
     try:
         return cmd.run(args)
     except UsageError as e:
-        return _fail(args, str(e), EXIT_USAGE)
+        return fail(args, str(e), EXIT_USAGE)
     except BrokenPipeError:  # the reader went away (`unbroken inspect RUN | head`)
         try:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -144,54 +107,14 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return EXIT_USAGE
     except _PROBLEMS as e:
-        return _fail(args, str(e), EXIT_PROBLEM)
+        return fail(args, str(e), EXIT_PROBLEM)
     except (UnbrokenError, OSError) as e:
-        return _fail(args, str(e), EXIT_USAGE)
+        return fail(args, str(e), EXIT_USAGE)
     except KeyboardInterrupt:
-        return _fail(args, "interrupted", 130)
+        return fail(args, "interrupted", 130)
     except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
-        return _fail(args, f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please "
+        return fail(args, f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please "
                            "report it with this message)", EXIT_USAGE)
-
-
-def _fail(args: argparse.Namespace, message: str, code: int) -> int:
-    """Report an error: on stderr, and with ``--json`` also as a JSON document on stdout."""
-    _error(message)
-    if getattr(args, "json", False):
-        print(json.dumps({"ok": False, "error": message, "exit_status": code}, indent=2))
-    return code
-
-
-# -- output -------------------------------------------------------------------------------------
-
-
-def _error(message: str) -> None:
-    print(f"unbroken: error: {_printable(message)}", file=sys.stderr)
-
-
-def _printable(text: str) -> str:
-    """Escape control characters: names and summaries come from files we do not trust."""
-    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
-
-
-def _json_safe(obj: Any) -> Any:
-    """Standard JSON: NaN and infinities (a NaN loss metric) become "nan", "inf", "-inf"."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return repr(obj)
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
-def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool) -> int:
-    """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``."""
-    if args.json:
-        print(json.dumps(_json_safe(payload), indent=2, allow_nan=False))
-    else:
-        print(_printable(text))
-    return EXIT_OK if ok else EXIT_PROBLEM
 
 
 @command("inspect", "list generations, their status and the newest one's identity",
@@ -267,20 +190,20 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
 
 
 @command("check", "prove that a training script resumes exactly: kill it, resume, compare",
-         arg("--at", type=_count(1), action="append", default=[], metavar="K",
+         arg("--at", type=count(1), action="append", default=[], metavar="K",
              help="interrupt at update K only (repeatable; each its own case)"),
-         arg("--random", type=_count(0), default=0, metavar="N",
+         arg("--random", type=count(0), default=0, metavar="N",
              help="add N random interruption points to the default plan"),
          arg("--seed", type=int, default=0, metavar="S", help="seed of the random points"),
          arg("--phase", action="append", default=[], choices=PHASES,
              help="how to interrupt (repeatable): after-update, mid-save, after-commit, "
                   "mid-update (SIGKILL) or sigterm (the script must stop cleanly); default: "
                   "each place's own"),
-         arg("--rtol", type=_tolerance, default=0.0,
+         arg("--rtol", type=tolerance, default=0.0,
              help="relative tolerance (default: exact)"),
-         arg("--atol", type=_tolerance, default=0.0,
+         arg("--atol", type=tolerance, default=0.0,
              help="absolute tolerance (default: exact)"),
-         arg("--exact-steps", type=_count(0), default=None, metavar="N",
+         arg("--exact-steps", type=count(0), default=None, metavar="N",
              help="with a tolerance: still exact for the first N updates after each resume"),
          arg("--plot", metavar="FILE.png", help="draw losses and their differences"),
          arg("--workdir", metavar="DIR", help="keep runs, traces and logs in DIR"),
@@ -291,7 +214,7 @@ _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")
              "rank R of a job only)"),
          arg("--reference", metavar="TRACE", help="reuse the trace of an earlier uninterrupted "
              "run of the same command (its workdir's reference/trace.jsonl)"),
-         arg("--timeout", type=_seconds, default=600.0, help="seconds allowed per process"),
+         arg("--timeout", type=seconds, default=600.0, help="seconds allowed per process"),
          arg("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ARGS",
              help="the training command"))
 def _check(args: argparse.Namespace) -> int:

@@ -1,0 +1,117 @@
+"""The command registry of the ``unbroken`` command line and its output conventions, below
+``cli.py`` so that the tools' own modules (`tools`) register their commands here without
+importing the command line itself. (Moved out of ``cli.py`` unchanged.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+# -- command registry ---------------------------------------------------------------------------
+
+Argument = tuple[tuple[str, ...], dict[str, Any]]
+Runner = Callable[[argparse.Namespace], int]
+
+
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text}: at least {minimum}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def tolerance(text: str) -> float:
+    """An argparse type: a finite float >= 0."""
+    value = float(text)
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text}: a finite number >= 0")
+    return value
+
+
+def seconds(text: str) -> float:
+    value = tolerance(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text}: more than 0 seconds")
+    return value
+
+
+def arg(*flags: str, **kwargs: Any) -> Argument:
+    """An ``add_argument`` call, written down for ``@command``."""
+    return flags, kwargs
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    run: Runner
+    arguments: tuple[Argument, ...]
+
+
+COMMANDS: dict[str, Command] = {}
+
+
+def command(name: str, help: str, *arguments: Argument
+            ) -> Callable[[Runner], Runner]:
+    """Register a subcommand; ``--json`` is added to every command."""
+    def register(run: Runner) -> Runner:
+        if name in COMMANDS:
+            raise ValueError(f"command {name!r} registered twice")
+        COMMANDS[name] = Command(name, help, run, arguments)
+        return run
+    return register
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def fail(args: argparse.Namespace, message: str, code: int) -> int:
+    """Report an error: on stderr, and with ``--json`` also as a JSON document on stdout."""
+    error(message)
+    if getattr(args, "json", False):
+        print(json.dumps({"ok": False, "error": message, "exit_status": code}, indent=2))
+    return code
+
+
+# -- output -------------------------------------------------------------------------------------
+
+
+def error(message: str) -> None:
+    print(f"unbroken: error: {printable(message)}", file=sys.stderr)
+
+
+def printable(text: str) -> str:
+    """Escape control characters: names and summaries come from files we do not trust."""
+    return "".join(c if c.isprintable() or c in "\n\t" else repr(c)[1:-1] for c in text)
+
+
+def json_safe(obj: Any) -> Any:
+    """Standard JSON: NaN and infinities (a NaN loss metric) become "nan", "inf", "-inf"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool) -> int:
+    """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``."""
+    if args.json:
+        print(json.dumps(json_safe(payload), indent=2, allow_nan=False))
+    else:
+        print(printable(text))
+    return EXIT_OK if ok else EXIT_PROBLEM
