@@ -27,7 +27,7 @@ from .saving import (
 from .state.identity import Identity, environment
 from .state.incremental import HeldFile, Linked, Plan, held_files
 from .store.generations import GenerationInfo, GenerationStore, generation_name
-from .store.manifest import Artifact, Manifest
+from .store.manifest import TO_COMMIT, Artifact, Manifest
 from .store.retention import Keep
 from .store.runrecord import RunRecord
 from .trace import TraceRecorder
@@ -101,7 +101,8 @@ class Persisting:
         fields = self._manifest_fields(step, tree, values, group.size)
 
         def make_manifest(written: list[Artifact]) -> Manifest:
-            return Manifest(artifacts=written, **fields)
+            return Manifest(artifacts=written, **fields,
+                            timings={TO_COMMIT: round(time.monotonic() - started, 6)})
 
         try:
             if group.active:

@@ -28,6 +28,7 @@ from ..state.jsontext import dumps_json, loads_json
 SCHEMA = "unbroken.manifest/1"
 MANIFEST = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+TO_COMMIT = "to_commit_seconds"  # timings: a save's start to its manifest
 CHECKSUM = "checksum"  # the manifest's own field: xxh3-128 hex of every other field
 # Plain file names only: no separators, no "..", no leading dot, nothing a shell or a
 # filesystem could reinterpret. Confinement to the generation folder follows from this.
@@ -68,6 +69,9 @@ class Manifest:
     # On an object store: the upload folder (``u-<id>``) inside the generation's prefix that
     # holds its artifacts; empty for a local generation (its files are beside the manifest).
     folder: str = ""
+    # Seconds from the save's start to this manifest (encoding and writing every artifact; a
+    # sync save's read-back comes after): what `unbroken plan RUN` measures a save by.
+    timings: dict[str, float] = field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         """The committed bytes: canonical JSON of every field, sealed with its checksum.
@@ -78,6 +82,8 @@ class Manifest:
                              for k, v in self.metrics.items()}
         if not self.folder:
             del fields["folder"]  # a local manifest's bytes stay as before object stores
+        if not self.timings:
+            del fields["timings"]
         return seal(fields)
 
     def artifact(self, name: str) -> Artifact | None:
@@ -192,8 +198,14 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     if not isinstance(folder, str) or folder and not valid_artifact_name(folder):
         raise CorruptCheckpoint(f"{where}: field 'folder' should be a plain folder name, found "
                                 f"{folder!r:.40}")
+    timings = raw.get("timings", {})
+    if not isinstance(timings, dict) or not all(
+            isinstance(k, str) and type(v) in (int, float) and 0 <= v <= _FLOAT_MAX
+            for k, v in timings.items()):
+        raise CorruptCheckpoint(f"{where}: field 'timings' should map names to seconds, found "
+                                f"{timings!r:.60}")
     return Manifest(
-        world_size=world_size, folder=folder,
+        world_size=world_size, folder=folder, timings={k: float(v) for k, v in timings.items()},
         generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
         artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
         origin=need("origin", dict, optional=True), identity=need("identity", dict),
