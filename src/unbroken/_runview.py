@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
 from ._table import human_size, table
-from .errors import UnbrokenError
+from .errors import CorruptCheckpoint, UnbrokenError
 from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 from .store.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store.objects import ObjectStore, is_url, open_store
@@ -221,11 +222,17 @@ def aside_lines(entries: list[dict[str, Any]]) -> list[str]:
             table(["folder", "reason", "moved", "size"], rows, right=(3,), indent="  ")]
 
 
-def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None
-               ) -> dict[str, Any]:
+Problems = Callable[[dict[str, Any], Manifest, str, Any], list[str]]
+
+
+def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None,
+               deep: Problems | None = None) -> dict[str, Any]:
     """Re-hash every artifact (streaming), then decode the generation's structure (headers,
     references, stamps) from copy-on-write mappings: memory stays bounded by the headers
-    and ``state.json``, whatever the size of the tensors."""
+    and ``state.json``, whatever the size of the tensors. ``deep(tree, manifest, path,
+    shards)`` lists what else is wrong with the decoded state (`tools.deep`): any problem
+    makes the generation corrupt, all of them listed in ``problems``."""
+    from .dist.sharded import SHARDS_FILE, read_index
     from .state.parts import STATE_FILE, check_sizes, check_stamps, decode_generation
 
     rec = record(store, info, run)
@@ -237,11 +244,19 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
         check_sizes(m, info.path)  # before reading a byte
         store.verify(info)  # every byte re-hashed against the manifest, one buffer at a time
         files = {a.name: (store.fs.read_file(os.path.join(info.path, a.name), a.size)
-                          if a.name == STATE_FILE else
+                          if a.name in (STATE_FILE, SHARDS_FILE) else
                           store.fs.map_file(os.path.join(info.path, a.name), a.size))
                  for a in m.artifacts}
         tree, meta = decode_generation(files, info.path)  # headers, references, stamps
         check_stamps(m, info.path, tree, meta)
+        if deep is not None:
+            index = (read_index(files[SHARDS_FILE], f"{info.path}/{SHARDS_FILE}")
+                     if SHARDS_FILE in files else None)
+            problems = deep(tree, m, info.path, index)
+            if problems:
+                rec["problems"] = problems
+                more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+                raise CorruptCheckpoint("; ".join(problems[:5]) + more)
     except UnbrokenError as e:
         rec.update(status="corrupt", reason=str(e))
     except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results

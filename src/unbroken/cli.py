@@ -158,7 +158,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 @command("verify", "re-hash and fully decode generations",
          arg("run", metavar="RUN", help="the run folder"),
-         arg("--generation", type=int, metavar="N", help="verify only generation N"))
+         arg("--generation", type=int, metavar="N", help="verify only generation N"),
+         arg("--deep", action="store_true",
+             help="also check that every weight and optimizer tensor is finite and that the "
+                  "optimizer, scheduler and scaler state could load and train"))
 def _verify(args: argparse.Namespace) -> int:
     """Re-hash every artifact of every generation of RUN (or only --generation N) against its
     manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
@@ -173,7 +176,10 @@ def _verify(args: argparse.Namespace) -> int:
             raise UsageError(f"{store.root}: no generation {args.generation} (found "
                              f"{found or 'none'})")
     run = folder_run_record(store, store.scan())
-    records = [verify_one(store, g, run) for g in scanned]
+    from .tools.deep import deep_problems
+
+    records = [verify_one(store, g, run, deep_problems if args.deep else None)
+               for g in scanned]
     ok = all(r["status"] == "verified" for r in records)
     payload = {"run": store.root, "generations": records, "ok": ok}
     if not records:

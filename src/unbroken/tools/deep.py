@@ -1,0 +1,387 @@
+"""The checks behind ``unbroken verify --deep``: what a hash cannot see.
+
+Plain verification proves that every file holds the bytes its manifest names and that the
+state decodes. A generation can pass that and still never train: a NaN or an inf in a weight
+(the silent corruption large runs report), an optimizer moment whose shape no parameter has
+(a resealed ``exp_avg`` of shape [2**40, 0] decodes, loads, and fails at the first step), an
+impossible hyperparameter, or a scheduler or GradScaler state torch's own classes could not
+hold. `deep_problems` reads the decoded state tree (`unbroken.state.parts.decode_generation`)
+and names each such problem; it changes nothing and imports no user code.
+
+It is tolerant of what legitimately varies: parts that are absent, an optimizer without
+state yet, extras of any shape, third-party optimizers (whose state layouts are their own
+business: only finiteness, names and ``step`` are checked there), and an inf in a model
+tensor no optimizer trains (a persistent attention mask holds -inf by design)."""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import shown
+from ..state.parts import MODEL, OPTIMIZER, SCALER, SCHEDULER, STATE_FILE
+from ..store.manifest import Manifest
+
+__all__ = ["deep_problems"]
+
+SHARDS_FILE = "shards.json"  # (as `unbroken.dist.sharded`, without importing torch.distributed)
+
+# Elements per pass of a finiteness scan: the temporaries (16 MiB masks, a 64 MiB float32 copy
+# of a float8 chunk) stay bounded whatever the size of the tensor, which is a mapped file.
+_CHUNK = 1 << 24
+_NATIVE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                     torch.complex64, torch.complex128})  # isfinite/isnan/isinf run on these
+_MAX_DEPTH = 64
+
+# Per-parameter state that torch's own optimizers keep elementwise, with the parameter's shape
+# exactly (checked in torch 2.13: Adam, AdamW, Adamax, NAdam, RAdam, SGD, RMSprop, Adagrad,
+# Adadelta, ASGD, Rprop, SparseAdam, Muon; Adafactor's ``variance`` of 0-d and 1-d parameters).
+_MIRRORS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                      "square_avg", "grad_avg", "acc_delta", "sum", "ax", "exp_inf", "prev",
+                      "step_size", "variance"})
+_TORCH_OPTIM = "torch.optim."  # the module prefix of the classes whose layouts are known here
+
+_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
+                "_growth_tracker")  # torch.amp.GradScaler.state_dict() when enabled
+
+
+def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
+                  shards: Mapping[str, Any] | None = None) -> list[str]:
+    """Every problem of a decoded, hash-verified generation that would keep it from loading
+    or training correctly, one message each (file, key, what was expected, what was found);
+    an empty list when there is none.
+
+    ``tree`` is what ``decode_generation`` returns for the generation's shared files,
+    ``manifest`` its manifest (file names), ``where`` its folder. ``shards`` is its
+    validated ``shards.json`` (`unbroken.dist.sharded.read_index`) when it has one: the
+    global shapes of sharded tensors, which the tree does not hold. Without it, names and
+    shapes of a sharded generation are not checked (the tree lacks the sharded tensors)."""
+    out: list[str] = []
+    names = {a.name for a in manifest.artifacts}
+    state_json = f"{where}/{STATE_FILE}"
+    sharded = _sharded_shapes(shards)
+    shapes: dict[str, tuple[int, ...]] | None = None  # the model's tensors; None: unknown
+    model = tree.get(MODEL)
+    if MODEL in tree and not isinstance(model, Mapping):
+        out.append(f"{state_json}: the model part is a {type(model).__name__}; expected a "
+                   "mapping of tensor names to tensors")
+    elif isinstance(model, Mapping) and (SHARDS_FILE not in names or shards is not None):
+        shapes = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+        shapes.update({p[1]: s for p, s in sharded.items() if len(p) == 2 and p[0] == MODEL})
+    trained: set[str] = set()  # the parameters the optimizer's groups list
+    groups = None
+    later: list[str] = []  # the optimizer's problems, reported after the model's
+    if OPTIMIZER in tree:
+        groups = _optimizer(tree[OPTIMIZER], shapes, sharded, _file(where, names, OPTIMIZER),
+                            state_json, trained, later)
+    if isinstance(model, Mapping):
+        file = _file(where, names, MODEL)
+        for key, t in model.items():
+            if isinstance(t, torch.Tensor):
+                # inf only where no optimizer trains it: a persistent attention mask holds
+                # -inf by design, a trained weight never does; NaN is never legitimate
+                out.extend(_finite(t, f"model tensor {key!r}", file,
+                                   allow_inf=key not in trained))
+    out.extend(later)
+    if SCHEDULER in tree:
+        _scheduler(tree[SCHEDULER], "scheduler", groups, state_json, out, 0)
+    if SCALER in tree:
+        _scaler(tree[SCALER], state_json, out)
+    return out
+
+
+# -- the optimizer ------------------------------------------------------------------------------
+
+
+def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
+               sharded: Mapping[tuple[Any, ...], tuple[int, ...]], file: str, state_json: str,
+               trained: set[str], out: list[str]) -> int | None:
+    """Check the optimizer part (name-keyed, see `unbroken.state.optim`); fill ``trained``
+    with the parameter names its groups list; return the number of groups (None: unknown)."""
+    groups = opt.get("param_groups") if isinstance(opt, Mapping) else None
+    state = opt.get("state") if isinstance(opt, Mapping) else None
+    if (not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups)
+            or not isinstance(state, Mapping)):
+        out.append(f"{state_json}: the optimizer part needs 'param_groups' (a list of "
+                   f"mappings) and 'state' (a mapping); found {shown(_kinds(opt), 80)}")
+        return None
+    cls = opt.get("class")
+    known = isinstance(cls, str) and cls.startswith(_TORCH_OPTIM)
+    for gi, g in enumerate(groups):
+        params = g.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            out.append(f"{state_json}: optimizer param group {gi} 'params' is "
+                       f"{shown(params)}; expected a list of parameter names")
+            continue
+        trained.update(params)
+        if shapes is not None:
+            out.extend(f"{state_json}: optimizer param group {gi} lists parameter {p!r}, "
+                       "which the model does not have" for p in params if p not in shapes)
+        _hyperparameters(g, gi, file, state_json, out)
+    for name, entry in state.items():
+        label = f"optimizer state[{name!r}]"
+        if not isinstance(entry, Mapping):
+            out.append(f"{state_json}: {label} is a {type(entry).__name__}; expected a "
+                       "mapping")
+            continue
+        if name not in trained:
+            out.append(f"{state_json}: {label}: no param group lists {name!r}; the state of "
+                       "a parameter the optimizer does not train could never load")
+        if shapes is not None and name not in shapes:
+            out.append(f"{state_json}: {label}: the model has no parameter {name!r}")
+        param = shapes.get(name) if shapes is not None else None
+        found = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor)}
+        found.update({p[3]: s for p, s in sharded.items()
+                      if len(p) == 4 and p[:3] == (OPTIMIZER, "state", name)})
+        for key, shape in found.items():
+            want = _expected(key, param) if known and param is not None else None
+            if want is not None and shape != want:
+                out.append(f"{file}: {label}[{key!r}] has shape {list(shape)}; expected "
+                           f"{list(want)}, as {cls} keeps it for parameter {name!r} of "
+                           f"shape {list(param or ())}")
+        if "step" in entry:
+            step = _number(entry["step"])
+            if step is None or not math.isfinite(step) or step < 0:
+                out.append(f"{_at(entry['step'], file, state_json)}: {label}['step'] is "
+                           f"{_show(entry['step'])}; expected a finite scalar >= 0")
+        for path, t in _tensors(entry, label):
+            if not path.endswith("['step']"):  # (reported above, with its own bound)
+                out.extend(_finite(t, path, file))
+    return len(groups)
+
+
+def _expected(key: str, param: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The shape torch's optimizers give state ``key`` of a parameter of shape ``param``;
+    None where it is not fixed by the parameter (scalars, LBFGS's flat vectors, ...)."""
+    if key in _MIRRORS:
+        return param
+    if key == "row_var" and len(param) > 1:  # Adafactor's factored second moment
+        return (*param[:-1], 1)
+    if key == "col_var" and len(param) > 1:
+        return (*param[:-2], 1, param[-1])
+    return None
+
+
+# Group settings whose valid range torch's optimizers check when they are built (a resealed
+# value is never checked again): (low bound, low inclusive, high bound).
+_RANGES = {"lr": (0.0, True, None), "initial_lr": (0.0, True, None),
+           "weight_decay": (0.0, True, None), "momentum": (0.0, True, None),
+           # (torch accepts eps == 0, so a run may legitimately hold it)
+           "eps": (0.0, True, None), "betas": (0.0, True, 1.0)}
+
+
+def _hyperparameters(g: Mapping[str, Any], gi: int, file: str, state_json: str,
+                     out: list[str]) -> None:
+    for key, (low, inclusive, high) in _RANGES.items():
+        value = g.get(key)
+        # betas (and Adafactor's eps) are tuples; None inside one means "not used"
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, v in items:
+            x = _number(v)
+            if v is None or (x is None and not isinstance(v, torch.Tensor)):
+                continue  # not a number: another optimizer's meaning of the name
+            ok = (x is not None and math.isfinite(x) and (x >= low if inclusive else x > low)
+                  and (high is None or x < high))
+            if not ok:
+                span = (f"a finite number {'>=' if inclusive else '>'} {low:g}"
+                        + (f" and < {high:g}" if high is not None else ""))
+                at = "" if i is None else f"[{i}]"
+                out.append(f"{_at(v, file, state_json)}: optimizer param group {gi} "
+                           f"{key!r}{at} is {_show(v)}; expected {span}")
+
+
+# -- the scheduler and the scaler ---------------------------------------------------------------
+
+
+def _scheduler(state: Any, label: str, groups: int | None, state_json: str, out: list[str],
+               depth: int) -> None:
+    """A torch LR scheduler's state (recognised by its keys: the part holds no class name).
+    Every ``LRScheduler`` subclass of torch 2.13 keeps ``last_epoch``, ``base_lrs`` and
+    ``_last_lr`` (ReduceLROnPlateau and SequentialLR lack ``base_lrs``, ChainedScheduler also
+    ``last_epoch``; the last two nest their schedulers' states in ``_schedulers``)."""
+    if not isinstance(state, Mapping):
+        out.append(f"{state_json}: {label} state is a {type(state).__name__}; expected a "
+                   "mapping")
+        return
+    if not any(k in state for k in ("base_lrs", "_last_lr", "last_epoch", "_schedulers")):
+        return  # a scheduler of the user's own: its keys are its business
+    if "base_lrs" in state:
+        lacks = [k for k in ("last_epoch", "_last_lr") if k not in state]
+        if lacks:
+            out.append(f"{state_json}: {label} state has 'base_lrs' but lacks {lacks}, which "
+                       "every torch LR scheduler with base_lrs holds")
+    for key in ("base_lrs", "_last_lr"):
+        if key not in state:
+            continue
+        lrs = state[key]
+        if not isinstance(lrs, (list, tuple)):
+            out.append(f"{state_json}: {label} {key!r} is {_show(lrs)}; expected a list of "
+                       "learning rates, one per optimizer param group")
+            continue
+        if groups is not None and len(lrs) != groups:
+            out.append(f"{state_json}: {label} {key!r} has {len(lrs)} entries; expected "
+                       f"{groups}, one per optimizer param group")
+        for i, v in enumerate(lrs):
+            x = _number(v)
+            if x is None or not math.isfinite(x) or x < 0:
+                out.append(f"{state_json}: {label} {key!r}[{i}] is {_show(v)}; expected a "
+                           "finite learning rate >= 0")
+    if "last_epoch" in state:
+        x = _number(state["last_epoch"])
+        if x is None or not math.isfinite(x) or x < -1:  # torch starts at -1, then steps
+            out.append(f"{state_json}: {label} 'last_epoch' is {_show(state['last_epoch'])}; "
+                       "expected a finite number >= -1")
+    subs = state.get("_schedulers")
+    if subs is not None:
+        if not isinstance(subs, (list, tuple)) or depth >= _MAX_DEPTH:
+            out.append(f"{state_json}: {label} '_schedulers' is {_show(subs)}; expected a "
+                       "list of the chained schedulers' states")
+            return
+        for i, sub in enumerate(subs):
+            _scheduler(sub, f"{label} '_schedulers'[{i}]", groups, state_json, out, depth + 1)
+
+
+def _scaler(state: Any, state_json: str, out: list[str]) -> None:
+    """torch.amp.GradScaler's state: empty when disabled, else all of `_SCALER_KEYS`
+    (``load_state_dict`` reads each one), a positive finite scale and factors, and integer
+    counters."""
+    if not isinstance(state, Mapping):
+        out.append(f"{state_json}: scaler state is a {type(state).__name__}; expected a "
+                   "mapping")
+        return
+    if not any(k in state for k in _SCALER_KEYS):
+        return  # disabled (empty), or a scaler of the user's own
+    lacks = [k for k in _SCALER_KEYS if k not in state]
+    if lacks:
+        out.append(f"{state_json}: scaler state lacks {lacks}; GradScaler.load_state_dict "
+                   "reads every one of them")
+    for key in ("scale", "growth_factor", "backoff_factor"):
+        if key in state:
+            x = _number(state[key])
+            if x is None or not math.isfinite(x) or x <= 0:
+                out.append(f"{state_json}: scaler {key!r} is {_show(state[key])}; expected a "
+                           "finite number > 0")
+    for key, low in (("growth_interval", 1), ("_growth_tracker", 0)):
+        if key in state:
+            v = state[key]
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < low:
+                out.append(f"{state_json}: scaler {key!r} is {_show(v)}; expected an integer "
+                           f">= {low}")
+
+
+# -- tensors and values -------------------------------------------------------------------------
+
+
+def _finite(t: torch.Tensor, label: str, file: str, allow_inf: bool = False) -> list[str]:
+    """One message if ``t`` (floating or complex) holds NaN (or, unless ``allow_inf``, inf):
+    how many of each, and the index of the first. Scanned in chunks of `_CHUNK` elements."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return []
+    flat = t.reshape(-1)
+    nans = infs = 0
+    first = -1
+    for lo in range(0, flat.numel(), _CHUNK):
+        c = flat[lo:lo + _CHUNK]
+        if c.dtype not in _NATIVE:  # float8 and friends: no isinf/isfinite kernels
+            try:
+                c = c.to(torch.complex64 if c.is_complex() else torch.float32)
+            except (RuntimeError, TypeError):
+                return []  # a packed dtype (float4) that no kernel reads: nothing to check
+        # aminmax propagates NaN and is one pass, 10-20x faster than an isfinite mask: the
+        # masks below run only on a chunk that holds something non-finite
+        low, high = torch.aminmax(torch.view_as_real(c) if c.is_complex() else c)
+        if math.isfinite(float(low)) and math.isfinite(float(high)):
+            continue
+        bad = torch.isnan(c) if allow_inf else ~torch.isfinite(c)
+        if not bool(bad.any()):
+            continue
+        if first < 0:
+            first = lo + int(bad.to(torch.uint8).argmax())  # argmax: the first maximum
+        nans += int(torch.isnan(c).sum())
+        infs += int(torch.isinf(c).sum())
+    if first < 0:
+        return []
+    kinds = f"{nans} NaN" if allow_inf else f"{nans} NaN and {infs} inf"
+    return [f"{file}: {label} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) holds "
+            f"{kinds} of {t.numel()} values, the first at index {list(_unravel(first, t.shape))};"
+            f" expected {'no NaN' if allow_inf else 'finite values'}"]
+
+
+def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for n in reversed(shape):
+        index, r = divmod(index, n)
+        out.append(r)
+    return tuple(reversed(out))
+
+
+def _tensors(node: Any, label: str, depth: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor inside ``node`` (nested mappings, lists and tuples), with its path."""
+    if isinstance(node, torch.Tensor):
+        yield label, node
+    elif depth < _MAX_DEPTH and isinstance(node, Mapping):
+        for k, v in node.items():
+            yield from _tensors(v, f"{label}[{k!r}]", depth + 1)
+    elif depth < _MAX_DEPTH and isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            yield from _tensors(v, f"{label}[{i}]", depth + 1)
+
+
+def _number(v: Any) -> float | None:
+    """``v`` as a float (inf or NaN included) if it is a real number or a one-element real
+    tensor; None otherwise. An int too large for a float is an infinity."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
+            return None
+        return float(v.reshape(()).to(torch.float64))
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        return None
+    try:
+        return float(v)
+    except OverflowError:
+        return -math.inf if isinstance(v, int) and v < 0 else math.inf
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        if v.numel() == 1:
+            return f"tensor({shown(v.reshape(()).item())}) of shape {list(v.shape)}"
+        return f"a tensor of shape {list(v.shape)}"
+    return shown(v)
+
+
+def _kinds(opt: Any) -> Any:
+    """What an optimizer part holds, for a message: its keys and their types."""
+    if not isinstance(opt, Mapping):
+        return type(opt).__name__
+    return {k: type(v).__name__ for k, v in opt.items()}
+
+
+def _at(value: Any, file: str, state_json: str) -> str:
+    """Where a value lives: tensors in the part's safetensors file, the rest in state.json."""
+    return file if isinstance(value, torch.Tensor) else state_json
+
+
+def _file(where: str, names: set[str], part: str) -> str:
+    """The part's tensor file (an incremental generation may spread it over stable files)."""
+    own = sorted(n for n in names if n.startswith(part + ".") and n.endswith(".safetensors"))
+    return f"{where}/{own[0]}" if len(own) == 1 else f"{where}/{part}.*.safetensors"
+
+
+def _sharded_shapes(index: Mapping[str, Any] | None) -> dict[tuple[Any, ...], tuple[int, ...]]:
+    """{path in the state tree: global shape} of the sharded tensors ``shards.json`` lists."""
+    out: dict[tuple[Any, ...], tuple[int, ...]] = {}
+    tensors = index.get("tensors") if isinstance(index, Mapping) else None
+    for key, entry in (tensors or {}).items():
+        try:
+            path, size = json.loads(key), entry["size"]
+        except (ValueError, TypeError, KeyError):
+            continue  # read_index validated it; anything else is not ours to judge here
+        if isinstance(path, list) and isinstance(size, list):
+            out[tuple(path)] = tuple(int(d) for d in size)
+    return out
