@@ -22,6 +22,7 @@ from .errors import (
 from .state.identity import Identity
 from .state.parts import Stateful
 from .store.retention import Keep
+from .tools.export import verify_export
 
 __version__ = "0.1.0"
 
@@ -46,5 +47,6 @@ __all__ = [
     "UnsupportedValue",
     "UpdateBoundaryError",
     "seeded",
+    "verify_export",
     "__version__",
 ]

@@ -208,6 +208,23 @@ class Checkpointer(Persisting, Restoring):
         """The id of the run this folder holds (``RUN.json``); every generation carries it."""
         return self._run.run_id
 
+    def export(self, out: str | os.PathLike[str], *, inputs: Any = None, dtype: str | None = None,
+               adapter: Any = None, base_revision: str | None = None,
+               generation_config: Any = None) -> dict[str, Any]:
+        """Inference export of the live model (`tools.export.export_model`): its weights in
+        safetensors under their ``state_dict`` names, this run's identity (without data
+        paths) and lineage (run, step, and the generation when this step was saved); no
+        optimizer, data position or RNG. ``inputs``: fixed inputs whose outputs are recorded
+        now, for `unbroken.verify_export` after merging, casting or moving backends."""
+        from .tools.export import export_model  # the tools sit above the checkpointer
+
+        lineage: dict[str, Any] = {"run_id": self.run_id, "step": self.step}
+        if self._last_saved == self.step:
+            lineage["generation"] = self.step
+        return export_model(self.model, out, identity=self.identity, lineage=lineage,
+                            inputs=inputs, dtype=dtype, adapter=adapter,
+                            base_revision=base_revision, generation_config=generation_config)
+
     # -- counters ------------------------------------------------------------------------------
 
     @property
