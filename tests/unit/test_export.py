@@ -312,3 +312,32 @@ def test_demo_model_export_is_bitwise_on_fixed_inputs(tmp_path):
     bf16 = tmp_path / "bf16"
     export_model(model, bf16, inputs=tokens, dtype="bf16")
     assert verify_export(bf16, TinyLM(vocab))["tolerance"]["class"] == "bf16"
+
+
+def test_the_checkpointer_exports_its_live_model_with_lineage_and_fixed_inputs(tmp_path):
+    import json
+
+    import unbroken
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(3, 4)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        model(x).sum().backward()
+        opt.step()
+        ckpt.step_done(1)
+        ckpt.save()
+        ckpt.export(tmp_path / "out", inputs=x)
+        run_id = ckpt.run_id
+    doc = json.loads((tmp_path / "out" / "export.json").read_text())
+    assert doc["lineage"]["run_id"] == run_id and doc["lineage"]["generation"] == 1
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 2))
+    report = unbroken.verify_export(tmp_path / "out", fresh)
+    assert report  # loaded and re-ran the recorded input
+    with torch.no_grad():
+        fresh[0].weight.add_(1e-3)
+    with pytest.raises(unbroken.StateMismatch):
+        unbroken.verify_export(tmp_path / "out", fresh, load=False)
