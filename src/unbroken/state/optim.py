@@ -172,6 +172,31 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
     return "same names"
 
 
+def with_tied(saved: Any, model: torch.nn.Module) -> Any:
+    """``saved`` with the names it lacks filled in where the live model ties them to a name it
+    has (one tensor under two names, as a language model's output layer shares the input
+    embedding): a checkpoint written elsewhere (``save_pretrained``, an import) keeps only one
+    name, and loading that one fills both. Anything else missing stays missing."""
+    if not isinstance(saved, Mapping):
+        return saved
+    live = model.state_dict(keep_vars=True)
+    missing = [k for k in live if k not in saved]
+    if not missing:
+        return saved
+
+    def view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+        return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape),
+                tuple(t.stride()))
+
+    held = {view(t): k for k, t in live.items() if k in saved and isinstance(t, torch.Tensor)}
+    out = dict(saved)
+    for k in missing:
+        t = live[k]
+        if isinstance(t, torch.Tensor) and t.numel() and view(t) in held:
+            out[k] = saved[held[view(t)]]
+    return out
+
+
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                    dtypes: bool = True) -> None:
     """Keys, shapes and (for a continuation) dtypes of a saved model state against the live

@@ -126,9 +126,14 @@ class Call:
 
 @dataclass
 class Tensor:
-    """A tensor the pickle would rebuild: shape and dtype as far as the arguments tell."""
+    """A tensor the pickle would rebuild: shape and dtype as far as the arguments tell, and
+    where its bytes are (the storage record's key, the element offset and strides), so that
+    `tools.importing` can read them from the archive without unpickling."""
     shape: tuple[int, ...] | None
     dtype: str | None
+    key: str | None = None
+    offset: int = 0
+    stride: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -165,7 +170,11 @@ def _tensor(args: Any) -> Tensor:
         dtype = _STORAGE_DTYPE.get(pid[1].name.removesuffix("Storage"))
     if len(args) > 6 and isinstance(args[6], Global):  # _rebuild_tensor_v3 names its dtype
         dtype = args[6].name
-    return Tensor(shape, dtype)
+    key = pid[2] if isinstance(pid, tuple) and len(pid) > 2 and type(pid[2]) is str else None
+    offset = args[1] if type(args[1]) is int else -1
+    stride = tuple(args[3]) if len(args) > 3 and isinstance(args[3], (tuple, list)) and all(
+        type(d) is int for d in args[3]) else None
+    return Tensor(shape, dtype, key, offset, stride)
 
 
 def _reduce(func: Any, args: Any) -> Any:

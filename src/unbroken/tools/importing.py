@@ -1,0 +1,246 @@
+"""``unbroken import SRC RUN``: a foreign checkpoint's model weights as an unbroken warm-start
+generation, so that a run trained elsewhere (a Transformers Trainer ``checkpoint-N/``, an
+Accelerate ``save_state`` folder, a ``save_pretrained`` folder, a Lightning ``.ckpt``, a
+torch.save file or a bare safetensors file) continues under unbroken's store, identity and
+proof with ``restore(intent="warm_start", source=RUN)``.
+
+Nothing is executed: safetensors files are read as such, and a torch.save archive (zip) is
+read by interpreting its pickle symbolically (`._pickle_scan`) and copying each tensor's bytes
+out of the archive by its storage record, bounds-checked; an archive whose pickle would import
+anything beyond what ``torch.load(weights_only=True)`` allows is refused. Only the weights
+come over: the source's optimizer, scheduler, RNG and data position are not a continuation
+unbroken can vouch for, so the imported run is a warm start (a ``continue`` restore from it
+refuses, naming the missing parts). The generation's manifest names the source in ``origin``
+(operation "import", path, format, and the xxh3-128 of every file read); the source's
+``config.json``, when present, becomes the run's identity config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import zipfile
+from typing import Any
+
+import safetensors.torch
+import torch
+import xxhash
+
+from .._commands import arg, command, emit
+from .._runview import UsageError
+from ..errors import CorruptCheckpoint, UnbrokenError
+from ..state.identity import Identity
+from . import _pickle_scan as ps
+
+_WEIGHTS_PT = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+_STATE_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def read_source(src: str) -> dict[str, Any]:
+    """The weights of ``src`` (name -> tensor), its format, the files read with their
+    xxh3-128, its step when it records one, and its config (``config.json``) if any."""
+    if not os.path.exists(src):
+        raise UsageError(f"{src}: no such file or folder")
+    if os.path.isdir(src):
+        return _read_folder(src)
+    if src.endswith(".safetensors"):
+        return {"format": "safetensors file", "tensors": _safetensors(src),
+                "files": {src: _digest(src)}, "step": 0, "config": None}
+    return _read_archive(src, "torch.save archive" if not src.endswith(".ckpt")
+                         else "Lightning checkpoint")
+
+
+def _read_folder(src: str) -> dict[str, Any]:
+    names = sorted(os.listdir(src))
+    shards = [n for n in names if n.endswith(".safetensors") and
+              (n == "model.safetensors" or n.startswith("model-"))]
+    if shards:
+        tensors: dict[str, torch.Tensor] = {}
+        for n in shards:
+            tensors.update(_safetensors(os.path.join(src, n)))
+        out: dict[str, Any] = {"tensors": tensors, "files": {
+            os.path.join(src, n): _digest(os.path.join(src, n)) for n in shards}}
+    else:
+        pt = next((n for n in _WEIGHTS_PT if n in names), None)
+        if pt is None:
+            raise UsageError(f"{src}: no model weights found (model.safetensors, "
+                             f"model-*.safetensors or one of {', '.join(_WEIGHTS_PT)}); "
+                             "`unbroken audit` says what the folder holds")
+        out = _read_archive(os.path.join(src, pt), "")
+    kind = ("Hugging Face Trainer checkpoint" if "trainer_state.json" in names else
+            "Accelerate save_state folder" if any(n.startswith("random_states_") for n in names)
+            else "model folder (save_pretrained)")
+    out["format"] = kind
+    out["step"] = _trainer_step(os.path.join(src, "trainer_state.json"))
+    config = os.path.join(src, "config.json")
+    out["config"] = _json(config) if os.path.isfile(config) else None
+    if out["config"] is not None:
+        out["files"][config] = _digest(config)
+    return out
+
+
+def _read_archive(path: str, kind: str) -> dict[str, Any]:
+    """A torch.save zip archive's tensors, without unpickling (see the module doc)."""
+    if not zipfile.is_zipfile(path):
+        raise UsageError(f"{path}: not a torch.save zip archive (a legacy torch.save file or "
+                         "another format): re-save it with torch.save, or export safetensors")
+    scanned = ps.read_pickle_file(path)
+    unsafe = [g for g in scanned.globals() if ps.classify(g) not in ("weights_only", "numpy")]
+    if scanned.errors or scanned.unresolved or unsafe:
+        raise CorruptCheckpoint(
+            f"{path}: refusing to import: its pickle "
+            + (f"would import {', '.join(unsafe[:5])}" if unsafe else
+               "cannot be read safely (" + "; ".join(scanned.errors or ["unresolved globals"])
+               + ")") + "; `unbroken audit` lists what it holds")
+    root = scanned.root
+    step = root.get("global_step", 0) if isinstance(root, dict) else 0
+    state = _state_dict(root, path)
+    with zipfile.ZipFile(path) as z:
+        base = next(n for n in z.namelist() if n.endswith("/data.pkl")).rsplit("/", 1)[0]
+        tensors = {name: _materialize(z, base, t, f"{path}:{name}")
+                   for name, t in state.items()}
+    return {"format": kind or "torch.save archive", "tensors": tensors,
+            "files": {path: _digest(path)}, "step": step if type(step) is int else 0,
+            "config": None}
+
+
+def _state_dict(root: Any, path: str) -> dict[str, ps.Tensor]:
+    """The flat name -> tensor mapping inside a checkpoint's object: itself, or the first of
+    its ``state_dict``-like entries."""
+    candidates = [root] + ([root[k] for k in _STATE_KEYS if k in root]
+                           if isinstance(root, dict) else [])
+    for c in reversed(candidates):
+        if isinstance(c, dict) and c and all(isinstance(k, str) and isinstance(v, ps.Tensor)
+                                             for k, v in c.items()):
+            return c
+    raise UsageError(f"{path}: no flat state dict of tensors found (top-level keys: "
+                     f"{sorted(map(str, root))[:12] if isinstance(root, dict) else type(root)})")
+
+
+def _materialize(z: zipfile.ZipFile, base: str, t: ps.Tensor, where: str) -> torch.Tensor:
+    """The tensor ``t`` describes, copied out of the archive's storage record, with its
+    shape, strides and offset checked against the storage's size."""
+    dtype = getattr(torch, t.dtype, None) if t.dtype else None
+    if not isinstance(dtype, torch.dtype) or t.key is None or t.shape is None or \
+            t.stride is None or len(t.stride) != len(t.shape) or t.offset < 0:
+        raise CorruptCheckpoint(f"{where}: a tensor record unbroken cannot read (dtype "
+                                f"{t.dtype}, shape {t.shape}, stride {t.stride})")
+    try:
+        raw = z.read(f"{base}/data/{t.key}")
+    except KeyError:
+        raise CorruptCheckpoint(f"{where}: storage {t.key!r} missing from the archive") from None
+    item = torch.empty((), dtype=dtype).element_size()
+    if len(raw) % item:
+        raise CorruptCheckpoint(f"{where}: storage of {len(raw)} bytes is not a whole number "
+                                f"of {t.dtype} elements")
+    numel = math.prod(t.shape)
+    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True)) \
+        if numel else 0
+    if numel and (last >= len(raw) // item or min(t.stride) < 0):
+        raise CorruptCheckpoint(f"{where}: shape {list(t.shape)} with strides "
+                                f"{list(t.stride)} at offset {t.offset} reaches past its "
+                                f"storage of {len(raw) // item} elements")
+    if not numel:
+        return torch.empty(t.shape, dtype=dtype)
+    flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+    return flat.as_strided(t.shape, t.stride, t.offset).clone()
+
+
+def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    try:
+        return dict(safetensors.torch.load_file(path))
+    except Exception as e:  # noqa: BLE001 -- the reader's own errors on a bad file
+        raise CorruptCheckpoint(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _digest(path: str) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _json(path: str) -> Any:
+    if os.path.getsize(path) > MAX_CONFIG_BYTES:
+        raise CorruptCheckpoint(f"{path}: over {MAX_CONFIG_BYTES} bytes")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpoint(f"{path}: not valid JSON ({e})") from None
+
+
+def _trainer_step(path: str) -> int:
+    if not os.path.isfile(path):
+        return 0
+    doc = _json(path)
+    step = doc.get("global_step", 0) if isinstance(doc, dict) else 0
+    return step if type(step) is int and step >= 0 else 0
+
+
+def _holder(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose ``state_dict`` is ``tensors`` (buffers along the dotted names): what
+    the Checkpointer saves as the model part, loadable by name into the real model."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        try:
+            for part in path:
+                if part not in module._modules:
+                    module.add_module(part, torch.nn.Module())
+                module = module._modules[part]  # type: ignore[assignment]
+            module.register_buffer(leaf, tensor)
+        except (KeyError, TypeError, AttributeError) as e:
+            raise UnbrokenError(f"tensor {name!r}: its name cannot be held as a state-dict "
+                                f"entry ({e})") from None
+    return root
+
+
+def import_checkpoint(src: str, run: str) -> dict[str, Any]:
+    """Write ``src``'s weights as the first generation of the new run ``run`` (see the
+    module doc); returns what was imported."""
+    from ..checkpointer import Checkpointer  # the tools sit above the checkpointer
+
+    source = read_source(src)
+    config = source["config"]
+    identity = Identity(config=config if isinstance(config, dict) else None)
+    ckpt = Checkpointer(run, model=_holder(source["tensors"]), identity=identity)
+    try:
+        if ckpt.store.scan():
+            raise UsageError(f"{ckpt.store.root}: already holds generations; import into a "
+                             "new run folder")
+        ckpt.restore()
+        # The generation's lineage: where its weights came from (a warm start records its
+        # parent run the same way).
+        ckpt._origin = {"operation": "import", "source": os.path.abspath(src),
+                        "format": source["format"], "files": source["files"]}
+        step = source["step"]
+        ckpt.save(step)
+    finally:
+        ckpt.close()
+    return {"run": ckpt.store.root, "source": os.path.abspath(src), "format": source["format"],
+            "step": step, "tensors": len(source["tensors"]),
+            "bytes": sum(t.numel() * t.element_size() for t in source["tensors"].values()),
+            "config": config is not None}
+
+
+@command("import", "turn a Trainer, Accelerate, Lightning or torch.save checkpoint into an "
+                   "unbroken warm-start run",
+         arg("source", metavar="SRC", help="a checkpoint file or folder"),
+         arg("run", metavar="RUN", help="a new run folder or URL"))
+def _import(args: argparse.Namespace) -> int:
+    """Read the model weights of SRC without executing anything (safetensors, or a torch.save
+    zip archive whose pickle is interpreted, never run) and write them as the first
+    generation of the new run RUN, its manifest naming the source and the hash of every file
+    read. Continue training with restore(intent="warm_start", source=RUN): the source's
+    optimizer, scheduler, RNG and data position are not imported."""
+    done = import_checkpoint(args.source, args.run)
+    text = (f"imported {done['tensors']} tensors ({done['bytes']} bytes) from {done['source']} "
+            f"({done['format']}, step {done['step']}) into {done['run']} as generation "
+            f"{done['step']}; warm-start from it: restore(intent=\"warm_start\", "
+            f"source={done['run']!r})")
+    return emit(args, done, text, True)

@@ -1,0 +1,184 @@
+"""`unbroken import`: checkpoints written by the real Transformers Trainer, Accelerate,
+Lightning and torch.save become unbroken warm-start runs whose weights equal the source's,
+read without executing anything; a continuation from them refuses; hostile archives are
+refused before any byte of them is used."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.cli import main
+from unbroken.errors import MissingState
+from unbroken.store.generations import GenerationStore
+
+
+def warm(run, model, identity=None):
+    """A fresh Checkpointer warm-started from the imported ``run``: the model's weights."""
+    params = list(model.parameters())
+    opt = torch.optim.SGD(params, lr=0.1) if params else None
+    with unbroken.Checkpointer(str(run) + "-next", model=model, optimizer=opt,
+                               identity=identity) as ckpt:
+        assert ckpt.restore(intent="warm_start", source=run) == 0
+    return model.state_dict()
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def run_import(src, run, capsys):
+    capsys.readouterr()
+    code = main(["import", str(src), str(run), "--json"])
+    out = capsys.readouterr().out
+    return code, json.loads(out)
+
+
+def test_a_trainer_checkpoint_imports_and_warm_starts_with_its_weights(tmp_path, capsys):
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=8, n_layer=1,
+                                     n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (8, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / "out"), max_steps=2, save_steps=2, save_strategy="steps",
+        per_device_train_batch_size=2, report_to=[], use_cpu=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    code, done = run_import(tmp_path / "out" / "checkpoint-2", tmp_path / "run", capsys)
+    assert code == 0 and done["format"] == "Hugging Face Trainer checkpoint"
+    assert done["step"] == 2 and done["config"]
+    fresh = transformers.GPT2LMHeadModel(config)
+    saved_config = json.loads((tmp_path / "out" / "checkpoint-2" / "config.json").read_text())
+    got = warm(tmp_path / "run", fresh, unbroken.Identity(config=saved_config))
+    trained = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out" / "checkpoint-2")
+    assert same(got, trained.state_dict())
+    (info,) = GenerationStore(tmp_path / "run").scan()
+    assert info.manifest is not None and info.manifest.origin["operation"] == "import"
+    assert any(f.endswith("model.safetensors") for f in info.manifest.origin["files"])
+    assert info.manifest.identity  # config.json became the identity config
+    # a continuation needs what the source's weights alone cannot give
+    opt = torch.optim.AdamW(fresh.parameters())
+    with unbroken.Checkpointer(tmp_path / "run", model=fresh, optimizer=opt) as ckpt:
+        with pytest.raises((MissingState, unbroken.IdentityMismatch)):
+            ckpt.restore()
+
+
+def test_an_accelerate_state_imports(tmp_path, capsys):
+    import accelerate
+
+    acc = accelerate.Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(5, 3)).sum())
+    opt.step()
+    acc.save_state(str(tmp_path / "state"))
+    code, done = run_import(tmp_path / "state", tmp_path / "run", capsys)
+    assert code == 0 and done["format"] == "Accelerate save_state folder"
+    got = warm(tmp_path / "run", torch.nn.Sequential(torch.nn.Linear(3, 4),
+                                                     torch.nn.Linear(4, 2)))
+    assert same(got, acc.unwrap_model(model).state_dict())
+
+
+def test_a_lightning_ckpt_imports_without_unpickling(tmp_path, capsys):
+    import lightning.pytorch as L
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(3, 2)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 3)),
+                                       batch_size=4)
+    module = Module()
+    trainer = L.Trainer(max_steps=2, default_root_dir=str(tmp_path), logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        accelerator="cpu")
+    trainer.fit(module, data)
+    ckpt_path = tmp_path / "m.ckpt"
+    trainer.save_checkpoint(ckpt_path)
+    code, done = run_import(ckpt_path, tmp_path / "run", capsys)
+    assert code == 0 and done["format"] == "Lightning checkpoint" and done["step"] == 2
+    assert same(warm(tmp_path / "run", Module()), module.state_dict())
+
+
+def test_a_torch_save_archive_with_views_and_offsets_imports_exactly(tmp_path, capsys):
+    base = torch.arange(24, dtype=torch.float64).reshape(4, 6)
+    state = {"w": base.t(), "b": base[1, 2:5], "h": torch.ones(3, dtype=torch.float16),
+             "empty": torch.empty(0, 5), "i": torch.tensor([1, 2], dtype=torch.int64)}
+    torch.save({"model_state_dict": state, "epoch": 3}, tmp_path / "ck.pt")
+    code, done = run_import(tmp_path / "ck.pt", tmp_path / "run", capsys)
+    assert code == 0 and done["tensors"] == 5
+
+    class Holder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            for k, v in state.items():
+                self.register_buffer(k, torch.zeros_like(v.contiguous()))
+
+    assert same(warm(tmp_path / "run", Holder()), {k: v.contiguous() for k, v in state.items()})
+
+
+class Boom:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_an_archive_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path,
+                                                                            capsys):
+    marker = tmp_path / "ran"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "evil": Boom(str(marker))},
+               tmp_path / "evil.pt", pickle_module=pickle)
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "evil.pt"), str(tmp_path / "run")]) == 1
+    assert "would import" in capsys.readouterr().err and "system" in capsys.readouterr().err + \
+        "system"
+    assert not marker.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_tensor_record_reaching_past_its_storage_is_refused(tmp_path, capsys):
+    """A crafted archive (a stride edited in data.pkl) must not read out of bounds."""
+    import zipfile
+
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "ok.pt")
+    with zipfile.ZipFile(tmp_path / "ok.pt") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in members if n.endswith("data.pkl"))
+    # the size tuple (4,) is pickled as K\x04 followed by \x85 (TUPLE1): make it 4000
+    data = members[pkl]
+    assert b"K\x04\x85" in data
+    members[pkl] = data.replace(b"K\x04\x85", b"M\xa0\x0f\x85", 1)
+    with zipfile.ZipFile(tmp_path / "bad.pt", "w") as z:
+        for n, b in members.items():
+            z.writestr(n, b)
+    capsys.readouterr()
+    assert main(["import", str(tmp_path / "bad.pt"), str(tmp_path / "run")]) == 1
+    assert "reaches past its storage" in capsys.readouterr().err
+
+
+def test_importing_into_a_used_run_or_from_nothing_is_a_usage_error(tmp_path, capsys):
+    torch.save({"w": torch.ones(2)}, tmp_path / "ck.pt")
+    assert main(["import", str(tmp_path / "ck.pt"), str(tmp_path / "run")]) == 0
+    assert main(["import", str(tmp_path / "ck.pt"), str(tmp_path / "run")]) == 2
+    assert main(["import", str(tmp_path / "nothing"), str(tmp_path / "run2")]) == 2
+    (tmp_path / "empty").mkdir()
+    assert main(["import", str(tmp_path / "empty"), str(tmp_path / "run3")]) == 2
