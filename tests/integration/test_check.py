@@ -90,23 +90,6 @@ def test_unknown_part_is_a_usage_error(capsys, tmp_path):
     assert "--drop 'nothing'" in capsys.readouterr().err
 
 
-def test_demo_proves_resume_and_attributes_every_defect(capsys, tmp_path):
-    assert main(["demo", "--json", "--dir", str(tmp_path / "demo")]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["ok"] and out["killed_by_sigkill"]
-    assert out["seconds"] < 90
-    assert out["resume"]["verdict"] == "equivalent" and out["resume"]["resumed_from"] == 30
-    d = out["defects"]
-    assert d["weights_only"]["state_part"] == "optimizer"
-    assert d["no_scheduler"]["state_part"] == "scheduler"
-    assert d["no_rng"]["state_part"].startswith("rng")
-    assert d["no_data_position"]["state_part"] == "data position"
-    assert all(v["verdict"] == "diverged" for k, v in d.items() if k != "torn_latest")
-    torn = d["torn_latest"]
-    assert torn["verdict"] == "equivalent" and torn["refused"] == ["gen-000000030"]
-    assert torn["resumed_from"] == 20
-
-
 NOISY = [sys.executable, str(Path(__file__).parent / "scripts" / "noisy_after_resume.py")]
 
 
