@@ -208,9 +208,10 @@ def aside_entries(store: GenerationStore) -> list[dict[str, Any]]:
     out = []
     for e in store.aside():
         m = _GEN_OF_ASIDE.match(e.name)
+        size = (sum(i.get("size", 0) for i in store.fs.listing(e.path).values())
+                if isinstance(store, ObjectStore) else _disk_bytes(e.path))
         out.append({"name": e.name, "generation": int(m.group(1)) if m else None,
-                    "reason": e.reason, "moved": e.moved or None,
-                    "bytes": _disk_bytes(e.path)})
+                    "reason": e.reason, "moved": e.moved or None, "bytes": size})
     return out
 
 

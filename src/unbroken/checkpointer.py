@@ -169,6 +169,7 @@ class Checkpointer(Persisting, Restoring):
         if self._process and is_url(location):
             raise ValueError(f"async_save='process' writes to a local run folder; {location} "
                              "is on an object store: use async_save=True")
+        self._storage_options = storage_options  # a warm start's source is opened alike
         self.store = open_store(location, storage_options, cache_dir)
         self._writer = RunWriter(self.store, self.keep, leader=self._group.leader)
         self.fstype = "object store" if is_url(location) else filesystem_type(self.store.root)
@@ -177,10 +178,14 @@ class Checkpointer(Persisting, Restoring):
                           "atomic there, so a crash during commit may leave a torn generation "
                           "(it is still detected and refused on load)", UnbrokenWarning,
                           stacklevel=2)
-        self._run, self._run_written, self._ambiguous = self._writer.agreed_run(self._group)
-        if self._process and self.store.locked:  # started early: it imports torch
-            self._persister = ProcessPersister(self.store)
-            self._persister.start()
+        try:
+            self._run, self._run_written, self._ambiguous = self._writer.agreed_run(self._group)
+            if self._process and self.store.locked:  # started early: it imports torch
+                self._persister = ProcessPersister(self.store)
+                self._persister.start()
+        except BaseException:
+            self._writer.close()  # a Checkpointer that failed to open holds no lock
+            raise
         self.incarnation = 0
         self._parent: dict[str, Any] | None = None
         self._origin: dict[str, Any] | None = None

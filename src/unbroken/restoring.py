@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -81,6 +81,7 @@ class Restoring:
     _ambiguous: str | None
     _restored: bool
     _origin: dict[str, Any] | None
+    _storage_options: Mapping[str, Any] | None
     _parent: dict[str, Any] | None
     _last_saved: int | None
     _counters: S.Counters
@@ -195,7 +196,7 @@ class Restoring:
         if self.store.scan():
             raise UnbrokenError(f"{self.store.root} already holds generations; a warm start "
                                 "writes a new run into an empty folder (or use continue)")
-        src = open_store(source)
+        src = open_store(source, self._storage_options)
         scanned = src.scan()
         if not scanned:
             raise NoCheckpoint(f"{src.root}: no generation to warm-start from")

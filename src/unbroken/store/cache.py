@@ -11,6 +11,7 @@ are removed after each restore, so it never grows past one generation."""
 from __future__ import annotations
 
 import os
+import re
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -22,6 +23,8 @@ from .backends.local import LocalFS
 from .manifest import Artifact
 
 _TMP = ".tmp-"
+# what `put` names an entry, or its temporary file
+_ENTRY = re.compile(r"[0-9a-f]{32}-[0-9]+|\.tmp-[0-9a-f]{12}", re.ASCII)
 
 
 class ReadCache:
@@ -57,14 +60,15 @@ class ReadCache:
             pass
 
     def keep_only(self, artifacts: Iterable[Artifact]) -> None:
-        """Remove every entry but those of ``artifacts`` (and leftovers of interrupted puts)."""
+        """Remove every entry but those of ``artifacts`` (and leftovers of interrupted puts);
+        files the cache did not write are never touched."""
         keep = {os.path.basename(self._path(a)) for a in artifacts}
         try:
             names = os.listdir(self.folder)
         except OSError:
             return
         for name in names:
-            if name not in keep:
+            if name not in keep and _ENTRY.fullmatch(name):
                 try:
                     os.unlink(os.path.join(self.folder, name))
                 except OSError:

@@ -55,8 +55,16 @@ class Lease:
             raw = json.loads(bytes(data))
         except ValueError:
             return None
-        return raw if isinstance(raw, dict) and isinstance(raw.get("expires"),
-                                                           (int, float)) else None
+        if not isinstance(raw, dict):
+            return None
+        expires, pid = raw.get("expires"), raw.get("pid")
+        # NaN, infinities and ints too large for a float all fail the range (before 5138)
+        if not isinstance(expires, (int, float)) or isinstance(expires, bool) or \
+                not 0 <= expires < 1e11:
+            return None
+        if type(pid) is not int or not 0 < pid < 1 << 31:
+            raw["pid"] = None  # not a process this machine could have
+        return raw
 
     def holder(self) -> dict[str, Any] | None:
         """`_read`, with an unreadable lease taken as none (best effort: taking over,
@@ -99,33 +107,36 @@ class Lease:
             if token is None:
                 raise StoreLocked(f"{self.path}: this writer's lease was lost")
             holder = self._read()  # an I/O error fails this renewal, not the lease
-            if holder is None or holder.get("lease") != token:
+            if holder is None or holder.get("lease") != token or \
+                    holder["expires"] <= time.time():  # expired: another may take it now
                 self.token = None
                 raise StoreLocked(f"{self.path}: this writer's lease ({token}) expired and "
                                   "another writer took the run over; this writer stops")
             self.fs.put_file(self.path, self._bytes(token))
 
     def release(self) -> None:
-        """Stop renewing and delete the lease if it is still this writer's."""
+        """Stop renewing and delete the lease if it is still this writer's (after any
+        renewal in progress, which would otherwise put it back)."""
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        if self.token is None:
-            return
-        holder = self.holder()
-        if holder is not None and holder.get("lease") == self.token:
-            try:
-                self.fs.unlink(self.path)
-            except OSError:
-                pass  # it expires
-        self.token = None
+        with self._renewing:
+            token, self.token = self.token, None
+            if token is None:
+                return
+            holder = self.holder()
+            if holder is not None and holder.get("lease") == token:
+                try:
+                    self.fs.unlink(self.path)
+                except OSError:
+                    pass  # it expires
 
 
 def _dead_here(holder: Mapping[str, Any]) -> bool:
     """Whether the lease's holder was a process of this machine that is gone."""
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
-        return False
+        return False  # (`Lease._read` sets an impossible pid to None)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -149,8 +160,10 @@ class _Heartbeat:
         while not self._stop.wait(every):
             try:
                 lease.renew()
-            except (OSError, StoreLocked):
-                return  # the next commit renews too, and reports a lost lease
+            except OSError:
+                continue  # a store that did not answer once: try again at the next beat
+            except StoreLocked:
+                return  # lost: the next commit reports it
 
     def stop(self) -> None:
         self._stop.set()

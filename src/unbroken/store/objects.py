@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun
+from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from .aside import _ASIDE_NAME, ASIDE, ASIDE_REASONS, AsideEntry
 from .backends.local import fault_point
 from .backends.objects import ObjectFS
@@ -61,6 +61,8 @@ class ObjectStore(GenerationStore):
         self.fs = fs
         self.lease = Lease(fs, f"{self.root}/{LEASE}", lease_seconds)
         self.cache = cache
+        self._uploading: str | None = None  # the upload folder of the save being written
+        self._from_cache = False  # the last read_verified used the cache (never a verdict)
 
     # -- the lease ------------------------------------------------------------------------------
 
@@ -96,7 +98,9 @@ class ObjectStore(GenerationStore):
 
     def _need_lock(self) -> None:
         if not self.lease.held:
-            raise RuntimeError("the run must be leased (lock()) before it is changed")
+            raise StoreLocked(f"{self.lease.path}: this writer does not hold the run's lease "
+                              "(never taken, or lost to another writer); it cannot change the "
+                              "run")
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -107,7 +111,7 @@ class ObjectStore(GenerationStore):
         for url, info in self.fs.listing(self.root).items():
             if url.startswith(base):
                 head, _, rest = url[len(base):].partition("/")
-                if rest and _GEN.fullmatch(head):
+                if rest and _GEN.fullmatch(head) and head == generation_name(int(head[4:])):
                     out.setdefault(head, {})[rest] = info
         return out
 
@@ -189,7 +193,10 @@ class ObjectStore(GenerationStore):
                       mapped: Any = None, map_if: Any = None) -> dict[str, Any]:
         """As `GenerationStore.read_verified`; nothing is mapped from an object store, and
         with a `ReadCache` artifacts already cached (and hashing right) are read from it."""
+        self._from_cache = False
         out = super().read_verified(info, names, advance)
+        if self._from_cache:  # right bytes, but the store itself was not read: no verdict
+            self._verified.pop(info.path, None)
         if self.cache is not None and info.manifest is not None:
             self.cache.keep_only(a for a in info.manifest.artifacts if a.name in out)
         return out
@@ -197,6 +204,7 @@ class ObjectStore(GenerationStore):
     def _read_artifact(self, folder: str, a: Artifact) -> bytes:
         cached = self.cache.get(a) if self.cache is not None else None
         if cached is not None:
+            self._from_cache = True
             return cached  # type: ignore[no-any-return]
         data = super()._read_artifact(folder, a)  # from the store, hash-checked
         if self.cache is not None:
@@ -213,7 +221,10 @@ class ObjectStore(GenerationStore):
         except OSError:
             return
         for name, objects in sorted(listed.items()):
-            info = self._check_objects(int(name[4:]), objects)
+            try:
+                info = self._check_objects(int(name[4:]), objects)
+            except OSError:
+                continue  # the store did not answer: leave this prefix for the next writer
             keep = info.manifest.folder if info is not None and info.manifest else None
             for key in sorted(objects):
                 if key != MANIFEST and not key.startswith(f"{keep}/"):
@@ -241,7 +252,8 @@ class ObjectStore(GenerationStore):
         if not supersede and self.fs.exists(f"{self._prefix(generation)}/{MANIFEST}"):
             raise FileExistsError(f"{self._prefix(generation)} already exists; move it aside "
                                   "before saving over it")
-        return f"{self._prefix(generation)}/{UPLOAD_PREFIX}{uuid.uuid4().hex[:16]}"
+        self._uploading = f"{self._prefix(generation)}/{UPLOAD_PREFIX}{uuid.uuid4().hex[:16]}"
+        return self._uploading
 
     def publish(self, staging: str, generation: int, manifest: Manifest,
                 supersede: bool = False) -> GenerationInfo:
@@ -257,16 +269,40 @@ class ObjectStore(GenerationStore):
                 self.move_aside(self.scan_one(generation), "superseded")
             try:
                 self.fs.create_file(where, manifest.to_bytes())
-            except FileExistsError:
-                raise CommitConflict(
-                    f"{where}: another writer committed generation {generation} first; this "
-                    "save was not committed (two writers on one run: stop one)") from None
+            except OSError as e:
+                if not self._committed_anyway(where, manifest, e):
+                    raise
             fault_point("manifest-written", generation)
-        except BaseException:
-            self._discard(staging)
-            raise
+        except BaseException as e:
+            if not isinstance(e, _Undecided):
+                self._discard(staging)
+            raise e.cause if isinstance(e, _Undecided) else e from None
+        finally:
+            self._uploading = None
         fault_point("after-rename", generation)
         return GenerationInfo(generation, staging, "complete", "", manifest)
+
+    def _committed_anyway(self, where: str, manifest: Manifest, error: OSError) -> bool:
+        """After the manifest upload failed: whether it was committed all the same (the reply
+        was lost, or a retry found the first attempt's object). Our manifest there: True.
+        Another writer's: `CommitConflict`. None there: False (the upload goes). Cannot
+        tell: `_Undecided`, and the upload stays (the next writer removes it if it is
+        debris), since deleting it could tear a committed generation."""
+        try:
+            there = bytes(self.fs.read_file(where, MAX_MANIFEST_BYTES))
+        except FileNotFoundError:
+            if isinstance(error, FileExistsError):  # gone since: still someone else's doing
+                raise CommitConflict(f"{where}: another writer is saving generation "
+                                     f"{manifest.generation}; this save was not committed "
+                                     "(two writers on one run: stop one)") from None
+            return False
+        except OSError as e:
+            raise _Undecided(e) from None
+        if there == manifest.to_bytes():
+            return True
+        raise CommitConflict(
+            f"{where}: another writer committed generation {manifest.generation} first; this "
+            "save was not committed (two writers on one run: stop one)")
 
     def _discard(self, staging: str) -> None:
         try:
@@ -276,16 +312,34 @@ class ObjectStore(GenerationStore):
 
     def delete(self, info: GenerationInfo) -> None:
         """Delete a generation: its manifest first (a half-deleted generation never
-        verifies), then its objects."""
+        verifies), then its own objects (`_own`): never an upload in progress beside it."""
         self._need_lock()
         prefix = self._prefix(info.generation)
+        own = self._own(info)
         try:
             self.fs.unlink(f"{prefix}/{MANIFEST}")
         except FileNotFoundError:
             pass
         fault_point("retention-unlinked", info.generation)
         self._verified.pop(info.path, None)
-        self._remove(prefix)
+        for url in own:
+            if not url.endswith("/" + MANIFEST):
+                try:
+                    self.fs.unlink(url)
+                except FileNotFoundError:
+                    pass
+
+    def _own(self, info: GenerationInfo) -> list[str]:
+        """The objects of the generation ``info`` describes: its manifest and its upload
+        folder; for one whose manifest cannot be read, everything under its prefix but the
+        upload of the save now being written (a save of the same step supersedes it)."""
+        prefix = self._prefix(info.generation)
+        listed = sorted(self.fs.listing(prefix))
+        if info.manifest is not None:
+            mine = f"{prefix}/{info.manifest.folder}/"
+            return [u for u in listed if u.startswith(mine) or u == f"{prefix}/{MANIFEST}"]
+        busy = f"{self._uploading}/" if self._uploading else None
+        return [u for u in listed if busy is None or not u.startswith(busy)]
 
     def _remove(self, path: str) -> None:
         self.fs.rmtree(path)
@@ -302,7 +356,7 @@ class ObjectStore(GenerationStore):
         moved = datetime.datetime.now().strftime("%Y%m%dT%H%M%S%f")
         dest = (f"{self.root}/{ASIDE}/gen-{info.generation:09d}-{why}-{moved}-"
                 f"{uuid.uuid4().hex[:8]}")
-        for url in sorted(self.fs.listing(prefix)):
+        for url in self._own(info):
             self.fs.copy(url, dest + url[len(prefix):])
         self.delete(info)
         return dest
@@ -316,6 +370,14 @@ class ObjectStore(GenerationStore):
             out.append(AsideEntry(name, f"{folder}/{name}", m.group(2) if m else "unknown",
                                   m and m.group(3) or ""))
         return sorted(out, key=lambda e: (e.moved, e.name))
+
+
+class _Undecided(Exception):
+    """Whether a manifest upload took effect cannot be told (the store does not answer)."""
+
+    def __init__(self, cause: OSError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _version(info: Mapping[str, Any]) -> str:
@@ -345,8 +407,15 @@ def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, A
     import fsspec
 
     url = str(location).rstrip("/")
+    if "?" in url:
+        raise ValueError(f"{url}: a run URL names a prefix; a query ('?versionId=...') would "
+                         "send writes outside it")
     try:
-        fs, _ = fsspec.core.url_to_fs(url, skip_instance_cache=True, **(storage_options or {}))
+        # No listing cache: a generation another process committed, or a lease it took, must
+        # show at once (a cached listing hid a live lease, and two writers held the run).
+        fs, _ = fsspec.core.url_to_fs(url, **{"skip_instance_cache": True,
+                                              "use_listings_cache": False,
+                                              **(storage_options or {})})
     except (ImportError, ValueError) as e:
         raise ValueError(f"{url}: no filesystem for this URL ({e}); install the fsspec "
                          "backend for it (s3fs for s3://, gcsfs for gs://, adlfs for az://)"

@@ -67,7 +67,6 @@ class ObjectFS:
 
     # -- writing --------------------------------------------------------------------------------
 
-    @_translating
     def write_file(self, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
         """Upload ``path`` (a fresh key), hashing on the way; return (size, xxh3-128 hex).
         The object's bytes are gathered first (one copy of this artifact in memory), then
@@ -83,8 +82,10 @@ class ObjectFS:
             h.update(view)
             body += view
         self._op("fsync", path)
-        self.fs.pipe_file(path, body)
-        stored = self.fs.info(path).get("size")
+        # Only the store's calls are translated: an error raised while producing the chunks
+        # (the state being encoded) is the caller's, not an I/O error.
+        _translated(path, lambda: self.fs.pipe_file(path, body))
+        stored = _translated(path, lambda: self.fs.info(path)).get("size")
         if stored != len(body):
             raise OSError(errno.EIO, f"the store holds {stored} bytes after an upload of "
                           f"{len(body)}", path)
@@ -178,7 +179,10 @@ class ObjectFS:
             found = self.fs.find(prefix, detail=True)
         except FileNotFoundError:
             return {}
-        return {self._url(p): info for p, info in found.items() if info.get("type") == "file"}
+        # A key ending in "/" is a folder marker (the S3 console's "Create folder", Hadoop),
+        # not an object of a generation.
+        return {self._url(p): info for p, info in found.items()
+                if info.get("type") == "file" and not p.endswith("/")}
 
     def _url(self, path: str) -> str:
         return str(self.fs.unstrip_protocol(path))
