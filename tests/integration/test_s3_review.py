@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import uuid
-import warnings
 
 import pytest
 import torch
