@@ -182,3 +182,26 @@ def test_importing_into_a_used_run_or_from_nothing_is_a_usage_error(tmp_path, ca
     assert main(["import", str(tmp_path / "nothing"), str(tmp_path / "run2")]) == 2
     (tmp_path / "empty").mkdir()
     assert main(["import", str(tmp_path / "empty"), str(tmp_path / "run3")]) == 2
+
+
+def test_damaged_archives_get_a_verdict_from_audit_and_import_never_a_crash(tmp_path, capsys):
+    """Bytes of a real torch.save archive flipped and cut at random (seeded): audit and
+    import answer 0, 1 or 2 with a message, never an unexpected exception."""
+    import random
+
+    torch.save({"state_dict": {"w": torch.arange(6.0).reshape(2, 3)}, "epoch": 1},
+               tmp_path / "ok.pt")
+    good = (tmp_path / "ok.pt").read_bytes()
+    rng = random.Random(1)
+    for i in range(80):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 6)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.3:
+            data = data[:rng.randrange(len(data))]
+        path = tmp_path / f"m{i}.pt"
+        path.write_bytes(bytes(data))
+        for cmd in (["audit", str(path)], ["import", str(path), str(tmp_path / f"run{i}")]):
+            code = main(cmd)
+            err = capsys.readouterr().err
+            assert code in (0, 1, 2) and "unexpected" not in err, (i, cmd[0], err)

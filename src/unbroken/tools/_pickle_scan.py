@@ -440,11 +440,20 @@ class PickleFile:
         return [f"{name}: {s.error}" for name, s in self.scans if s.error]
 
 
+def is_zip(path: str) -> bool:
+    """Whether ``path`` looks like a zip archive; one whose end record is broken counts (its
+    reading then says why), where ``zipfile.is_zipfile`` itself raises."""
+    try:
+        return zipfile.is_zipfile(path)
+    except (zipfile.BadZipFile, ValueError, EOFError):
+        return True
+
+
 def read_pickle_file(path: str) -> PickleFile:
     """Scan a file the way ``torch.load`` would open it: a zip archive (torch.save since 1.6,
     Lightning .ckpt, Trainer .pt/.bin), else a legacy torch.save file (magic number,
     protocol, system info, object, storage keys), else a plain pickle."""
-    if zipfile.is_zipfile(path):
+    if is_zip(path):
         return _read_zip(path)
     with open(path, "rb") as raw:
         f: Any = _Capped(raw, os.fstat(raw.fileno()).st_size)

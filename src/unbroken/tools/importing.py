@@ -21,6 +21,7 @@ import json
 import math
 import os
 import zipfile
+import zlib
 from typing import Any
 
 import safetensors.torch
@@ -83,7 +84,7 @@ def _read_folder(src: str) -> dict[str, Any]:
 
 def _read_archive(path: str, kind: str) -> dict[str, Any]:
     """A torch.save zip archive's tensors, without unpickling (see the module doc)."""
-    if not zipfile.is_zipfile(path):
+    if not ps.is_zip(path):
         raise UsageError(f"{path}: not a torch.save zip archive (a legacy torch.save file or "
                          "another format): re-save it with torch.save, or export safetensors")
     scanned = ps.read_pickle_file(path)
@@ -97,10 +98,15 @@ def _read_archive(path: str, kind: str) -> dict[str, Any]:
     root = scanned.root
     step = root.get("global_step", 0) if isinstance(root, dict) else 0
     state = _state_dict(root, path)
-    with zipfile.ZipFile(path) as z:
-        base = next(n for n in z.namelist() if n.endswith("/data.pkl")).rsplit("/", 1)[0]
-        tensors = {name: _materialize(z, base, t, f"{path}:{name}")
-                   for name, t in state.items()}
+    try:
+        with zipfile.ZipFile(path) as z:
+            base = next(n for n in z.namelist() if n.endswith("/data.pkl")).rsplit("/", 1)[0]
+            tensors = {name: _materialize(z, base, t, f"{path}:{name}")
+                       for name, t in state.items()}
+    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError,
+            StopIteration) as e:
+        raise CorruptCheckpoint(f"{path}: unreadable zip archive ({e}); `unbroken audit` "
+                                "says what it holds") from None
     return {"format": kind or "torch.save archive", "tensors": tensors,
             "files": {path: _digest(path)}, "step": step if type(step) is int else 0,
             "config": None}
