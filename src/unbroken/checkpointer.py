@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from . import fixture
 from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, RankFailed, background_group
 from .errors import (
@@ -76,6 +77,10 @@ class Checkpointer(Persisting, Restoring):
     ``close()``; no older generation is deleted before the new one verified). In a job, the
     saves then use a gloo group of their own, as async ones do (``async_timeout``).
 
+    ``next_step_fixture=True`` (one process, local run): the update after each save records
+    its sample ids and the digests of the state it produced, for ``unbroken verify --deep
+    --factory`` to replay (`fixture`).
+
     ``incremental=True``: tensors unchanged since the previous generation (a frozen base
     under LoRA, frozen embeddings; found by content digest) are linked from it, not written
     again; every generation still verifies and restores on its own (`state.incremental`).
@@ -100,7 +105,8 @@ class Checkpointer(Persisting, Restoring):
                  async_save: bool | str = False, async_timeout: float = 600.0,
                  incremental: bool = False, read_back: str = "sync",
                  storage_options: Mapping[str, Any] | None = None,
-                 cache_dir: str | os.PathLike[str] | None = None) -> None:
+                 cache_dir: str | os.PathLike[str] | None = None,
+                 next_step_fixture: bool = False) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -169,6 +175,11 @@ class Checkpointer(Persisting, Restoring):
         if self._process and is_url(location):
             raise ValueError(f"async_save='process' writes to a local run folder; {location} "
                              "is on an object store: use async_save=True")
+        if next_step_fixture and (self._group.active or is_url(location)):
+            raise ValueError("next_step_fixture=True records fixtures of one process in a "
+                             "local run folder")
+        self._fixture_after: int | None = None  # record the update after this saved step
+        self._next_step_fixture = bool(next_step_fixture)
         self._storage_options = storage_options  # a warm start's source is opened alike
         self.store = open_store(location, storage_options, cache_dir)
         self._writer = RunWriter(self.store, self.keep, leader=self._group.leader)
@@ -277,6 +288,12 @@ class Checkpointer(Persisting, Restoring):
                                self._watch.applied_lrs(), self._watch.steps, values)
         self._counters.step = step
         self._watch.boundary(step, self._counters.epoch)
+        if self._fixture_after is not None:
+            if self._fixture_after == step - 1:
+                fixture.record(self.store.root, step - 1, step,
+                               getattr(self.data, "last_update_ids", None),
+                               fixture.state_digests(self.model, self.optimizer))
+            self._fixture_after = None
         saved = False
         stop = self._preemption.agree(self._group, step)
         if self.every and step % self.every == 0 or step in self._save_at or stop:
@@ -325,6 +342,8 @@ class Checkpointer(Persisting, Restoring):
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
         self.wait()  # at most one save in flight; a failed one raises here
+        if self._next_step_fixture:
+            self._fixture_after = step  # the next update records what it does from here
         again = step == self._last_saved
         if not self._group.active:
             self._prepare_write(step, again)

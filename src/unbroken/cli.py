@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from ._commands import (
     COMMANDS,
@@ -153,6 +154,28 @@ def _inspect(args: argparse.Namespace) -> int:
     return emit(args, payload, "\n".join(lines), ok)
 
 
+def _replay_fixtures(args: argparse.Namespace, store: Any, scanned: list[Any],
+                     records: list[dict[str, Any]]) -> None:
+    """``--factory``: replay the next-step fixture of every verified generation that has one
+    (`tools.nextstep`); a replay that differs makes the generation fail."""
+    from .store.objects import ObjectStore
+    from .tools._factory import load_factory
+    from .tools.nextstep import replay
+
+    if not args.deep:
+        raise UsageError("--factory replays next-step fixtures: it goes with --deep")
+    if isinstance(store, ObjectStore):
+        raise UsageError(f"{store.root}: next-step fixtures are recorded in local runs only")
+    factory = load_factory(args.factory)
+    for info, rec in zip(scanned, records, strict=True):
+        if rec["status"] != "verified":
+            continue
+        compared, problems = replay(store.root, info, factory, args.factory)
+        rec["next_step"] = compared
+        if problems:
+            rec.update(status="corrupt", reason="; ".join(problems), problems=problems)
+
+
 # -- verify -------------------------------------------------------------------------------------
 
 
@@ -161,7 +184,10 @@ def _inspect(args: argparse.Namespace) -> int:
          arg("--generation", type=int, metavar="N", help="verify only generation N"),
          arg("--deep", action="store_true",
              help="also check that every weight and optimizer tensor is finite and that the "
-                  "optimizer, scheduler and scaler state could load and train"))
+                  "optimizer, scheduler and scaler state could load and train"),
+         arg("--factory", metavar="MODULE:FUNCTION",
+             help="with --deep: build the training objects with this function, restore each "
+                  "generation with a next-step fixture into them and replay that update"))
 def _verify(args: argparse.Namespace) -> int:
     """Re-hash every artifact of every generation of RUN (or only --generation N) against its
     manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
@@ -180,6 +206,8 @@ def _verify(args: argparse.Namespace) -> int:
 
     records = [verify_one(store, g, run, deep_problems if args.deep else None)
                for g in scanned]
+    if args.factory:
+        _replay_fixtures(args, store, scanned, records)
     ok = all(r["status"] == "verified" for r in records)
     payload = {"run": store.root, "generations": records, "ok": ok}
     if not records:

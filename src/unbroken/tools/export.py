@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
 import json
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -38,6 +36,7 @@ from ..state.tensorfile import encode_safetensors
 from ..store.backends.local import LocalFS
 from . import _export_io as io
 from ._export_io import DTYPES, EXPORT_JSON, FIXED, SCHEMA, TOLERANCES, WEIGHTS
+from ._factory import load_factory
 
 __all__ = ["TOLERANCES", "export_generation", "export_model", "verify_export"]
 
@@ -354,7 +353,7 @@ def _verify_export(args: argparse.Namespace) -> int:
     code, never anything from OUT), load model.safetensors into it (strict) and re-run the
     fixed inputs recorded at export, comparing the outputs bitwise (an uncast export on the
     CPU) or within a tolerance per dtype. Exit 1 when a file or an output differs."""
-    model = _factory(args.factory)()
+    model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--factory {args.factory}: returned a {type(model).__name__}, not a "
                          "torch.nn.Module")
@@ -368,18 +367,3 @@ def _verify_export(args: argparse.Namespace) -> int:
             f" (max |diff| {row['max_abs_diff']:.3g} <= {row['bound']:.3g})"
             if row["mode"] == "tolerance" else ""))
     return emit(args, report, "\n".join(lines), True)
-
-
-def _factory(spec: str) -> Any:
-    module, _, name = spec.partition(":")
-    if not module or not name.isidentifier():
-        raise UsageError(f"--factory {spec!r}: MODULE:FUNCTION, e.g. mypkg.models:build")
-    if os.getcwd() not in sys.path:  # as `python -m` would: the user's modules beside them
-        sys.path.insert(0, os.getcwd())
-    try:
-        found = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise UsageError(f"--factory {spec}: {e}") from None
-    if not callable(found):
-        raise UsageError(f"--factory {spec}: not callable")
-    return found
