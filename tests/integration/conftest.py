@@ -20,8 +20,8 @@ BUCKET = "unbroken-tests"
 @pytest.fixture(scope="session")
 def s3():
     """An S3-compatible server on 127.0.0.1 (moto's server mode) with bucket ``BUCKET``, for
-    the whole session (moto's state is global to the process): ``env``, what a user would export for it, and ``options``, the
-    same as ``storage_options``."""
+    the whole session (moto's state is global to the process): ``env``, what a user would
+    export for it, and ``options``, the same as ``storage_options``."""
     import s3fs
     from moto.server import ThreadedMotoServer
 

@@ -1,13 +1,13 @@
 """Reading pickles without executing them, for `unbroken audit`.
 
-A pickle is a program for a small stack machine; ``pickle.load`` runs it, and its GLOBAL /
+A pickle is a program for a small stack machine; unpickling runs it, and its GLOBAL /
 STACK_GLOBAL / REDUCE instructions import and call whatever the file names. Here the program
-is walked with `pickletools.genops` (which only decodes instructions) and interpreted
+is walked with ``pickletools``' ``genops`` (which only decodes instructions) and interpreted
 *symbolically*: a global becomes a `Global` name, never an imported object; a call becomes a
 `Call` record, never a call. The result is the object tree as far as plain data goes (dicts,
 lists, strings, numbers), with tensors as `Tensor` placeholders (shape and dtype from the
 arguments of torch's rebuild functions), and the list of every global the file references,
-each classified against what ``torch.load(weights_only=True)`` would allow.
+each classified against what torch's weights-only loader would allow.
 
 Readers for the containers that hold such pickles: torch.save zip archives (``*/data.pkl``),
 legacy torch.save files (a sequence of pickles followed by raw storage bytes) and plain
@@ -15,13 +15,9 @@ pickles. Nothing here imports ``pickle`` or calls ``torch.load``."""
 
 from __future__ import annotations
 
-import io
-import os
-import pickletools
 import re
-import zipfile
-import zlib
 from dataclasses import dataclass, field
+from pickletools import genops
 from typing import Any, BinaryIO
 
 # -- what a global is ---------------------------------------------------------------------------
@@ -54,7 +50,7 @@ _TENSOR_CLASS = re.compile(
     r"Float|Half|Int|Long|Short|QInt32|QInt8|QUInt2x4|QUInt4x2|QUInt8)(Storage|Tensor)")
 
 # NumPy arrays and RNG states (Trainer and Accelerate save ``np.random.get_state()``): loading
-# them needs these globals allowlisted, which `torch.load(weights_only=True)` refuses by default.
+# them needs these globals allowlisted, which torch's weights-only loader refuses by default.
 _NUMPY = re.compile(r"numpy\.(_core|core)\.multiarray\.(_reconstruct|scalar)|numpy\.(ndarray|dtype)"
                     r"|numpy\.dtypes\.\w+DType|numpy\.random\._pickle\.__\w+_ctor")
 # The dataclasses and enum of a DCP ``.metadata`` file (and the pathlib path of its
@@ -73,7 +69,7 @@ _DANGEROUS_BUILTINS = {"eval", "exec", "compile", "getattr", "setattr", "delattr
 
 
 def classify(qualname: str) -> str:
-    """``"weights_only"`` (torch.load(weights_only=True) allows it), ``"numpy"`` (NumPy array
+    """``"weights_only"`` (torch's weights-only loader allows it), ``"numpy"`` (NumPy array
     or RNG state), ``"dcp"`` (DCP metadata classes) or ``"code"`` (importing it runs code
     the file chose: a user class, a library class, or worse)."""
     if qualname in WEIGHTS_ONLY_GLOBALS or _TENSOR_CLASS.fullmatch(qualname):
@@ -247,7 +243,7 @@ class PickleScan:
 
 
 class _Machine:
-    """The pickle stack machine (after CPython's pickle.py), with symbolic values."""
+    """The pickle stack machine (after CPython's own), with symbolic values."""
 
     def __init__(self, scan: PickleScan) -> None:
         self.scan = scan
@@ -369,7 +365,7 @@ def scan_pickle(stream: BinaryIO) -> PickleScan:
     scan = PickleScan()
     machine: _Machine | None = _Machine(scan)
     try:
-        for op, arg, _pos in pickletools.genops(stream):
+        for op, arg, _pos in genops(stream):
             if machine is not None:
                 try:
                     if machine.step(op.name, arg):
@@ -386,114 +382,3 @@ def scan_pickle(stream: BinaryIO) -> PickleScan:
     except (ValueError, MemoryError, OverflowError) as e:  # genops: unknown opcode, bad
         scan.error = scan.error or f"malformed pickle: {e}"  # argument, no STOP
     return scan
-
-
-class _Capped:
-    """A file seen by `pickletools.genops` with reads capped at what the file holds: a
-    crafted length field must not make it allocate more than the file's size."""
-
-    def __init__(self, f: BinaryIO, size: int) -> None:
-        self.f, self.size = f, size
-
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self.size - self.f.tell())
-        return self.f.read(left if n < 0 or n > left else n)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def readline(self) -> bytes:
-        return self.f.readline(1 << 20)  # GLOBAL names, INT and FLOAT text: short lines
-
-
-# -- containers ---------------------------------------------------------------------------------
-
-LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
-MAX_PICKLE_BYTES = 1 << 30  # a data.pkl holds structure, not tensor bytes
-
-
-@dataclass
-class PickleFile:
-    """What a file that holds pickles says: its format, each pickle read (member name and
-    scan) and the object the file stands for (the ``torch.load`` result, symbolically)."""
-    format: str
-    scans: list[tuple[str, PickleScan]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def root(self) -> Any:
-        main = [s for name, s in self.scans if name in ("data.pkl", "object")]
-        return main[0].root if main else None
-
-    def globals(self) -> list[str]:
-        out: list[str] = []
-        for _name, s in self.scans:
-            out += [g for g in s.globals if g not in out]
-        return out
-
-    @property
-    def unresolved(self) -> int:
-        return sum(s.unresolved for _name, s in self.scans)
-
-    @property
-    def errors(self) -> list[str]:
-        return [f"{name}: {s.error}" for name, s in self.scans if s.error]
-
-
-def is_zip(path: str) -> bool:
-    """Whether ``path`` looks like a zip archive; one whose end record is broken counts (its
-    reading then says why), where ``zipfile.is_zipfile`` itself raises."""
-    try:
-        return zipfile.is_zipfile(path)
-    except (zipfile.BadZipFile, ValueError, EOFError):
-        return True
-
-
-def read_pickle_file(path: str) -> PickleFile:
-    """Scan a file the way ``torch.load`` would open it: a zip archive (torch.save since 1.6,
-    Lightning .ckpt, Trainer .pt/.bin), else a legacy torch.save file (magic number,
-    protocol, system info, object, storage keys), else a plain pickle."""
-    if is_zip(path):
-        return _read_zip(path)
-    with open(path, "rb") as raw:
-        f: Any = _Capped(raw, os.fstat(raw.fileno()).st_size)
-        first = scan_pickle(f)
-        if first.root != LEGACY_MAGIC or first.error:
-            return PickleFile("plain pickle", [("object", first)])
-        out = PickleFile("torch.save (legacy format)", [("magic", first)])
-        for name in ("protocol", "sys_info", "object", "storage_keys"):
-            scan = scan_pickle(f)
-            out.scans.append((name, scan))
-            if scan.error:
-                break
-    return out
-
-
-def read_zip_bytes(blob: bytes) -> PickleFile:
-    """Scan a torch.save archive held in memory (a DCP bytes entry is one)."""
-    return _read_zip(io.BytesIO(blob))
-
-
-def _read_zip(path: str | BinaryIO) -> PickleFile:
-    out = PickleFile("torch.save (zip)")
-    try:
-        with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-            pkls = [n for n in names if n.endswith(".pkl")]
-            if any(n.split("/")[1:2] == ["code"] for n in names):
-                out.format = "TorchScript archive (torch.jit.save)"
-                out.notes.append("holds TorchScript code: torch.load hands it to "
-                                 "torch.jit.load, which runs it")
-            if not pkls:
-                out.notes.append("a zip archive without a pickle: not a torch.save file")
-            for n in sorted(pkls, key=lambda n: (not n.endswith("/data.pkl"), n)):
-                info = z.getinfo(n)
-                label = "data.pkl" if n.endswith("/data.pkl") and n.count("/") == 1 else n
-                if info.file_size > MAX_PICKLE_BYTES:
-                    scan = PickleScan(error=f"{info.file_size} bytes: too large to scan")
-                else:
-                    scan = scan_pickle(io.BytesIO(z.read(n)))
-                out.scans.append((label, scan))
-    except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError) as e:
-        out.scans.append(("archive", PickleScan(error=f"unreadable zip archive: {e}")))
-    return out

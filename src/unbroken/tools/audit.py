@@ -2,13 +2,13 @@
 continuation parts it holds (DESIGN.md, "CLI contract").
 
 Recognised: a torch.save file (zip or legacy), a Lightning ``.ckpt``, a Hugging Face Trainer
-``checkpoint-N/`` folder, an Accelerate ``save_state`` folder, a DCP folder, a bare
-safetensors file, a ``save_pretrained`` model folder. Pickles are interpreted symbolically
-(`._pickle_scan`): nothing is imported or called, ``pickle.load`` and ``torch.load`` are never
-used. Every global a pickle references is classified; one that would import code is flagged
-(exit 1). The parts are found by the shape of the data (an optimizer state dict has ``state``
-and ``param_groups``; a torch RNG state is a 5056-byte uint8 tensor; ...) and, in folders, by
-the file names each library writes."""
+``checkpoint-N/`` folder, an Accelerate ``save_state`` folder, a DCP folder, a bare safetensors
+file, a ``save_pretrained`` model folder. Pickles are interpreted symbolically
+(`._pickle_scan`): nothing is imported or called, neither Python's unpickler nor torch's loader
+is ever used. Every global a pickle references is classified; one that would import code is
+flagged (exit 1). The parts are found by the shape of the data (an optimizer state dict has
+``state`` and ``param_groups``; a torch RNG state is a 5056-byte uint8 tensor; ...) and, in
+folders, by the file names each library writes."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from .._runview import UsageError
 from .._table import table
 from ..errors import CorruptCheckpoint
 from ..state.jsontext import loads_json
+from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
 from ._audit_parts import Findings, find_parts, parts_table, verdict, where_text, why_text
 
@@ -61,7 +62,7 @@ class Audit:
     notes: list[str] = field(default_factory=list)
 
     def read(self, full: str, name: str, rank: int | None = None, walk: bool = True
-             ) -> ps.PickleFile | None:
+             ) -> pfiles.PickleFile | None:
         """Read one file of a folder (or the file itself) by its kind; record what it says."""
         if name.endswith(".safetensors"):
             tensors = self._safetensors(full, name)
@@ -70,7 +71,7 @@ class Audit:
             return None
         if name.endswith(".json"):
             return None
-        pf = ps.read_pickle_file(full)
+        pf = pfiles.read_pickle_file(full)
         if not _looks_like_pickle(full, pf):
             self.files.append(FileReport(name, "not a pickle (not read)"))
             return pf
@@ -107,10 +108,10 @@ class Audit:
         return count
 
 
-def _looks_like_pickle(path: str, pf: ps.PickleFile) -> bool:
+def _looks_like_pickle(path: str, pf: pfiles.PickleFile) -> bool:
     """Whether a stream that did not parse is a (broken or crafted) pickle at all: it starts
     like one of protocol 2+, or it names an importable global (a pickle of protocol 0 that
-    names a global and then breaks counts: pickle.load would run what comes before)."""
+    names a global and then breaks counts: unpickling would run what comes before)."""
     scans = [s for _n, s in pf.scans]
     if not scans or not scans[0].error or pf.format.startswith("torch.save (zip"):
         return bool(scans)
@@ -278,7 +279,7 @@ def _dcp_bytes(path: str, storage: Any, as_bytes: set[Any], audit: Audit) -> dic
         st = info.state if isinstance(info, ps.Call) and isinstance(info.state, dict) else {}
         rel, offset, length = st.get("relative_path"), st.get("offset"), st.get("length")
         if not (isinstance(rel, str) and type(offset) is int and type(length) is int) \
-                or "/" in rel or rel.startswith(".") or length > ps.MAX_PICKLE_BYTES:
+                or "/" in rel or rel.startswith(".") or length > pfiles.MAX_PICKLE_BYTES:
             continue
         try:
             with open(os.path.join(path, rel), "rb") as f:
@@ -288,7 +289,7 @@ def _dcp_bytes(path: str, storage: Any, as_bytes: set[Any], audit: Audit) -> dic
             continue
         if blob[:2] != b"PK":
             continue  # a tensor's raw bytes
-        pf = ps.read_zip_bytes(blob)
+        pf = pfiles.read_zip_bytes(blob)
         code = [g for g in pf.globals() if ps.classify(g) == "code"]
         if code or pf.unresolved or pf.errors:
             audit.files.append(FileReport(f"{rel}@{offset} ({fqn})", pf.format, code=code,
@@ -345,5 +346,6 @@ def _audit(args: argparse.Namespace) -> int:
         lines.append("needs numpy globals (refused by torch.load(weights_only=True) unless "
                      "allowlisted): " + ", ".join(numpy))
     if flagged:
-        lines.append("do not torch.load(weights_only=False) or unpickle these files")
+        lines.append("do not unpickle these files, nor open them with torch.load unless "
+                     "weights_only is True")
     return emit(args, payload, "\n".join(lines), ok)

@@ -7,7 +7,7 @@ proof with ``restore(intent="warm_start", source=RUN)``.
 Nothing is executed: safetensors files are read as such, and a torch.save archive (zip) is
 read by interpreting its pickle symbolically (`._pickle_scan`) and copying each tensor's bytes
 out of the archive by its storage record, bounds-checked; an archive whose pickle would import
-anything beyond what ``torch.load(weights_only=True)`` allows is refused. Only the weights
+anything beyond what torch's weights-only loader allows is refused. Only the weights
 come over: the source's optimizer, scheduler, RNG and data position are not a continuation
 unbroken can vouch for, so the imported run is a warm start (a ``continue`` restore from it
 refuses, naming the missing parts). The generation's manifest names the source in ``origin``
@@ -32,6 +32,7 @@ from .._commands import arg, command, emit
 from .._runview import UsageError
 from ..errors import CorruptCheckpoint, UnbrokenError
 from ..state.identity import Identity
+from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
 
 _WEIGHTS_PT = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
@@ -84,10 +85,10 @@ def _read_folder(src: str) -> dict[str, Any]:
 
 def _read_archive(path: str, kind: str) -> dict[str, Any]:
     """A torch.save zip archive's tensors, without unpickling (see the module doc)."""
-    if not ps.is_zip(path):
+    if not pfiles.is_zip(path):
         raise UsageError(f"{path}: not a torch.save zip archive (a legacy torch.save file or "
                          "another format): re-save it with torch.save, or export safetensors")
-    scanned = ps.read_pickle_file(path)
+    scanned = pfiles.read_pickle_file(path)
     unsafe = [g for g in scanned.globals() if ps.classify(g) not in ("weights_only", "numpy")]
     if scanned.errors or scanned.unresolved or unsafe:
         raise CorruptCheckpoint(

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from .._commands import arg, command, emit
+from .._commands import arg, command, emit, tolerance
 from .._runview import UsageError, open_run
 from .._table import human_size, table
 from ..store.manifest import TO_COMMIT
@@ -314,16 +314,6 @@ def _positive_type(unit: str) -> Any:
     return parse
 
 
-def _zero_or_more(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"{text}: expected a finite number of seconds >= 0")
-    return value
-
-
-_zero_or_more.__name__ = "number"
-
-
 @command("plan", "save interval, overhead fraction and expected lost work",
          arg("run", metavar="RUN", nargs="?",
              help="a run folder or URL: take the checkpoint size and observed save period "
@@ -332,7 +322,7 @@ _zero_or_more.__name__ = "number"
              help="cost C of one save: seconds training stands still"),
          arg("--mtbf-hours", type=_positive_type("hours"), metavar="H",
              help="mean time between failures M"),
-         arg("--restart-seconds", type=_zero_or_more, default=0.0, metavar="R",
+         arg("--restart-seconds", type=tolerance, default=0.0, metavar="R",
              help="time a restart takes (scheduling, start-up, restore); default 0"),
          arg("--interval-minutes", type=_positive_type("minutes"), metavar="T",
              help="evaluate this compute time between saves"),
