@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken import cli
 from unbroken.errors import CommitConflict, StoreLocked
-from unbroken.store.lease import LEASE
 from unbroken.store.backends.objects import ObjectFS
+from unbroken.store.lease import LEASE
 from unbroken.store.objects import ObjectStore, open_store
 
 
