@@ -172,40 +172,27 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
     return "same names"
 
 
-def with_tied(saved: Any, model: torch.nn.Module) -> Any:
-    """``saved`` with the names it lacks filled in where the live model ties them to a name it
-    has (one tensor under two names, as a language model's output layer shares the input
-    embedding): a checkpoint written elsewhere (``save_pretrained``, an import) keeps only one
-    name, and loading that one fills both. Anything else missing stays missing."""
-    if not isinstance(saved, Mapping):
-        return saved
-    live = model.state_dict(keep_vars=True)
-    missing = [k for k in live if k not in saved]
-    if not missing:
-        return saved
-
-    def view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-        return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape),
-                tuple(t.stride()))
-
-    held = {view(t): k for k, t in live.items() if k in saved and isinstance(t, torch.Tensor)}
-    out = dict(saved)
-    for k in missing:
-        t = live[k]
-        if isinstance(t, torch.Tensor) and t.numel() and view(t) in held:
-            out[k] = saved[held[view(t)]]
-    return out
-
-
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
-                   dtypes: bool = True) -> None:
+                   dtypes: bool = True) -> Mapping[str, Any]:
     """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
-    model. A warm start may change precision (fp32 weights into a bf16 model): load_state_dict
-    converts."""
+    model; returns the state to load. A warm start may change precision (fp32 weights into a
+    bf16 model): load_state_dict converts. A name the live model ties to a saved one (one
+    tensor under two names, as a language model's output layer shares the input embedding) is
+    filled in from it: a checkpoint written elsewhere (``save_pretrained``, an import) keeps
+    only one name, and loading that one fills both."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     live = model.state_dict()
     missing = [k for k in live if k not in saved]
+    if missing:
+        try:
+            held = {_view(t): k for k, t in live.items() if k in saved}
+            tied = {k: held[_view(live[k])] for k in missing
+                    if live[k].numel() and _view(live[k]) in held}
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+            tied = {}
+        saved = {**saved, **{k: saved[v] for k, v in tied.items()}}
+        missing = [k for k in missing if k not in tied]
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
@@ -219,6 +206,13 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
                                 f"{t.dtype} (live model), found {found}")
+    return saved
+
+
+def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: two names with the same view hold one tensor."""
+    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape),
+            tuple(t.stride()))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],

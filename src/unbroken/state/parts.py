@@ -31,7 +31,6 @@ from .optim import (
     optimizer_state,
     optimizer_state_to_torch,
     validate_model,
-    with_tied,
 )
 from .tensorfile import decode_safetensors, encode_safetensors
 
@@ -139,8 +138,8 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
     ready = dict(saved)
     for name, obj in parts.items():
         if name == MODEL:
-            ready[name] = with_tied(saved[name], obj)
-            validate_model(ready[name], obj, f"{where} [{name}]", dtypes=intent == "continue")
+            ready[name] = validate_model(saved[name], obj, f"{where} [{name}]",
+                                         dtypes=intent == "continue")
         elif name == OPTIMIZER:
             ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]")
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):
