@@ -121,3 +121,19 @@ def test_an_index_key_that_is_no_path_into_the_state_is_refused(key: str) -> Non
     index["tensors"][key] = index["tensors"].pop('["model", "w"]')
     with pytest.raises(CorruptCheckpoint):
         _load(index, files)
+
+
+@pytest.mark.parametrize("also_chunks", [False, True])
+def test_an_edited_size_is_refused_before_anything_is_allocated(also_chunks: bool) -> None:
+    """Found by the property above: a tensor size edited to 1.6e9 elements allocated 25 GB
+    (a bare RuntimeError). Now the chunks must add up to the size, and each chunk must be
+    what its file holds, before any tensor is made."""
+    index, files = _saved()
+    key = next(k for k in index["tensors"] if "exp_avg" in k or '"w"' in k)
+    entry = index["tensors"][key]
+    entry["size"][0] = 1_582_795_907
+    if also_chunks:  # the chunks edited to match: the shard file still says otherwise
+        entry["chunks"][0]["sizes"][0] = 1_582_795_907 - sum(
+            c["sizes"][0] for c in entry["chunks"][1:])
+    with pytest.raises(CorruptCheckpoint):
+        _load(index, files)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import re
 import sys
 import warnings
@@ -219,6 +220,13 @@ def read_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
                           and _SHARD_FILE.fullmatch(c["file"]) is not None
                           and isinstance(c["key"], str)
                           for c in chunks))
+            # Each element is saved in exactly one chunk: chunks that do not add up to the
+            # tensor would leave part of it unread (and an edited size would allocate it).
+            if ok and sum(math.prod(c["sizes"]) for c in chunks) != math.prod(size):
+                raise CorruptCheckpoint(f"{where}: tensor {key}: its chunks hold "
+                                        f"{sum(math.prod(c['sizes']) for c in chunks)} "
+                                        f"elements, its size {list(size)} needs "
+                                        f"{math.prod(size)}")
             if not ok:
                 raise ValueError(key)
     except CorruptCheckpoint:
@@ -239,8 +247,19 @@ def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mappi
 
     _, live = split(live_tree)
     params = dict(model.named_parameters())
-    wanted = {key: _target(key, entry, live, params) for key, entry in index["tensors"].items()}
     reader = _Reader(index, read, where, meta)
+    for key, entry in index["tensors"].items():  # before allocating what the index says
+        for c in entry["chunks"]:
+            stored = reader.tensors(c["file"]).get(c["key"])
+            if stored is None:
+                raise CorruptCheckpoint(f"{where}/{c['file']}: no tensor {c['key']!r}, which "
+                                        f"{SHARDS_FILE} names for {_name(key)}")
+            if stored.numel() != math.prod(c["sizes"]):
+                raise CorruptCheckpoint(
+                    f"{where}/{SHARDS_FILE}: {_name(key)}: chunk {c['key']!r} of {c['file']} "
+                    f"should hold {math.prod(c['sizes'])} elements, the file holds "
+                    f"{stored.numel()}")
+    wanted = {key: _target(key, entry, live, params) for key, entry in index["tensors"].items()}
     try:
         with _quiet():
             dcp.load(wanted, storage_reader=reader, no_dist=True,
@@ -327,7 +346,7 @@ class _Reader:
         try:
             for item in plan.items:
                 file, key = self.storage[item.storage_index]
-                src = self._tensors(file).get(key)
+                src = self.tensors(file).get(key)
                 if src is None:
                     raise CorruptCheckpoint(f"{self.where}/{file}: no tensor {key!r}, which "
                                             f"{SHARDS_FILE} lists for "
@@ -353,7 +372,7 @@ class _Reader:
         done.set_result(None)
         return done
 
-    def _tensors(self, file: str) -> dict[str, torch.Tensor]:
+    def tensors(self, file: str) -> dict[str, torch.Tensor]:
         if file not in self._files:
             where = f"{self.where}/{file}"
             tensors, stamped = decode_safetensors(self.read(file), where)
