@@ -68,24 +68,34 @@ def kill(processes: set[Process]) -> set[Process]:
 def kill_tree(root: int) -> None:
     """SIGKILL ``root`` and every descendant, this process last if it is among them.
 
-    Each is stopped (SIGSTOP) first, and the tree listed again until no new process shows up:
-    a stopped process cannot fork, so no DataLoader worker started between a listing and the
-    kill escapes as an orphan (an orphan holding the job's output pipes kept a test waiting
-    until its timeout)."""
+    A process that leads its own group (a rank torchrun started in a session of its own) is
+    killed with its whole group, so a DataLoader worker it forked after the listing dies with
+    it instead of living on as an orphan (one held a test's output pipes until its timeout).
+    Nothing is stopped on the way: two ranks killing the job at once must not freeze each
+    other."""
     me = os.getpid()
-    stopped: set[Process] = set()
+    mine = os.getpgid(0)
+    table = _table()
+    done: set[Process] = set()
+    inside = any(pid == me for pid, _ in tree(root))  # (the root may die before the end)
     for _ in range(100):
-        new = {p for p in tree(root) if p[0] != me} - stopped
-        if not new:
+        found = {p for p in tree(root) if p[0] != me} - done
+        if not found:
             break
-        for pid, _ in new:
+        for pid, _ in found:
+            group = table[pid][1] if pid in table else 0
             try:
-                os.kill(pid, signal.SIGSTOP)
+                if group == pid and group != mine:
+                    os.killpg(pid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        stopped |= new
-    kill(stopped)
-    if any(pid == me for pid, _ in tree(root)):
+        done |= found
+        table = _table()
+    if inside:  # this process and, when it leads its group, its own workers
+        if mine == me:
+            os.killpg(me, signal.SIGKILL)
         os.kill(me, signal.SIGKILL)
 
 
