@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def test_a_job_of_two_restores_on_another_world_size_element_for_element(runs, t
     assert dump["ids"] == ref["ids"]  # the global batch of update 16, re-split over the ranks
 
 
-def test_a_sharded_generation_restores_into_a_plain_model(runs, tmp_path):
+def test_a_sharded_generation_restores_into_a_plain_model(runs, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(os.path.dirname(SCRIPT))  # as for the script itself
     spec = importlib.util.spec_from_file_location("ddp_train", SCRIPT)
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
@@ -81,7 +83,7 @@ def test_a_sharded_generation_restores_into_a_plain_model(runs, tmp_path):
     import unbroken
 
     shutil.copytree(runs / "killed", tmp_path / "run")
-    data = script.Points()
+    data = script.dataset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -9,6 +9,7 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 
@@ -570,14 +571,16 @@ def test_a_tie_between_two_runs_without_a_record_is_refused_unless_adopted(tmp_p
     ckpt.close()
 
 
-def test_a_later_save_of_the_same_step_with_changed_state_supersedes_it(tmp_path):
+@pytest.mark.parametrize("store", ["local", "memory"])
+def test_a_later_save_of_the_same_step_with_changed_state_supersedes_it(tmp_path, store):
     """The per-epoch scheduler pattern: step_done saved the epoch's last update, then the
-    scheduler steps and the script saves again: that state must be the one kept."""
+    scheduler steps and the script saves again: that state must be the one kept (on an
+    object store too, where the new upload sits beside the generation it supersedes)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
-    root = tmp_path / "run"
+    root = tmp_path / "run" if store == "local" else f"memory://promises/{uuid.uuid4().hex}"
     ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt, scheduler=sched, every=2)
     ckpt.restore()
     for step in (1, 2):

@@ -27,22 +27,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _points import Points
 
 import unbroken
 from unbroken.state._digest import digest_tree
 
 
-class Points(torch.utils.data.Dataset):
-    def __init__(self, n: int = 256) -> None:
-        g = torch.Generator().manual_seed(1234)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = self.x[:, :3].argmax(1)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.05 * torch.randn(8), self.y[i], i
+def dataset() -> Points:
+    """The job's data: 256 noisy points of 8 features, each returned with its id."""
+    return Points(256, 8, seed=1234, with_index=True)
 
 
 def full(value):
@@ -82,7 +75,7 @@ def main() -> None:
     if os.environ.get("SIGNAL_RANK") == str(rank):  # SIGTERM lands inside update SIGNAL_AT
         os.environ["UNBROKEN_SIGNAL_AT"] = os.environ["SIGNAL_AT"]
     torch.manual_seed(0), np.random.seed(rank), random.seed(rank)
-    data = Points()
+    data = dataset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(32, 3))
     if args.fsdp:

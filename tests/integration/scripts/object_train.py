@@ -13,22 +13,10 @@ import json
 
 import torch
 import torch.nn.functional as F
+from _points import Points
 
 import unbroken
 from unbroken.state._digest import digest_tree
-
-
-class Points(torch.utils.data.Dataset):
-    def __init__(self, n: int = 96) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(n, 6, generator=g)
-        self.y = self.x[:, :3].argmax(1)
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int):
-        return self.x[i] + 0.05 * torch.randn(6), self.y[i]
 
 
 def main() -> None:
@@ -43,7 +31,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5) * 0.97 ** s)
     sampler = unbroken.ResumableSampler(96, batch_size=8, seed=0)
-    loader = unbroken.ResumableLoader(unbroken.seeded(Points(), seed=0), sampler,
+    data = Points(96, 6, seed=7, with_index=False)
+    loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler,
                                       num_workers=2)
     ckpt = unbroken.Checkpointer(args.url, model=model, optimizer=opt, scheduler=sched,
                                  data=loader, every=3, keep=unbroken.Keep(last=2))
