@@ -23,7 +23,7 @@ ASIDE = "aside"
 # Why a generation was moved aside: the label in its name under aside/.
 ASIDE_REASONS = ("corrupt", "torn", "foreign", "abandoned", "superseded")
 # gen-N-<reason>-<YYYYmmddTHHMMSS>-<id> (versions before 0.2 wrote no time)
-_ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0-9a-f]{8}",
+ASIDE_NAME = re.compile(r"(gen-[0-9]{9,})-([a-z]+)-(?:([0-9]{8}T[0-9]{12})-)?[0-9a-f]{8}",
                          re.ASCII)
 
 
@@ -83,7 +83,7 @@ class AsideFolder:
             names = []
         out = []
         for name in names:
-            m = _ASIDE_NAME.fullmatch(name)
+            m = ASIDE_NAME.fullmatch(name)
             out.append(AsideEntry(name, os.path.join(folder, name),
                                   m.group(2) if m else "unknown", m and m.group(3) or ""))
         return sorted(out, key=lambda e: (e.moved, e.name))

@@ -34,7 +34,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
-from .aside import _ASIDE_NAME, ASIDE, ASIDE_REASONS, AsideEntry
+from .aside import ASIDE, ASIDE_NAME, ASIDE_REASONS, AsideEntry
 from .backends.local import fault_point
 from .backends.objects import ObjectFS
 from .cache import ReadCache
@@ -366,7 +366,7 @@ class ObjectStore(GenerationStore):
         names = {url[len(folder) + 1:].partition("/")[0] for url in self.fs.listing(folder)}
         out = []
         for name in names:
-            m = _ASIDE_NAME.fullmatch(name)
+            m = ASIDE_NAME.fullmatch(name)
             out.append(AsideEntry(name, f"{folder}/{name}", m.group(2) if m else "unknown",
                                   m and m.group(3) or ""))
         return sorted(out, key=lambda e: (e.moved, e.name))
