@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import unbroken
+from unbroken.picking import _MAP_MIN
 from unbroken.state.optim import load_optimizer_state
 from unbroken.state.parts import _plain_modules
 from unbroken.store.backends.local import _coalesced
@@ -214,14 +215,18 @@ def test_a_restore_adds_no_more_memory_than_its_largest_tensor_and_64_mib(tmp_pa
 
 def test_restored_state_holds_no_view_of_the_files(tmp_path):
     model, opt = _trained("AdamW")
-    big = torch.nn.Linear(1024, 512)  # over the 1 MiB above which files are mapped
+    big = torch.nn.Linear(2048, 2048)  # optimizer file over the 32 MiB above which it is mapped
     opt.add_param_group({"params": big.parameters()})
     model.add_module("big", big)
-    big(torch.randn(2, 1024)).sum().backward()
+    big(torch.randn(2, 2048)).sum().backward()
     opt.step()
     with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
         ckpt.step_done(1)
         ckpt.save()
+    mapped = (tmp_path / "run").glob("gen-*/optimizer.safetensors")
+    assert [f.stat().st_size >= _MAP_MIN for f in mapped] == [True]
+    expected = [t.clone() for t in [*model.state_dict().values(),
+                                    *(v for s in opt.state.values() for v in s.values())]]
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()
@@ -229,7 +234,10 @@ def test_restored_state_holds_no_view_of_the_files(tmp_path):
         state.clear()  # nothing to copy into: new tensors of the optimizer's own
     with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
         ckpt.restore()
-    for t in [*model.state_dict().values(),
-              *(v for s in opt.state.values() for v in s.values())]:
-        assert t.untyped_storage().nbytes() == t.numel() * t.element_size() or t.numel() < 2
+    restored = [*model.state_dict().values(), *(v for s in opt.state.values() for v in s.values())]
+    assert all(torch.equal(a, b) for a, b in zip(restored, expected, strict=True))
+    for t in restored:
+        # a view of the mapped file would hold a storage of its size; the smaller files are
+        # read whole into memory of this process's own
+        assert t.untyped_storage().nbytes() < _MAP_MIN
         t.add_(1)  # writable, of this process's own

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..state.codec import view_ident
+from ..state.codec import ViewMemo
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
@@ -61,7 +61,7 @@ class _Taking:
     def __init__(self, buffers: SnapshotBuffers) -> None:
         self.buffers = buffers
         self.memo: dict[int, Any] = {}  # id(tensor) -> its buffer, for deepcopy
-        self.seen: dict[tuple[Any, ...], torch.Tensor] = {}  # one buffer per view
+        self.seen = ViewMemo()  # one buffer per view
         self.used: set[tuple[Any, ...]] = set()
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []
@@ -82,10 +82,10 @@ class _Taking:
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         # The same view twice (tied weights: two state_dict entries of one parameter) stays
         # one tensor, as the encoder stores it once.
-        ident = view_ident(t) or (id(t),)
-        buf = self.seen.get(ident)
+        key, buf = self.seen.find(t)
         if buf is None:
-            buf = self.seen[ident] = self.buffers._buffer(path, t)
+            buf = self.buffers._buffer(path, t)
+            self.seen.add(key, t, buf)
             self.used.add(path)
             kind = type(t)
             if t.is_cpu and (kind is torch.Tensor or kind is torch.nn.Parameter):

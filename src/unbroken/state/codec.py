@@ -100,10 +100,36 @@ def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (ptr, t.shape, t.stride(), t.dtype, t.device)
 
 
+class ViewMemo:
+    """Values by tensor view (`view_ident`): the same view met twice (tied weights: two
+    state_dict entries of one parameter) finds the first one's value. Kept by address first:
+    two views of one address are rare, and `view_ident` costs four more torch calls."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+
+    def find(self, t: torch.Tensor) -> tuple[int, Any]:
+        """(the key to `add` ``t`` under, the value stored for its view or None). A tensor
+        without memory of its own (empty, or a DTensor) is found only as the same object."""
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            ptr = 0
+        key = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
+        for other, value in self._at.get(key, ()):
+            if other is t or (ptr and view_ident(other) == view_ident(t)):
+                return key, value
+        return key, None
+
+    def add(self, key: int, t: torch.Tensor, value: Any) -> None:
+        """Remember ``value`` for ``t``'s view (``key`` from `find`)."""
+        self._at.setdefault(key, []).append((t, value))
+
+
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._alias: dict[tuple[Any, ...], dict[str, Any]] = {}
+        self._views = ViewMemo()
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
@@ -115,9 +141,9 @@ class _Encoder:
         if t.dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
             t = t.resolve_conj().resolve_neg()  # a lazy view of its base: its own values
         # The same view referenced twice (tied weights) is stored once and decoded as one object.
-        ident = view_ident(t)
-        if ident is not None and ident in self._alias:
-            return self._alias[ident]
+        key_of_view, same = self._views.find(t)
+        if same is not None:
+            return same
         data = t.detach() if t.requires_grad else t
         if not data.is_cpu:
             if data.is_meta:
@@ -131,8 +157,7 @@ class _Encoder:
             ref["shape"] = list(data.shape)
             data = data.contiguous().reshape(-1).view(torch.uint8)
         self.tensors[key] = data
-        if ident is not None:
-            self._alias[ident] = ref
+        self._views.add(key_of_view, t, ref)
         return ref
 
     def _key(self, path: str) -> str:

@@ -241,6 +241,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
         if mapped is not None:  # torch keeps what it is given: copies, not views of files
             ready = {**ready, "state": {i: {k: _owned(None, v, mapped) for k, v in vals.items()}
                                         for i, vals in ready["state"].items()}}
+            mapped.finish()  # torch may cast (copy) them: their bytes must be in first
         optimizer.load_state_dict(dict(ready))
         return
     state: dict[Any, Any] = {}

@@ -161,6 +161,8 @@ class Copier(Protocol):
 
     def release(self, t: torch.Tensor) -> None: ...
 
+    def finish(self) -> None: ...
+
 
 def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
           mapped: Copier | None = None) -> None:
@@ -192,6 +194,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                 if name == MODEL and mapped is not None:
                     for t in ready[name].values():  # copied by load_state_dict
                         mapped.release(t)
+            if name in big and mapped is not None:
+                mapped.finish()  # large tensors are read in the background
         except Exception as e:
             for prev in reversed([*done, name]):
                 if prev in backup:

@@ -201,26 +201,61 @@ def decode_safetensors(data: bytes | memoryview, where: str
         # The header check proved every span in bounds, tiling the data exactly, and sized
         # for its dtype and shape.
         base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
-        address = np.frombuffer(data, dtype=np.uint8).ctypes.data
-        out = {}
-        for key, e in header.items():
-            name, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
-            dtype = _ST_BY_NAME[name]
-            if end == begin:
-                t = torch.empty(shape, dtype=dtype)
-                out[key] = t
-                continue
-            # its own storage object (APIs such as set_rng_state assume offset 0)
-            t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // _ITEMSIZE[name],
-                                 offset=base + begin)
-            if (address + base + begin) % 64:
-                # a fresh allocation (64-byte aligned), copied as bytes: a bool's clone would
-                # make any nonzero byte 1
-                t = t.view(torch.uint8).clone().view(dtype)
-            # (1-D tensors, the usual shape of small ones, need no reshape: a call each)
-            out[key] = t if len(shape) == 1 else t.reshape(shape)
-        return out, metadata
+        address = np.frombuffer(data, dtype=np.uint8).ctypes.data + base
+        return _views(data, header, base, address), metadata
     try:
         return load(bytes(data)), metadata
     except Exception as e:  # the parser's own error type; we already validated the header
         raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None
+
+
+def _views(data: memoryview, header: dict[str, Any], base: int, address: int
+           ) -> dict[str, torch.Tensor]:
+    """Every tensor of a validated header as a view into ``data`` (whose data section starts
+    at byte ``base``, at ``address`` in memory), without a copy where it sits 64-byte aligned.
+
+    (Per-tensor costs matter: 10,000 small tensors are common. Each dtype's whole data section
+    is one tensor, and each tensor one ``as_strided`` view of it, instead of a buffer lookup
+    and a reshape each.) uint8 tensors (RNG states, raw bytes) get storages of their own:
+    APIs such as ``set_rng_state`` read a state from its storage's first byte."""
+    out: dict[str, torch.Tensor] = {}
+    typed: dict[str, torch.Tensor] = {}
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+    for key, e in header.items():
+        name, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+        dtype = _ST_BY_NAME[name]
+        if end == begin:
+            out[key] = torch.empty(shape, dtype=dtype)
+            continue
+        size = _ITEMSIZE[name]
+        whole = typed.get(name)
+        if whole is None and name != "U8" and not address % size:
+            whole = typed[name] = torch.frombuffer(data, dtype=dtype, offset=base,
+                                                   count=(len(data) - base) // size)
+        if whole is not None and not begin % size:
+            dims = tuple(shape)
+            stride = strides.get(dims)
+            if stride is None:
+                stride = strides[dims] = _contiguous_strides(dims)
+            t = whole.as_strided(dims, stride, begin // size)
+        else:
+            t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // size,
+                                 offset=base + begin)
+            if len(shape) != 1:
+                t = t.reshape(shape)
+        if (address + begin) % 64 and end - begin > size:
+            # a fresh allocation (64-byte aligned), copied as bytes: vectorized reductions
+            # (``dot``) round differently at other alignments, and a restored run must compute
+            # exactly as the uninterrupted one did (one element has nothing to vectorize); a
+            # bool's clone would make any nonzero byte 1
+            t = t.view(torch.uint8).clone().view(dtype) if size == 1 else t.clone()
+        out[key] = t
+    return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for d in reversed(shape):
+        strides.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(strides))
