@@ -16,6 +16,7 @@ from .errors import (
                      StoreLocked,
                      UnbrokenError,
                      UnbrokenWarning,
+                     UnsupportedSetup,
                      UnsupportedValue,
                      UpdateBoundaryError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "StoreLocked",
     "UnbrokenError",
     "UnbrokenWarning",
+    "UnsupportedSetup",
     "UnsupportedValue",
     "UpdateBoundaryError",
     "seeded",

@@ -65,6 +65,11 @@ class UpdateBoundaryError(UnbrokenError):
     """A save or step marker arrived somewhere other than a completed-update boundary."""
 
 
+class UnsupportedSetup(UnbrokenError):
+    """A framework setup (Lightning, the Transformers Trainer, Accelerate) whose continuation a
+    generation would not capture exactly; raised by the adapter before anything is trained."""
+
+
 class UnbrokenWarning(UserWarning):
     """Warnings that do not stop a run (e.g. a different environment: bitwise equality may not
     hold)."""

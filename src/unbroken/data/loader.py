@@ -295,8 +295,10 @@ class ResumableLoader:
             self._pass.iterator = None
             self._pass = None
 
-    def _stop_workers(self) -> None:
-        """Shut this loader's workers down now (told to stop, and joined)."""
+    def stop_workers(self) -> None:
+        """Shut this loader's workers down now (told to stop, and joined): for a loop that
+        ends before its pass does (a step limit) and would otherwise leave them running until
+        the interpreter exits."""
         dl = self._dl if self._source is None else self._source._dl
         for it in (self._pass.iterator if self._pass else None, getattr(dl, "_iterator", None)):
             stop = getattr(it, "_shutdown_workers", None)
@@ -415,7 +417,7 @@ _LIVE: weakref.WeakSet[ResumableLoader] = weakref.WeakSet()
 @atexit.register
 def _stop_all_workers() -> None:
     for loader in list(_LIVE):
-        loader._stop_workers()
+        loader.stop_workers()
 
 
 def _worker_start(user_init: Callable[[int], None] | None, worker_id: int) -> None:

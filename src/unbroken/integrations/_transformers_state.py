@@ -1,0 +1,108 @@
+"""The Transformers Trainer's own continuation state as an unbroken part, and the default
+identity of a Trainer run (`unbroken.integrations.transformers`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer_callback import ExportableState
+
+from ..errors import CorruptCheckpoint, StateMismatch
+
+# TrainingArguments fields that shape the trajectory: the default identity config, so a
+# continuation with another learning rate, schedule, batch or seed is refused by name.
+_TRAJECTORY_ARGS = (
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim",
+    "optim_args", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type",
+    "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "per_device_train_batch_size",
+    "gradient_accumulation_steps", "seed", "data_seed", "fp16", "bf16",
+    "label_smoothing_factor", "dataloader_drop_last", "average_tokens_across_devices")
+# TrainerState fields that continue from one update to the next (the rest is recomputed
+# from the arguments by the Trainer at every train()).
+_STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history",
+                 "best_metric", "best_global_step", "best_model_checkpoint")
+_LOGGING_FIELDS = ("tr_loss", "globalstep_last_logged", "current_flos")
+
+
+def trainer_config(args: TrainingArguments) -> dict[str, Any]:
+    """The `TrainingArguments` values that shape the training trajectory (learning rate,
+    schedule, batch, accumulation, seeds, precision): the default identity config of
+    `attach`. Extend it for an `Identity` of your own: ``Identity(config={**trainer_config(
+    args), "model": ...}, data="train-v3")``."""
+    values = args.to_dict()
+    return {k: values[k] for k in _TRAJECTORY_ARGS if k in values}
+
+
+def _wall_clock(key: str) -> bool:
+    # speed_metrics(): "<split>_runtime", "<split>_samples_per_second", ... measure the
+    # process, not the training; they differ on every run, so they are not state.
+    return key.endswith(("_runtime", "_per_second"))
+
+
+class TrainerProgress:
+    """The Trainer's own continuation state as an unbroken part (``extras["trainer"]``):
+    the TrainerState counters (global step, epoch, tokens seen, FLOs, log history without
+    wall-clock timings, best metric), the logging accumulators (loss summed since the last
+    log, the step of that log, FLOs not yet stored) and the attributes of every stateful
+    callback (`ExportableState`, e.g. EarlyStoppingCallback's patience counter)."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        # The loop resets its logging accumulators after the restore; put back at train begin.
+        self.pending_logging: dict[str, Any] | None = None
+
+    def _stateful(self) -> list[tuple[str, Any]]:
+        return [(type(cb).__name__, cb) for cb in self._trainer.callback_handler.callbacks
+                if isinstance(cb, ExportableState)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Copies of the values (a save may write them while training goes on)."""
+        t = self._trainer
+        state: dict[str, Any] = {name: getattr(t.state, name) for name in _STATE_FIELDS}
+        state["log_history"] = [{k: v for k, v in entry.items() if not _wall_clock(k)}
+                                for entry in t.state.log_history or []]
+        tr_loss = getattr(t, "_tr_loss", None)  # created by the loop: absent before the first
+        return {
+            "state": state,
+            "logging": {"tr_loss": (tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor)
+                                    else torch.zeros(())),
+                        "globalstep_last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
+                        "current_flos": getattr(t, "current_flos", 0)},
+            "callbacks": [[name, dict(cb.state().get("attributes", {}))]
+                          for name, cb in self._stateful()],
+        }
+
+    def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
+        """Refuse a saved state that does not fit this Trainer, before anything changes."""
+        state, logging = saved.get("state"), saved.get("logging")
+        if (not isinstance(state, Mapping) or set(state) != set(_STATE_FIELDS)
+                or not isinstance(logging, Mapping) or set(logging) != set(_LOGGING_FIELDS)
+                or type(state["global_step"]) is not int or state["global_step"] < 0
+                or not isinstance(state["log_history"], list)
+                or not isinstance(logging["tr_loss"], torch.Tensor)
+                or logging["tr_loss"].dim() != 0):
+            raise CorruptCheckpoint(f"{where}: not the Trainer state this adapter writes "
+                                    f"(expected state {list(_STATE_FIELDS)} and logging "
+                                    f"{list(_LOGGING_FIELDS)})")
+        names = [name for name, _ in saved.get("callbacks", [])]
+        live = [name for name, _ in self._stateful()]
+        if names != live:
+            raise StateMismatch(f"{where}: the run was saved with the stateful callbacks "
+                                f"{names}, this Trainer has {live}; add the same callbacks "
+                                "(in the same order) to continue it")
+
+    def load_state_dict(self, saved: Mapping[str, Any]) -> None:
+        """Set the TrainerState counters and callbacks now; the logging accumulators when the
+        loop has initialized its own (`UnbrokenCallback.on_train_begin`)."""
+        t = self._trainer
+        for name in _STATE_FIELDS:
+            setattr(t.state, name, saved["state"][name])
+        t.state.log_history = [dict(entry) for entry in saved["state"]["log_history"]]
+        t.current_flos = saved["logging"]["current_flos"]
+        self.pending_logging = dict(saved["logging"])
+        for (_, cb), (_, attributes) in zip(self._stateful(), saved["callbacks"], strict=True):
+            for key, value in attributes.items():
+                setattr(cb, key, value)
