@@ -16,6 +16,7 @@ import argparse
 import math
 import random
 import signal
+from collections.abc import Sequence
 
 import lightning as L
 import numpy as np
@@ -71,7 +72,9 @@ class Classifier(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, callbacks: Sequence[L.Callback] = ()) -> None:
+    """Train (or continue) the run; ``callbacks``: more Lightning callbacks (their
+    ``state_dict``, e.g. EarlyStopping's, is saved with each generation)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", default="runs/lightning")
     ap.add_argument("--samples", type=int, default=256)
@@ -100,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs,
                         max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulation, gradient_clip_val=1.0,
-                        deterministic=True, callbacks=[callback], logger=False,
+                        deterministic=True, callbacks=[callback, *callbacks], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(model, loader, val)

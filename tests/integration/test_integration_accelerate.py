@@ -299,3 +299,79 @@ def test_unwraps_prepared_objects_and_captures_the_accelerators_scaler(tmp_path)
         assert '"scaler"' in state and "512" in state and '"scheduler"' in state
     finally:
         ckpt.close()
+
+
+def test_an_evaluation_loop_that_breaks_out_early_does_not_shift_the_windows(tmp_path):
+    """A prepared evaluation DataLoader iterated for a few batches only (or dropped
+    unfinished) stays on top of Accelerate's GradientState: the training loader must still
+    end Accelerate's window with the epoch, where unbroken's loader ends it, or step_done at
+    Accelerate's next sync lands inside unbroken's window (UpdateBoundaryError)."""
+    run = build(tmp_path / "run", every=None)
+    accelerator, model, opt, loader, sched, ckpt = (run[k] for k in (
+        "accelerator", "model", "opt", "loader", "sched", "ckpt"))
+    evaluation = accelerator.prepare(torch.utils.data.DataLoader(Points(), batch_size=8))
+    step, syncs = ckpt.restore(), []
+    while loader.epoch < 2:
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            syncs.append(accelerator.sync_gradients)
+            assert accelerator.sync_gradients == loader.at_boundary, (step, len(syncs))
+            if accelerator.sync_gradients:
+                step += 1
+                ckpt.step_done(step)
+                for i, _ in enumerate(evaluation):  # a quick look: two batches only
+                    if i == 1:
+                        break
+                if step == 3:  # and one prepared, half read and dropped
+                    dropped = accelerator.prepare(torch.utils.data.DataLoader(Points()))
+                    next(iter(dropped))
+                    del dropped
+    ckpt.close()
+    assert step == 10 and syncs == ([False, False, True] * 4 + [False, True]) * 2
+
+
+def test_resume_recipes_written_for_accelerates_loader_are_refused_or_harmless(tmp_path):
+    """``accelerator.skip_first_batches`` on the prepared loader would lose batches on top of
+    the exact resume, so it is refused (0 batches: the loader itself); ``set_epoch`` is
+    accepted for the cursor's epoch only (a loop counting epochs from 0 after a resume would
+    train them again)."""
+    run = build(tmp_path / "run", every=None)
+    accelerator, loader = run["accelerator"], run["loader"]
+    assert accelerator.skip_first_batches(loader, 0) is loader
+    with pytest.raises(ua.UnsupportedSetup, match="skip_first_batches.*num_batches=2"):
+        accelerator.skip_first_batches(loader, 2)
+    plain = torch.utils.data.DataLoader(Points(), batch_size=BATCH)  # others: Accelerate's own
+    assert len(list(accelerator.skip_first_batches(plain, 13))) == 1
+    loader.set_epoch(0)
+    with pytest.raises(ua.UnsupportedSetup, match=r"set_epoch\(1\).*at epoch 0"):
+        loader.set_epoch(1)
+    assert loader.dataset is loader.loader.dataset and len(loader.dataset) == SAMPLES
+    run["ckpt"].close()
+
+
+def test_objects_registered_for_checkpointing_that_the_generation_holds_are_accepted(tmp_path):
+    """A scheduler kept out of ``prepare`` is registered with ``register_for_checkpointing``
+    so that Accelerate's save_state would hold it; passed as ``scheduler=`` it is a part of
+    the generation already, so it is not refused (nor is the registered prepared model)."""
+    accelerator = Accelerator(cpu=True)
+    module = torch.nn.Linear(8, 2)
+    model, opt = accelerator.prepare(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt.optimizer, 1, gamma=0.5)
+    accelerator.register_for_checkpointing(sched)
+    accelerator.register_for_checkpointing(model)
+    loader = ua.prepare_loader(accelerator, unbroken.ResumableLoader(
+        unbroken.seeded(Points(), seed=0), unbroken.ResumableSampler(SAMPLES, batch_size=BATCH)))
+    ckpt = ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
+                           scheduler=sched, data=loader)
+    try:
+        assert ckpt._parts["scheduler"] is sched and ckpt.model is model
+    finally:
+        ckpt.close()
+    accelerator.register_for_checkpointing(torch.optim.lr_scheduler.StepLR(opt.optimizer, 1))
+    with pytest.raises(ua.UnsupportedSetup, match="object #2 .StepLR. was registered"):
+        ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
+                        scheduler=sched, data=loader)

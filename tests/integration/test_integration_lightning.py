@@ -193,6 +193,24 @@ def test_max_steps_stops_identically_after_a_resume(tmp_path, forks):
     assert result.verdict == "equivalent" and result.resumes == [4, 9], result.first_divergence
 
 
+def test_early_stopping_state_and_its_stop_survive_a_resume(capsys, tmp_path, forks,
+                                                            monkeypatch):
+    """EarlyStopping (patience 1, no val_loss ever improves by 10) ends the run after epoch 1:
+    killed mid-epoch 1 its patience count and best score come back (else it stops an epoch
+    later); killed after the final update's commit, the stop it requested comes back (else
+    the resumed run trains on)."""
+    monkeypatch.setattr(harness, "run_process", forks.run_process)
+    code = main(["check", "--json", "--workdir", str(tmp_path), "--at", "9", "--at",
+                 str(2 * 6), "--phase", "after-commit", "--", sys.executable, __file__,
+                 "--early-stopping", "--run", str(tmp_path / "unused"), *SMALL,
+                 "--epochs", "4"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verdict"] == "equivalent", out
+    assert out["steps"] == 2 * 6
+    kills = [k for case in out["cases"] for k in case["kills"]]
+    assert [(k["reached"], k["resumed_from"]) for k in kills] == [(True, 9), (True, 12)], kills
+
+
 def test_setups_that_cannot_resume_exactly_are_refused(tmp_path, forks):
     r = forks.run(__file__, ["--refusals", str(tmp_path)], harness._clean_env({}))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -291,5 +309,17 @@ def _refusals(tmp: str) -> dict[str, Any]:
     return out
 
 
+def _early_stopping(argv: list[str]) -> None:
+    """(In a process of the fork server.) The example with an EarlyStopping callback."""
+    import runpy
+
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    example = runpy.run_path(EXAMPLE)
+    example["main"](argv, [EarlyStopping(monitor="val_loss", patience=1, min_delta=10.0)])
+
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--refusals"]:
     print(json.dumps(_refusals(sys.argv[2])))
+elif __name__ == "__main__" and sys.argv[1:2] == ["--early-stopping"]:
+    _early_stopping(sys.argv[2:])

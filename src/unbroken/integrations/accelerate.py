@@ -15,6 +15,10 @@ Two things stand between an Accelerate loop and an exact resume, and this module
   (shorter) accumulation window where unbroken's loader closes it, so
   ``accelerator.sync_gradients`` and ``loader.at_boundary`` agree at every batch, the
   scheduler steps the same number of times, and a save lands on a real update boundary.
+  Each batch makes it the active dataloader again, so an evaluation loader's pass left
+  unfinished (a loop that broke out after a few batches) cannot hide the epoch's end.
+  ``accelerator.skip_first_batches`` on it is refused (the resume is exact already), and
+  ``set_epoch`` accepts only the cursor's epoch.
 * **Unwrapping.** `checkpointer` builds an `unbroken.Checkpointer` from the objects
   ``accelerator.prepare`` returned: the model unwrapped (DDP, ``torch.compile``; the
   mixed-precision forward wrapper is left in place), the optimizer and scheduler taken out of
@@ -92,6 +96,23 @@ class PreparedLoader:
         return len(self.loader)
 
     @property
+    def dataset(self) -> Any:
+        """The wrapped loader's dataset (`ResumableLoader.dataset`)."""
+        return self.loader.dataset
+
+    def set_epoch(self, epoch: int) -> None:
+        """Accepted for a loop written for Accelerate's prepared DataLoader, but the loader
+        owns the epoch counter (restored on resume): ``epoch`` must be `epoch`, the epoch
+        the next pass continues. Raises `UnsupportedSetup` otherwise (a loop counting
+        epochs from 0 after a resume would train the epochs it already trained again)."""
+        if epoch != self.loader.epoch:
+            raise UnsupportedSetup(
+                f"set_epoch({epoch!r}): the unbroken loader's cursor is at epoch "
+                f"{self.loader.epoch} (restored on resume, it owns the epoch counter); "
+                "drive the loop with `while loader.epoch < epochs:` or start your epoch "
+                "counter at loader.epoch")
+
+    @property
     def epoch(self) -> int:
         """The epoch the next update's data comes from (`ResumableLoader.epoch`)."""
         return self.loader.epoch
@@ -152,6 +173,15 @@ class _PreparedPass:
         # out the epoch's last batch (that batch closes the last window): that is Accelerate's
         # end of the dataloader, known without reading a batch ahead.
         owner.end_of_dataloader = owner.loader.epoch != self._epoch
+        # The batch is this loader's, so Accelerate must read end_of_dataloader from it: a
+        # pass of another prepared loader left unfinished (an evaluation loop that broke out
+        # early never deregisters; one garbage-collected leaves a dead reference) would sit on
+        # top of GradientState's stack, hide the epoch's end, and let Accelerate's window run
+        # into the next epoch while unbroken's closes at the epoch's end.
+        state = owner.accelerator.gradient_state
+        if state.active_dataloader is not owner:
+            state._remove_dataloader(owner)
+            state._add_dataloader(owner)
         if owner.device is not None:
             batch = send_to_device(batch, owner.device)
         return batch
@@ -164,8 +194,37 @@ def prepare_loader(accelerator: Accelerator, loader: ResumableLoader, *,
     Its ``accumulation`` must equal ``Accelerator(gradient_accumulation_steps=...)``; in a job,
     its sampler's world size must be the accelerator's process count (each rank takes its
     share of the global batch, which is Accelerate's ``split_batches=True``: required then).
-    Raises `UnsupportedSetup` otherwise."""
-    return PreparedLoader(accelerator, loader, device_placement=device_placement)
+    Raises `UnsupportedSetup` otherwise.
+
+    ``accelerator.skip_first_batches(prepared, n)`` (Accelerate's resume recipe) then raises
+    `UnsupportedSetup` for ``n > 0`` and returns the loader itself for ``n == 0``: it already
+    continues at the first sample no completed update consumed, and skipping would lose
+    ``n`` batches."""
+    prepared = PreparedLoader(accelerator, loader, device_placement=device_placement)
+    _guard_skip_first_batches(accelerator)
+    return prepared
+
+
+def _guard_skip_first_batches(accelerator: Accelerator) -> None:
+    original = accelerator.skip_first_batches
+    if getattr(original, "_unbroken_guard", False):
+        return
+
+    def skip_first_batches(dataloader: Any, num_batches: int = 0) -> Any:
+        if isinstance(dataloader, PreparedLoader):
+            if num_batches == 0:
+                return dataloader
+            raise UnsupportedSetup(
+                f"accelerator.skip_first_batches(loader, num_batches={num_batches!r}) on an "
+                "unbroken PreparedLoader: ckpt.restore() already put it at the first sample no "
+                "completed update consumed (epoch "
+                f"{dataloader.epoch}, sample {dataloader.consumed}); skipping would lose "
+                f"{num_batches} batches; iterate the loader itself")
+        return original(dataloader, num_batches=num_batches)
+
+    skip_first_batches._unbroken_guard = True  # type: ignore[attr-defined]
+    skip_first_batches.__doc__ = original.__doc__
+    accelerator.skip_first_batches = skip_first_batches
 
 
 def prepare(accelerator: Accelerator, *objects: Any) -> Any:
@@ -216,12 +275,17 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
                                "GradScaler Accelerate steps); do not pass one")
     _check_engine(accelerator)
     module = _unwrap_model(accelerator, model)
-    extras = dict(extras or {})
+    inner_optimizer = _unwrap_optimizer(accelerator, optimizer)
+    inner_scheduler = _unwrap_scheduler(accelerator, scheduler)
+    loader = _unwrap_data(accelerator, data)
+    # What the generation holds as a part of its own: an object also registered with
+    # register_for_checkpointing (a scheduler kept out of prepare, say) is held already.
+    parts = [module, optimizer, inner_optimizer, scheduler, inner_scheduler, data, loader,
+             accelerator.scaler]
     return Checkpointer(
-        root, model=module, optimizer=_unwrap_optimizer(accelerator, optimizer),
-        scheduler=_unwrap_scheduler(accelerator, scheduler), scaler=accelerator.scaler,
-        data=_unwrap_data(accelerator, data), extras=_check_captured(accelerator, module, extras),
-        **options)
+        root, model=module, optimizer=inner_optimizer, scheduler=inner_scheduler,
+        scaler=accelerator.scaler, data=loader,
+        extras=_check_captured(accelerator, parts, dict(extras or {})), **options)
 
 
 # -- checks ------------------------------------------------------------------------------------
@@ -331,13 +395,14 @@ def _unwrap_data(accelerator: Accelerator, data: Any) -> ResumableLoader | None:
         "position cannot be saved")
 
 
-def _check_captured(accelerator: Accelerator, module: torch.nn.Module,
+def _check_captured(accelerator: Accelerator, parts: list[Any],
                     extras: dict[str, Any]) -> dict[str, Any]:
-    """Refuse prepared models and registered objects the generation would not hold; returns
-    ``extras`` with prepared models among them unwrapped (saved under their own names)."""
+    """Refuse prepared models and registered objects the generation would not hold (neither
+    one of its ``parts`` nor in ``extras``); returns ``extras`` with prepared models among
+    them unwrapped (saved under their own names)."""
     unwrapped = {name: _unwrap_model(accelerator, obj) if isinstance(obj, torch.nn.Module)
                  else obj for name, obj in extras.items()}
-    held = [module, *unwrapped.values()]
+    held = [p for p in (*parts, *unwrapped.values()) if p is not None]
     for i, prepared in enumerate(accelerator._models):
         inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True,
                                          keep_torch_compile=False)
@@ -347,7 +412,9 @@ def _check_captured(accelerator: Accelerator, module: torch.nn.Module,
                 "nor in extras: its weights would not be saved; pass it as "
                 "extras={'name': model}")
     for i, obj in enumerate(accelerator._custom_objects):
-        if not any(obj is h for h in held):
+        inner = accelerator.unwrap_model(obj, keep_fp32_wrapper=True, keep_torch_compile=False) \
+            if isinstance(obj, torch.nn.Module) else obj
+        if not any(obj is h or inner is h for h in held):
             raise UnsupportedSetup(
                 f"checkpointer: object #{i} ({type(obj).__name__}) was registered with "
                 "accelerator.register_for_checkpointing but is not in extras: pass it as "

@@ -26,7 +26,11 @@ What stands between ``Trainer.fit`` and an exact mid-epoch resume, and how it is
   mid-epoch re-enters that epoch without calling ``on_train_epoch_start`` again (it ran
   before the save), and the batch counters are set once the epoch loop has reset them, so
   ``global_step``, ``current_epoch``, ``batch_idx``, accumulation windows and
-  ``max_epochs``/``max_steps`` continue exactly as in the uninterrupted run.
+  ``max_epochs``/``max_steps`` continue exactly as in the uninterrupted run. The same part
+  holds what Lightning's checkpoint keeps of the callbacks (each ``state_dict()``, e.g.
+  ``EarlyStopping``'s patience count and best score; a resume needs the same stateful
+  callbacks), of a ``LightningDataModule`` and ``trainer.should_stop`` (an early-stopped run
+  stays stopped).
 * **RNG and state.** Model (the LightningModule), optimizer, LR scheduler, the precision
   plugin's ``GradScaler`` (16-bit mixed precision), the Python, NumPy and torch RNG streams
   (and any ``generators=`` registered) go through `unbroken.Checkpointer` as usual; seeding
@@ -39,7 +43,9 @@ train dataloaders, several optimizers or LR schedulers, manual optimization, a l
 ``accumulation`` different from ``accumulate_grad_batches``, ``limit_train_batches``,
 ``overfit_batches``, ``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``.
 Not saved (as with Lightning's own checkpoints): metrics logged with ``on_epoch=True``
-accumulate over the batches of the process that logs them.
+accumulate over the batches of the process that logs them (a plateau scheduler or
+EarlyStopping should monitor a validation metric or a per-step one), and what
+``on_save_checkpoint`` hooks would add to Lightning's checkpoint dict.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ from ..trace import TRACE_ENV
 __all__ = ["LOOPS", "UnbrokenCallback", "UnsupportedSetup"]
 
 LOOPS = "lightning"  # the extras part that holds Lightning's loop counters
-_STATE_VERSION = 1
+_STATE_VERSION = 2  # 2: with the callbacks' and datamodule's state
 _OWN = ("model", "optimizer", "scheduler", "scaler", "data")  # Checkpointer arguments we fill
 
 
@@ -146,7 +152,7 @@ class UnbrokenCallback(pl.Callback):
         generation (model, optimizer, scheduler, scaler, RNG, data position, loop counters)."""
         loader, optimizer, scheduler = self._parts(trainer, pl_module)
         self._trainer = trainer
-        self._loops = _LoopState(trainer.fit_loop)
+        self._loops = _LoopState(trainer)
         self._tracing = bool(os.environ.get(TRACE_ENV) or self.options.get("trace"))
         extras = {**(self.options.get("extras") or {}), LOOPS: self._loops}
         options = {k: v for k, v in self.options.items() if k != "extras"}
@@ -337,17 +343,30 @@ class _FitPass:
 
 
 class _LoopState:
-    """Lightning's loop counters as a state part: every progress tracker of the fit loop and
-    its children (epochs, batches, optimizer and scheduler steps, validation batches) and the
-    logger's stepped-batch count."""
+    """Lightning's training state besides the model and optimizer, as a state part: every
+    progress tracker of the fit loop and its children (epochs, batches, optimizer and
+    scheduler steps, validation batches), the logger's stepped-batch count, the Trainer's
+    ``should_stop``, and what
+    Lightning's own checkpoint holds of the callbacks (``state_dict()`` of each, e.g.
+    ``EarlyStopping``'s patience count and best score) and of a ``LightningDataModule``."""
 
-    def __init__(self, fit_loop: Any) -> None:
-        self._fit = fit_loop
+    def __init__(self, trainer: pl.Trainer) -> None:
+        # (Untyped: the Trainer's connectors set callbacks and datamodule, read by name.)
+        self._trainer: Any = trainer
+        self._fit: Any = trainer.fit_loop
         self._pending: dict[str, Any] | None = None  # re-applied after the epoch loop resets
 
     def state_dict(self) -> dict[str, Any]:
+        datamodule = self._trainer.datamodule
         return {"version": _STATE_VERSION, "progress": _progress(self._fit),
-                "batches_that_stepped": self._fit.epoch_loop._batches_that_stepped}
+                "batches_that_stepped": self._fit.epoch_loop._batches_that_stepped,
+                "should_stop": self._trainer.should_stop,
+                "callbacks": {key: cb.state_dict() for key, cb in self._callbacks().items()},
+                "datamodule": datamodule.state_dict() if datamodule is not None else {}}
+
+    def _callbacks(self) -> dict[str, pl.Callback]:
+        """The callbacks with a state, by ``state_key`` (as Lightning's checkpoint keys them)."""
+        return {str(cb.state_key): cb for cb in self._trainer.callbacks if cb.state_dict()}
 
     def validate_state_dict(self, state: Mapping[str, Any], where: str) -> None:
         """Refuse a state of another shape before anything is loaded."""
@@ -356,15 +375,35 @@ class _LoopState:
             raise StateMismatch(f"{where}: not a version-{_STATE_VERSION} state of Lightning's "
                                 f"loops (found {state!r:.80})")
         if _shape(state.get("progress")) != _shape(live["progress"]) or not isinstance(
-                state.get("batches_that_stepped"), int):
+                state.get("batches_that_stepped"), int) or not isinstance(
+                state.get("should_stop"), bool):
             raise StateMismatch(
                 f"{where}: Lightning's progress trackers differ from the saved ones (saved "
                 f"{sorted(state.get('progress') or {})}, live {sorted(live['progress'])}): "
                 "resume with the Lightning version that wrote the run")
+        saved, now = sorted(state.get("callbacks") or {}), sorted(live["callbacks"])
+        if saved != now:
+            raise StateMismatch(
+                f"{where}: the generation holds the state of the callbacks {saved}, the "
+                f"Trainer's stateful callbacks are {now}: one would start afresh or its state "
+                "be dropped; resume with the callbacks (and their monitor/mode) of the run")
+        if bool(state.get("datamodule")) != bool(live["datamodule"]):
+            raise StateMismatch(
+                f"{where}: the generation {'holds' if state.get('datamodule') else 'lacks'} a "
+                "LightningDataModule state_dict, the live datamodule "
+                f"{'has one' if live['datamodule'] else 'has none'}; resume with the run's "
+                "datamodule")
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         fit = self._fit
         self._apply(state)
+        # A stop requested before the save (EarlyStopping, a callback) still ends the run.
+        self._trainer.should_stop = state["should_stop"]
+        callbacks = self._callbacks()
+        for key, saved in state["callbacks"].items():
+            callbacks[key].load_state_dict(dict(saved))
+        if state["datamodule"]:
+            self._trainer.datamodule.load_state_dict(dict(state["datamodule"]))
         epoch = fit.epoch_progress.current
         if epoch.ready > epoch.processed:
             # Saved inside an epoch: re-enter it without its start hooks (they ran before the
