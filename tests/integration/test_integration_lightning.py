@@ -211,6 +211,21 @@ def test_early_stopping_state_and_its_stop_survive_a_resume(capsys, tmp_path, fo
     assert [(k["reached"], k["resumed_from"]) for k in kills] == [(True, 9), (True, 12)], kills
 
 
+def test_a_sigterm_mid_epoch_leaves_fit_cleanly_without_epoch_end_hooks(capsys, tmp_path, forks,
+                                                                       monkeypatch):
+    """SIGTERM inside epoch 0: the update is saved and ``fit`` returns (exit 0) without running
+    the epoch-end hooks on the cut epoch (EarlyStopping would fail there: no validation has
+    produced its metric yet), and the resumed run is equivalent."""
+    monkeypatch.setattr(harness, "run_process", forks.run_process)
+    code = main(["check", "--json", "--workdir", str(tmp_path), "--at", "4", "--phase",
+                 "sigterm", "--", sys.executable, __file__, "--early-stopping", "--run",
+                 str(tmp_path / "unused"), *SMALL, "--epochs", "2"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verdict"] == "equivalent", out
+    kills = [k for case in out["cases"] for k in case["kills"]]
+    assert [(k["reached"], k["resumed_from"]) for k in kills] == [(True, 4)], kills
+
+
 def test_setups_that_cannot_resume_exactly_are_refused(tmp_path, forks):
     r = forks.run(__file__, ["--refusals", str(tmp_path)], harness._clean_env({}))
     assert r.returncode == 0, r.stderr[-3000:]

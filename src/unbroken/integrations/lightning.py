@@ -60,6 +60,7 @@ from lightning.pytorch.loops.fit_loop import RestartStage
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 
 from ..checkpointer import Checkpointer
 from ..data.loader import ResumableLoader
@@ -330,7 +331,11 @@ class _FitPass:
 
     def __next__(self) -> Any:
         if self._callback._boundary(first=self._it is None):
-            raise StopIteration  # a signal asked to stop: the epoch ends here, saved
+            # A signal asked to stop, and that update is saved: leave ``fit`` now. Ending the
+            # pass instead would run the epoch-end hooks on a cut epoch (EarlyStopping then
+            # fails on a metric no validation produced yet); Lightning's tuner exit returns
+            # from ``fit`` through its teardown, which releases the run folder.
+            raise _TunerExitException()
         if self._it is None:
             self._epoch = self._loader.epoch
             self._it = iter(self._loader)
