@@ -118,7 +118,11 @@ def test_check_equivalent_after_mid_epoch_sigkills(checked):
     stitched: dict[int, dict] = {}
     for life in sorted((work / "case-01").glob("life-*.jsonl")):
         records = read_trace(str(life))
-        restored = next(r["step"] for r in records if r["event"] == "restore")
+        restore = next(r for r in records if r["event"] == "restore")
+        restored = restore["step"]
+        if restored:  # every part comes back as it was traced (the Trainer's logging
+            # accumulators too, before the loop takes them), so a divergence names its part
+            assert restore["state"] == reference[restored]["state"], (life.name, restore)
         stitched = {s: r for s, r in stitched.items() if s <= restored}
         stitched.update(_updates(records))
     assert sorted(stitched) == sorted(reference)
@@ -193,9 +197,12 @@ def _trainer(run: Path, **overrides):
                   learning_rate=3e-3, dataloader_num_workers=0)
     dataset = overrides.pop("train_dataset", None) or Points(32)
     cls = overrides.pop("cls", transformers.Trainer)
+    extra = {k: overrides.pop(k) for k in ("callbacks", "eval_dataset", "data_collator")
+             if k in overrides}
     args = transformers.TrainingArguments(**{**kwargs, **overrides})
     torch.manual_seed(0)
-    return cls(model=Classifier(), args=args, train_dataset=dataset, data_collator=collate)
+    return cls(model=Classifier(), args=args, train_dataset=dataset,
+               **{"data_collator": collate, **extra})
 
 
 def _refuse_default_save_strategy(tmp: Path):
@@ -268,15 +275,191 @@ def _refuse_changed_learning_rate(tmp: Path):
                                                                   "gen-000000002"]
 
 
+def _refuse_collator_with_own_generator(tmp: Path):
+    import tokenizers
+    import transformers
+
+    from unbroken.integrations.transformers import UnsupportedSetup, attach
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[MASK]": 2, "a": 3, "b": 4}
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "[UNK]")),
+        pad_token="[PAD]", unk_token="[UNK]", mask_token="[MASK]")
+    # Its masking stream restarts from seed= in every process: a resume masks differently.
+    masking = transformers.DataCollatorForLanguageModeling(tokenizer, seed=3)
+    with pytest.raises(UnsupportedSetup, match=r"DataCollatorForLanguageModeling .*seed=3"):
+        attach(_trainer(tmp / "g", data_collator=masking), tmp / "g")
+    # Without seed= it masks with the global RNGs, seeded per batch by the loader: accepted.
+    attach(_trainer(tmp / "g", data_collator=transformers.DataCollatorForLanguageModeling(
+        tokenizer)), tmp / "g")
+
+
 _REFUSALS = [("save_strategy", _refuse_default_save_strategy),
              ("own_dataloader", _refuse_own_dataloader),
              ("iterable_dataset", _refuse_iterable_dataset),
              ("checkpoint_path", _refuse_trainer_checkpoint_path),
              ("attach_twice", _refuse_attaching_twice),
-             ("changed_learning_rate", _refuse_changed_learning_rate)]
+             ("changed_learning_rate", _refuse_changed_learning_rate),
+             ("collator_generator", _refuse_collator_with_own_generator)]
+
+
+# -- continuations in one process, run by test_continuations_match_uninterrupted -------------
+
+def _points(n: int):
+    sys.path.insert(0, str(ROOT / "examples"))
+    from transformers_train import Points
+
+    return Points(n)
+
+
+def _interrupted(trainer, run: Path, at: int):
+    """train() stopped by the harness's SIGTERM inside update ``at`` (saved there)."""
+    import signal
+
+    from unbroken.integrations.transformers import attach
+
+    callback = attach(trainer, run, every=100, signals=[signal.SIGTERM])
+    os.environ["UNBROKEN_SIGNAL_AT"] = str(at)
+    try:
+        assert trainer.train().global_step == at
+    finally:
+        del os.environ["UNBROKEN_SIGNAL_AT"]
+    assert callback.checkpointer is not None and callback.checkpointer.should_stop
+    return callback
+
+
+def _weights(trainer) -> dict:
+    return {k: v.clone() for k, v in trainer.model.state_dict().items()}
+
+
+def _logs(trainer) -> list[dict]:
+    return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history]
+
+
+def _assert_same(trainer, reference) -> None:
+    import torch
+
+    got, expected = _weights(trainer), _weights(reference)
+    assert all(torch.equal(got[k], expected[k]) for k in expected), "weights differ"
+    assert _logs(trainer)[:-1] == _logs(reference)[:-1]  # (the last: train()'s own metrics)
+
+
+def _continue_a_run_a_callback_stopped(tmp: Path):
+    """A callback ended the run at update 2 of 8 (early stopping): its final generation is
+    the run's end, and running it again (a requeued job; a kill after that save) trains
+    nothing more, as the uninterrupted run did not."""
+    import transformers
+
+    from unbroken.integrations.transformers import attach
+
+    class StopAt2(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                control.should_training_stop = True
+
+    for _ in range(2):
+        trainer = _trainer(tmp / "s", max_steps=8, callbacks=[StopAt2()])
+        attach(trainer, tmp / "s", every=1)
+        assert trainer.train().global_step == 2
+    assert sorted(p.name for p in (tmp / "s").glob("gen-*")) == ["gen-000000001",
+                                                                  "gen-000000002"]
+
+
+def _continue_without_a_second_eval_on_start(tmp: Path):
+    """eval_on_start evaluates before update 1 only; a continuation at update 2 does not
+    evaluate again (its augmentation draws from the RNGs and would add a log entry)."""
+    from unbroken.integrations.transformers import attach
+
+    options = dict(max_steps=4, eval_strategy="steps", eval_steps=3, eval_on_start=True,
+                   per_device_eval_batch_size=8)
+    reference = _trainer(tmp / "e1", eval_dataset=_points(16), **options)
+    attach(reference, tmp / "e1")
+    reference.train()
+    _interrupted(_trainer(tmp / "e2", eval_dataset=_points(16), **options), tmp / "e2", 2)
+    trainer = _trainer(tmp / "e2", eval_dataset=_points(16), **options)
+    attach(trainer, tmp / "e2")
+    assert trainer.train().global_step == 4
+    _assert_same(trainer, reference)
+    assert trainer.args.eval_on_start  # put back
+
+
+def _second_train_call_with_persistent_workers(tmp: Path):
+    """train() again on the same Trainer after a SIGTERM stop, with persistent DataLoader
+    workers (the first call stopped them): it continues to the uninterrupted result."""
+    from unbroken.integrations.transformers import attach
+
+    options = dict(dataloader_num_workers=2, dataloader_persistent_workers=True)
+    reference = _trainer(tmp / "w1", **options)
+    attach(reference, tmp / "w1")
+    reference.train()
+    trainer = _trainer(tmp / "w2", **options)
+    _interrupted(trainer, tmp / "w2", 2)
+    # False is the Trainer's None (a script's `--resume` flag left off): it continues too.
+    assert trainer.train(resume_from_checkpoint=False).global_step == 4
+    _assert_same(trainer, reference)
+
+
+def _persistent_eval_workers_leave_training_rng(tmp: Path):
+    """Evaluation at every update through persistent DataLoader workers: the eval loader's
+    first pass draws its workers' seed from the torch RNG (at update 1 uninterrupted, at
+    update 3 in the resumed process); training's dropout must not see the difference."""
+    import torch
+
+    from unbroken.integrations.transformers import attach
+
+    class Fixed(torch.utils.data.Dataset):  # a deterministic eval set
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            return {"x": torch.full((16,), i / 16.0), "labels": torch.tensor(i % 4)}
+
+    options = dict(max_steps=4, eval_strategy="steps", eval_steps=1, dataloader_num_workers=2,
+                   dataloader_persistent_workers=True, per_device_eval_batch_size=8)
+    reference = _trainer(tmp / "p1", eval_dataset=Fixed(), **options)
+    attach(reference, tmp / "p1")
+    reference.train()
+    _interrupted(_trainer(tmp / "p2", eval_dataset=Fixed(), **options), tmp / "p2", 2)
+    trainer = _trainer(tmp / "p2", eval_dataset=Fixed(), **options)
+    attach(trainer, tmp / "p2")
+    assert trainer.train().global_step == 4
+    _assert_same(trainer, reference)
+
+
+def _sequential_sampling_keeps_dataset_order(tmp: Path):
+    """train_sampling_strategy="sequential" (a curriculum, pre-shuffled data) is resumable:
+    dataset order, every epoch, as the Trainer's SequentialSampler gives."""
+    from unbroken.integrations.transformers import attach
+
+    trainer = _trainer(tmp / "q", train_sampling_strategy="sequential", num_train_epochs=2)
+    attach(trainer, tmp / "q", trace=str(tmp / "q.jsonl"))
+    trainer.train()
+    ids = [r["ids"] for r in read_trace(str(tmp / "q.jsonl")) if r["event"] == "update"]
+    assert ids == [list(range(k, k + 8)) for k in range(0, 32, 8)] * 2
+
+
+_CONTINUATIONS = [("callback_stopped", _continue_a_run_a_callback_stopped),
+                  ("eval_on_start", _continue_without_a_second_eval_on_start),
+                  ("second_train_call", _second_train_call_with_persistent_workers),
+                  ("persistent_eval_workers", _persistent_eval_workers_leave_training_rng),
+                  ("sequential_sampling", _sequential_sampling_keeps_dataset_order)]
+
+
+def test_continuations_match_uninterrupted(zygote, tmp_path):
+    """Run in a process forked from the zygote (see `_CONTINUATIONS` above)."""
+    r = zygote.run(__file__, [str(tmp_path), "continuations"], dict(os.environ), timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    done = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("continued ")]
+    assert done == [name for name, _ in _CONTINUATIONS], r.stdout
 
 
 if __name__ == "__main__":
-    for name, check in _REFUSALS:
-        check(Path(sys.argv[1]))
-        print("refused", name, flush=True)
+    if sys.argv[2:] == ["continuations"]:
+        for name, check in _CONTINUATIONS:
+            check(Path(sys.argv[1]))
+            print("continued", name, flush=True)
+    else:
+        for name, check in _REFUSALS:
+            check(Path(sys.argv[1]))
+            print("refused", name, flush=True)

@@ -301,3 +301,17 @@ def test_seeded_isolates_and_restores_the_callers_rng() -> None:
     assert torch.equal(a["x"], b["x"]) and torch.equal(torch.get_rng_state(), before)
     assert not torch.equal(a["x"], ds[SampleKey(4, epoch=3, position=7)]["x"])
     assert len(ds) == 10 and ds.n == 10  # attributes pass through
+
+
+def test_a_loader_with_persistent_workers_iterates_again_after_stop_workers():
+    # (a Trainer that ends at a step limit stops the workers; its next train() iterates again)
+    ds = torch.utils.data.TensorDataset(torch.arange(64.0))
+    loader = ResumableLoader(ds, ResumableSampler(64, batch_size=8, seed=0),
+                                      num_workers=2, persistent_workers=True)
+    first = [b[0].tolist() for b in loader]
+    loader.stop_workers()
+    assert [b[0].tolist() for b in loader] != [] and loader.epoch == 2
+    loader.stop_workers()
+    loader.stop_workers()  # (twice: nothing left to stop)
+    again = ResumableLoader(ds, ResumableSampler(64, batch_size=8, seed=0))
+    assert [b[0].tolist() for b in again] == first

@@ -304,6 +304,8 @@ class ResumableLoader:
             stop = getattr(it, "_shutdown_workers", None)
             if stop is not None:
                 stop()
+        if getattr(dl, "_iterator", None) is not None:
+            dl._iterator = None  # persistent workers: the next pass starts new ones
 
     def _next(self, p: _Pass) -> Any:
         if self._pass is not p:

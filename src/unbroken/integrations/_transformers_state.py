@@ -46,13 +46,17 @@ class TrainerProgress:
     """The Trainer's own continuation state as an unbroken part (``extras["trainer"]``):
     the TrainerState counters (global step, epoch, tokens seen, FLOs, log history without
     wall-clock timings, best metric), the logging accumulators (loss summed since the last
-    log, the step of that log, FLOs not yet stored) and the attributes of every stateful
-    callback (`ExportableState`, e.g. EarlyStoppingCallback's patience counter)."""
+    log, the step of that log, FLOs not yet stored), the attributes of every stateful
+    callback (`ExportableState`, e.g. EarlyStoppingCallback's patience counter) and whether
+    the run had stopped there (``control.should_training_stop``: max_steps, early stopping)."""
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
         # The loop resets its logging accumulators after the restore; put back at train begin.
         self.pending_logging: dict[str, Any] | None = None
+        # The restored generation was saved when the run stopped (max_steps, a callback's
+        # should_training_stop): the uninterrupted run trained no further.
+        self.stopped = False
 
     def _stateful(self) -> list[tuple[str, Any]]:
         return [(type(cb).__name__, cb) for cb in self._trainer.callback_handler.callbacks
@@ -64,15 +68,24 @@ class TrainerProgress:
         state: dict[str, Any] = {name: getattr(t.state, name) for name in _STATE_FIELDS}
         state["log_history"] = [{k: v for k, v in entry.items() if not _wall_clock(k)}
                                 for entry in t.state.log_history or []]
-        tr_loss = getattr(t, "_tr_loss", None)  # created by the loop: absent before the first
+        if self.pending_logging is not None:  # restored, not yet given to the loop
+            logging = {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                       for k, v in self.pending_logging.items()}
+            stopped = self.stopped
+        else:
+            tr_loss = getattr(t, "_tr_loss", None)  # created by the loop: absent before it
+            logging = {"tr_loss": (tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor)
+                                   else torch.zeros(())),
+                       "globalstep_last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
+                       "current_flos": getattr(t, "current_flos", 0)}
+            control = getattr(t, "control", None)
+            stopped = bool(getattr(control, "should_training_stop", False))
         return {
             "state": state,
-            "logging": {"tr_loss": (tr_loss.detach().clone() if isinstance(tr_loss, torch.Tensor)
-                                    else torch.zeros(())),
-                        "globalstep_last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
-                        "current_flos": getattr(t, "current_flos", 0)},
+            "logging": logging,
             "callbacks": [[name, dict(cb.state().get("attributes", {}))]
                           for name, cb in self._stateful()],
+            "stopped": stopped,
         }
 
     def validate_state_dict(self, saved: Mapping[str, Any], where: str) -> None:
@@ -83,7 +96,8 @@ class TrainerProgress:
                 or type(state["global_step"]) is not int or state["global_step"] < 0
                 or not isinstance(state["log_history"], list)
                 or not isinstance(logging["tr_loss"], torch.Tensor)
-                or logging["tr_loss"].dim() != 0):
+                or logging["tr_loss"].dim() != 0
+                or not isinstance(saved.get("stopped", False), bool)):
             raise CorruptCheckpoint(f"{where}: not the Trainer state this adapter writes "
                                     f"(expected state {list(_STATE_FIELDS)} and logging "
                                     f"{list(_LOGGING_FIELDS)})")
@@ -103,6 +117,7 @@ class TrainerProgress:
         t.state.log_history = [dict(entry) for entry in saved["state"]["log_history"]]
         t.current_flos = saved["logging"]["current_flos"]
         self.pending_logging = dict(saved["logging"])
+        self.stopped = saved.get("stopped", False)  # absent: saved before this field existed
         for (_, cb), (_, attributes) in zip(self._stateful(), saved["callbacks"], strict=True):
             for key, value in attributes.items():
                 setattr(cb, key, value)

@@ -22,18 +22,35 @@ and a configuration that cannot be resumed exactly is refused with `UnsupportedS
   evaluation: ``step_done`` traces it and saves when due (``every``, ``$UNBROKEN_SAVE_AT``, a
   signal). An update that ends its epoch (or the run) is marked after the epoch-end logging
   and evaluation instead, so its generation holds what the next epoch starts from.
-* ``train``: ``resume_from_checkpoint`` None or True continues from the run folder's newest
-  generation (a fresh folder starts at 0); a Trainer ``checkpoint-N`` path is refused.
+* ``evaluate``: runs with the training RNG streams put back afterwards, so evaluation (a
+  persistent eval loader's first pass, which a resumed process makes at another update,
+  draws its workers' seed from the torch RNG) never shifts training's random draws; eval
+  workers are not kept from one evaluation to the next (``dataloader_persistent_workers``
+  applies to training), so a random eval collator or transform draws the same after a
+  resume.
+* ``train``: ``resume_from_checkpoint`` None, True or False (the Trainer's None) continues
+  from the run folder's newest generation (a fresh folder starts at 0); a Trainer
+  ``checkpoint-N`` path is refused. A generation saved where the run stopped
+  (``max_steps``, or a callback's ``should_training_stop``, e.g. early stopping) is the
+  run's end: running it again trains nothing more. A continuation skips ``eval_on_start``
+  (the run evaluated before update 1).
+
+``train_sampling_strategy`` "random" (a seeded shuffle) or "sequential" (dataset order); a
+collator with a random generator of its own (``DataCollatorForLanguageModeling(seed=...)``)
+is refused: its stream is neither saved nor positioned by the data cursor.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
+import random
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -56,7 +73,8 @@ _HOOKS = {"_init_training_state": ("max_steps",),
           "_maybe_log_save_evaluate": ("grad_norm",),
           "training_step": ("model", "inputs"),
           "train": ("resume_from_checkpoint",),
-          "get_train_dataloader": ()}
+          "get_train_dataloader": (),
+          "evaluate": ()}
 
 
 class UnbrokenCallback(TrainerCallback):
@@ -91,6 +109,7 @@ class UnbrokenCallback(TrainerCallback):
         self._grad_norm: Any = None
         self._pending = False  # an update ended (on_step_end); not yet marked
         self._deferred = False  # ... marked after the epoch-end logging and evaluation
+        self._eval_on_start = False  # args.eval_on_start, turned off for a continuation
         self._orig: dict[str, Callable[..., Any]] = {n: getattr(trainer, n) for n in _HOOKS}
         self._sig = {n: inspect.signature(f) for n, f in self._orig.items()}
         for name in _HOOKS:  # instance attributes: a subclass's own overrides still run inside
@@ -108,10 +127,11 @@ class UnbrokenCallback(TrainerCallback):
     def _train(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._bind("train", args, kwargs)
         resume = bound.arguments["resume_from_checkpoint"]
-        if resume not in (None, True):
+        if resume is not None and resume is not True and resume is not False:
             raise UnsupportedSetup(
                 f"train(resume_from_checkpoint={resume!r}): this Trainer continues from the "
-                f"newest verified generation in {os.fspath(self.root)} (None or True). A "
+                f"newest verified generation in {os.fspath(self.root)} (None, True or False, "
+                "which the Trainer reads as None). A "
                 "Trainer checkpoint-N folder is not read (`unbroken import` it into a new run "
                 "folder and warm-start from it); to start over, use a new run folder")
         bound.arguments["resume_from_checkpoint"] = None  # no Trainer checkpoint is read
@@ -134,6 +154,7 @@ class UnbrokenCallback(TrainerCallback):
                 "resumes map-style datasets (with __len__ and __getitem__), whose order "
                 "ResumableSampler computes from (seed, epoch, position)")
         collate = t.data_collator
+        _refuse_private_rng(collate)  # (it may have been replaced since attach)
         # The Trainer drops unused columns of a datasets.Dataset itself (one is only ever
         # given when that library was imported).
         datasets = sys.modules.get("datasets")
@@ -145,7 +166,7 @@ class UnbrokenCallback(TrainerCallback):
         sampler = self.sampler if self.sampler is not None else ResumableSampler(
             len(dataset), batch_size=t._train_batch_size,
             seed=args.data_seed if args.data_seed is not None else args.seed,
-            drop_last=args.dataloader_drop_last)
+            shuffle=_sampling(args) != "sequential", drop_last=args.dataloader_drop_last)
         if sampler.num_samples != len(dataset) or sampler.batch_size != t._train_batch_size:
             raise UnsupportedSetup(
                 f"sampler orders {sampler.num_samples} samples in batches of "
@@ -161,6 +182,24 @@ class UnbrokenCallback(TrainerCallback):
             accumulation=args.gradient_accumulation_steps)
         self._source = t.train_dataset
         return self.loader
+
+    def _evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        # Evaluation leaves the training RNG streams as it found them: iter() of an eval
+        # DataLoader draws its workers' base seed from the torch RNG, but a persistent one only
+        # on its first pass, which a resumed process makes at another update than the
+        # uninterrupted run (and a random eval transform draws from them too).
+        try:
+            with _rng_untouched():
+                return self._orig["evaluate"](*args, **kwargs)
+        finally:
+            # Persistent eval workers would carry their RNG streams (a random collator's,
+            # an augmentation's) from one evaluation to the next, and a resumed process
+            # starts them afresh: each evaluation gets workers seeded at its own update.
+            for loader in getattr(self.trainer, "_eval_dataloaders", {}).values():
+                stop = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
+                if stop is not None:
+                    stop()
+            self.trainer.__dict__.pop("_eval_dataloaders", None)
 
     # -- restore ----------------------------------------------------------------------------
 
@@ -196,13 +235,21 @@ class UnbrokenCallback(TrainerCallback):
         if self.restored != t.state.global_step:
             raise CorruptCheckpoint(f"{os.fspath(self.root)}: generation {self.restored} holds "
                                     f"Trainer global_step {t.state.global_step}")
-        if t.state.global_step >= t.state.max_steps:  # a finished run: nothing left to train
+        if t.state.global_step >= t.state.max_steps or self.progress.stopped:
+            # A finished run (a callback such as early stopping may have ended it before
+            # max_steps): nothing left to train, as for the uninterrupted run.
             return int(bound.arguments.get("num_train_epochs", self.loader.epoch)), 0
         return self.loader.epoch, 0
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
-        """Put back the logging accumulators the loop just reset (after a restore)."""
+        """Put back the logging accumulators the loop just reset (after a restore); skip
+        ``eval_on_start`` on a continuation."""
+        if args.eval_on_start and self.restored > 0:
+            # The uninterrupted run evaluated before update 1 only: an evaluation here would
+            # add a log entry and draw from the RNGs (eval augmentation, the loader's seed).
+            args.eval_on_start = False
+            self._eval_on_start = True  # put back when the loop starts (`_run_epoch`, `_close`)
         saved = self.progress.pending_logging
         if saved is None:
             return
@@ -215,7 +262,13 @@ class UnbrokenCallback(TrainerCallback):
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _restore_eval_on_start(self) -> None:
+        if self._eval_on_start:
+            self._eval_on_start = False
+            self.trainer.args.eval_on_start = True
+
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        self._restore_eval_on_start()
         bound = self._bind("_run_epoch", args, kwargs)
         a = bound.arguments
         loader = self.loader
@@ -294,16 +347,60 @@ class UnbrokenCallback(TrainerCallback):
         self._close()
 
     def _close(self) -> None:
+        self._restore_eval_on_start()
         if self.loader is not None:
             # The Trainer stops drawing batches without exhausting the pass, which would
             # keep the workers alive until the interpreter exits.
             self.loader.stop_workers()
+            # Stopped persistent workers cannot be reused by the DataLoader: the next
+            # train() builds a fresh loader (the restore positions it).
+            self._source = None
         if self._made_scheduler:  # the next train() builds its own, as the Trainer would
             self.trainer._created_lr_scheduler = True
             self._made_scheduler = False
         if self.checkpointer is not None and self._open:
             self._open = False
             self.checkpointer.close()
+
+
+@contextlib.contextmanager
+def _rng_untouched() -> Iterator[None]:
+    """Python's, NumPy's and torch's global RNG streams (CPU and each initialized CUDA
+    device) put back as they were on leaving."""
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
+
+
+def _sampling(args: TrainingArguments) -> str:
+    return str(getattr(args, "train_sampling_strategy", "random"))
+
+
+def _refuse_private_rng(collator: Any) -> None:
+    """A collator drawing from a generator of its own (DataCollatorForLanguageModeling's
+    ``seed=``) continues that stream in each process and worker from its seed: neither saved
+    nor positioned by the data cursor, so a resumed run masks differently."""
+    inner = getattr(collator, "data_collator", None)  # the Trainer's RemoveColumnsCollator
+    if inner is not None and inner is not collator:
+        _refuse_private_rng(inner)
+    values = getattr(collator, "__dict__", {})
+    found = [k for k, v in values.items()
+             if isinstance(v, torch.Generator | np.random.Generator | np.random.RandomState
+                           | random.Random)]
+    if values.get("seed") is not None and "generator" in values:
+        found = [f"seed={values['seed']!r}"] + [k for k in found if k != "generator"]
+    if found:
+        raise UnsupportedSetup(
+            f"data_collator {type(collator).__name__} draws from a random generator of its "
+            f"own ({', '.join(found)}): its stream is neither saved nor positioned by the data "
+            "cursor, so a resumed run would collate differently; build the collator without "
+            "it (no seed=): its draws from the global RNGs are seeded per batch from (seed, "
+            "epoch, position), the same with any number of workers")
 
 
 def _refuse_unsupported(trainer: Trainer) -> None:
@@ -337,13 +434,15 @@ def _refuse_unsupported(trainer: Trainer) -> None:
          f"save_strategy={strategy!r} also writes the Trainer's own pickled checkpoint-N "
          "folders, which this run never resumes from; set save_strategy='no' (attach's "
          "every=N saves)"),
-        (getattr(args, "train_sampling_strategy", "random") != "random",
-         f"train_sampling_strategy={getattr(args, 'train_sampling_strategy', None)!r}: the "
-         "order comes from ResumableSampler (a seeded shuffle); use 'random'"),
+        (_sampling(args) not in ("random", "sequential"),
+         f"train_sampling_strategy={_sampling(args)!r}: the order comes from "
+         "ResumableSampler (a seeded shuffle, or dataset order); use 'random' or "
+         "'sequential'"),
     ]
     for refused, why in refusals:
         if refused:
             raise UnsupportedSetup(why)
+    _refuse_private_rng(trainer.data_collator)
 
 
 def attach(trainer: Trainer, root: str | os.PathLike[str], *, every: int | None = None,
