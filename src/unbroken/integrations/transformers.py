@@ -59,6 +59,7 @@ from ..checkpointer import Checkpointer
 from ..data import ResumableLoader, ResumableSampler, SeededDataset, seeded
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedSetup
 from ..state.identity import Identity
+from ._transformers_checks import _refuse_private_rng, _sampling
 from ._transformers_state import TrainerProgress, trainer_config
 
 __all__ = ["TrainerProgress", "UnbrokenCallback", "UnsupportedSetup", "attach",
@@ -375,32 +376,6 @@ def _rng_untouched() -> Iterator[None]:
     finally:
         random.setstate(python)
         np.random.set_state(numpy)
-
-
-def _sampling(args: TrainingArguments) -> str:
-    return str(getattr(args, "train_sampling_strategy", "random"))
-
-
-def _refuse_private_rng(collator: Any) -> None:
-    """A collator drawing from a generator of its own (DataCollatorForLanguageModeling's
-    ``seed=``) continues that stream in each process and worker from its seed: neither saved
-    nor positioned by the data cursor, so a resumed run masks differently."""
-    inner = getattr(collator, "data_collator", None)  # the Trainer's RemoveColumnsCollator
-    if inner is not None and inner is not collator:
-        _refuse_private_rng(inner)
-    values = getattr(collator, "__dict__", {})
-    found = [k for k, v in values.items()
-             if isinstance(v, torch.Generator | np.random.Generator | np.random.RandomState
-                           | random.Random)]
-    if values.get("seed") is not None and "generator" in values:
-        found = [f"seed={values['seed']!r}"] + [k for k in found if k != "generator"]
-    if found:
-        raise UnsupportedSetup(
-            f"data_collator {type(collator).__name__} draws from a random generator of its "
-            f"own ({', '.join(found)}): its stream is neither saved nor positioned by the data "
-            "cursor, so a resumed run would collate differently; build the collator without "
-            "it (no seed=): its draws from the global RNGs are seeded per batch from (seed, "
-            "epoch, position), the same with any number of workers")
 
 
 def _refuse_unsupported(trainer: Trainer) -> None:
