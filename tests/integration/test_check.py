@@ -24,7 +24,10 @@ def check(capsys, *args: str) -> tuple[int, dict]:
     return code, json.loads(capsys.readouterr().out)
 
 
-def test_acceptance_default_places_and_random_five_equivalent(capsys, tmp_path):
+def test_acceptance_default_places_and_random_five_equivalent(capsys, tmp_path, monkeypatch):
+    # Each life a fresh process forked from a server that imported torch (as the defect cases
+    # below); test_check_cli.py runs the same CLI on processes started from scratch.
+    monkeypatch.setattr(harness, "run_process", zygote_process)
     code, out = check(capsys, "--random", "5", "--seed", "1", "--workdir", str(tmp_path),
                       "--plot", str(tmp_path / "check.png"), "--", *TINY_LM)
     assert code == 0, out
@@ -97,6 +100,7 @@ def test_tolerance_mode_tells_drift_from_a_jump(capsys, tmp_path, monkeypatch):
     """Tiny per-update noise growing after the resume is a drift: reported at the exact level,
     accepted within a tolerance; a missing optimizer under the same tolerance is a jump."""
     monkeypatch.setenv("NOISE", "1e-7")
+    monkeypatch.setattr(harness, "run_process", zygote_process)
     common = ["--at", "12", "--phase", "after-update", "--"]
     code, out = check(capsys, "--workdir", str(tmp_path / "exact"), *common, *NOISY)
     d = out["cases"][0]["first_divergence"]
