@@ -144,3 +144,11 @@ def first_restores(trace: Path, ranks: int = 2) -> list[dict]:
 
     return [next(x for x in read_trace(f"{trace}.rank{r}") if x["event"] == "restore")
             for r in range(ranks)]
+
+
+def ddp_reference(tmp: Path) -> Path:
+    """The uninterrupted 2-rank DDP job every resume of the DDP tests is compared with: its
+    traces (``ref.jsonl.rankN``) and the log of files each rank hashed, in ``tmp``."""
+    r = torchrun(2, tmp / "run", tmp / "ref.jsonl", env={"HASH_LOG": str(tmp / "hashed")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp

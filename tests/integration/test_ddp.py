@@ -14,6 +14,7 @@ from _launch import (
     assert_job_killed,
     assert_resumed_bitwise,
     by_hand,
+    ddp_reference,
     first_restores,
     gens,
     torchrun,
@@ -24,10 +25,7 @@ from unbroken.trace import read_trace
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("ddp-ref")
-    r = torchrun(2, tmp / "run", tmp / "ref.jsonl", env={"HASH_LOG": str(tmp / "hashed")})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp
+    return ddp_reference(tmp_path_factory.mktemp("ddp-ref"))
 
 
 def test_the_leader_never_rehashes_the_other_ranks_files(reference):

@@ -9,15 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from _launch import assert_job_killed, assert_resumed_bitwise, gens, torchrun
+from _launch import assert_job_killed, assert_resumed_bitwise, ddp_reference, gens, torchrun
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("ddp-ref")
-    r = torchrun(2, tmp / "run", tmp / "ref.jsonl", env={"HASH_LOG": str(tmp / "hashed")})
-    assert r.returncode == 0, r.stderr[-3000:]
-    return tmp
+    return ddp_reference(tmp_path_factory.mktemp("ddp-ref"))
 
 
 def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(reference,
