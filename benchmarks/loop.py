@@ -41,7 +41,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import save_load as sl  # noqa: E402  (helpers: machine facts, scratch folder, IQR)
 
-MODES = ("none", "unbroken-async", "unbroken-process", "dcp-async")
+MODES = ("none", "unbroken-async", "unbroken-process", "unbroken-async-paced",
+         "unbroken-process-paced", "dcp-async")
+DEFAULT_MODES = ("none", "unbroken-async", "unbroken-process", "dcp-async")
 
 
 def build(size: int, width: int, batch: int) -> tuple[torch.nn.Module, torch.optim.Optimizer,
@@ -83,11 +85,12 @@ class Saver:
 
 class UnbrokenSaver(Saver):
     def __init__(self, root: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                 how: bool | str = True) -> None:
+                 how: bool | str = True, share: float | None = None) -> None:
         super().__init__()
         import unbroken
         self.ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt,
-                                          keep=unbroken.Keep(last=1), async_save=how)
+                                          keep=unbroken.Keep(last=1), async_save=how,
+                                          persist_share=share)
 
     def save(self, step: int) -> None:
         self.ckpt.save(step)
@@ -292,7 +295,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch intra-op threads of the loop (default 1: on 2 cores the other "
                     "core is left to the save, as a GPU loop leaves the CPU; 0: torch default)")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"subset of {','.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                    help=f"subset of {','.join(MODES)} (default {','.join(DEFAULT_MODES)}); "
+                    "the -paced ones save with persist_share")
+    ap.add_argument("--persist-share", type=float, default=0.2,
+                    help="persist_share of the -paced modes (default 0.2: a fifth of a core)")
     ap.add_argument("--dir", help="parent of the scratch folder (as save_load.py)")
     ap.add_argument("--json", action="store_true", help="print only the JSON document")
     ap.add_argument("--out", help="also write the JSON document to this file")
@@ -326,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
         if "unbroken-process" in modes:  # the snapshot in shared memory, a persisting process
             savers["unbroken-process"] = UnbrokenSaver(os.path.join(root, "unbroken-process"),
                                                        model, opt, "process")
+        for mode, how in (("unbroken-async-paced", True), ("unbroken-process-paced", "process")):
+            if mode in modes:  # the same saves, spread over a fifth of a core (persist_share)
+                savers[mode] = UnbrokenSaver(os.path.join(root, mode), model, opt, how,
+                                             args.persist_share)
         if "dcp-async" in modes:
             os.makedirs(os.path.join(root, "dcp"))
             savers["dcp-async"] = DCPSaver(os.path.join(root, "dcp"), model, opt)
@@ -357,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
            "config": {"size": size, "width": args.width, "batch": args.batch, "steps": steps,
                       "every": args.every, "repeats": repeats, "warmup": args.warmup,
                       "threads": torch.get_num_threads(), "modes": modes,
+                      "persist_share": args.persist_share,
                       "unstable": f"IQR > {sl.UNSTABLE_PCT:.0f}% of the median"},
            "summary": summarize(rounds, copies), "rounds": rounds,
            "total_seconds": time.perf_counter() - started}

@@ -13,6 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import fixture
+from ._pacing import Pacer
 from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, RankFailed, background_group
 from .errors import (
@@ -106,7 +107,7 @@ class Checkpointer(Persisting, Restoring):
                  incremental: bool = False, read_back: str = "sync",
                  storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
-                 next_step_fixture: bool = False) -> None:
+                 next_step_fixture: bool = False, persist_share: float | None = None) -> None:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
@@ -125,6 +126,13 @@ class Checkpointer(Persisting, Restoring):
         later = read_back == "background" and not async_save
         if (async_save or later) and not async_timeout > 0:
             raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
+        if persist_share is not None:
+            if not (async_save or later):
+                raise ValueError("persist_share paces the background part of a save; pass "
+                                 "async_save=True, async_save='process' or "
+                                 "read_back='background' with it")
+            Pacer(persist_share)  # validates it
+        self._persist_share = persist_share
         # An async save's collectives (a read-back later's too) run beside the training loop's:
         # a group of their own, made here, where every rank builds its Checkpointer at the
         # same point. (A save's commit uses it too, after the previous save ended: the two
@@ -365,7 +373,7 @@ class Checkpointer(Persisting, Restoring):
         log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "
                  "background", step, self._buffers.nbytes, time.monotonic() - started)
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
-                                                               started, plan))
+                                                               started, plan), self._pacer())
         return None
 
     def close(self) -> None:

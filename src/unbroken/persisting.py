@@ -9,6 +9,7 @@ import time
 import warnings
 from typing import Any
 
+from ._pacing import Pacer
 from ._progress import Progress
 from .dist.commit import check_replicas, commit_job
 from .dist.group import Group
@@ -57,6 +58,7 @@ class Persisting:
     _in_flight: InFlight | None
     _persister: ProcessPersister | None
     _read_back_later: bool
+    _persist_share: float | None
     _trace: TraceRecorder | None
 
     @property
@@ -130,7 +132,7 @@ class Persisting:
         if self._read_back_later and self._in_flight is None:
             # committed and durable; the read-back and retention go on beside the loop, and
             # retention still waits for the read-back (the next save waits for both)
-            self._in_flight = InFlight(step, gc_paused(verify_and_retain))
+            self._in_flight = InFlight(step, gc_paused(verify_and_retain), self._pacer())
             return info
         return verify_and_retain()
 
@@ -147,6 +149,7 @@ class Persisting:
         encoded = encode_share(self._group, tree, stamps(step, self.incarnation, self.run_id),
                                plan)
         persister.submit({"step": step, "again": again, "keep": self.keep.to_json(),
+                          "share": self._persist_share,
                           "manifest": self._manifest_fields(step, tree, values, 1)}, encoded)
         log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
                  persister.nbytes, time.monotonic() - started)
@@ -158,7 +161,12 @@ class Persisting:
             self._committed(step, info, plan)
             return info
 
-        self._in_flight = InFlight(step, collect)
+        self._in_flight = InFlight(step, collect,
+                                   hurry=persister.hurry if self._persist_share else None)
+
+    def _pacer(self) -> Pacer | None:
+        """The pacing of a save persisting in a thread of this process (``persist_share``)."""
+        return None if self._persist_share is None else Pacer(self._persist_share)
 
     def _manifest_fields(self, step: int, tree: dict[str, Any], values: dict[str, float],
                          world_size: int) -> dict[str, Any]:

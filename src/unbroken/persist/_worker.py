@@ -14,10 +14,12 @@ import mmap
 import os
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from .._pacing import Pacer, installed
 from .._procs import PERSISTER_OF_ENV
 from .._progress import Progress
 from ..dist.commit import describe
@@ -32,6 +34,7 @@ from ..store.manifest import Artifact, Manifest
 from ..store.retention import Keep
 from ..writer import RunWriter
 from . import _wire
+from .process import hurried
 
 
 def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
@@ -43,6 +46,17 @@ def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
 
 
 def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap) -> dict[str, Any]:
+    """One save, paced by ``persist_share`` until the writer's loop waits for it (the writer
+    then writes the request's number into the segment's first bytes, `hurried`)."""
+    share, seq = request.get("share"), request.get("seq", 0)
+    pacer = None if share is None else Pacer(float(share), time.process_time,
+                                              lambda: hurried(shm) >= seq)
+    with installed(pacer):
+        return _persist(store, request, shm)
+
+
+def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap
+             ) -> dict[str, Any]:
     step = request["step"]
     view = memoryview(shm)
     artifacts: dict[str, Any] = {}

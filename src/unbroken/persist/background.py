@@ -1,7 +1,8 @@
 """The background half of an async save: one worker thread per save, at most one save in
 flight; its outcome (the committed generation, or the error) is collected by the training
 thread at the next save, at ``wait()`` or at ``close()``. The thread is not a daemon: a script
-that ends without ``close()`` still waits for the save in flight at interpreter exit."""
+that ends without ``close()`` still waits for the save in flight at interpreter exit.
+A save with a `Pacer` (``persist_share``) is paced until the loop waits for it."""
 
 from __future__ import annotations
 
@@ -9,13 +10,22 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .._pacing import Pacer, installed, release_at_exit
+
 
 class InFlight:
     """One save persisting in the background."""
 
-    def __init__(self, step: int, fn: Callable[[], Any]) -> None:
+    def __init__(self, step: int, fn: Callable[[], Any], pacer: Pacer | None = None,
+                 hurry: Callable[[], None] | None = None) -> None:
+        """``fn`` runs in the thread, paced by ``pacer``; ``hurry`` (a save persisting
+        elsewhere) is called once when the loop starts waiting."""
         self.step = step
         self._fn = fn
+        self._pacer = pacer
+        self._hurry = hurry
+        if pacer is not None or hurry is not None:
+            release_at_exit(self)
         self._result: Any = None
         self._error: BaseException | None = None
         # Our own flag, not Thread.is_alive(): a join interrupted by Ctrl-C can leave the
@@ -26,11 +36,20 @@ class InFlight:
 
     def _run(self) -> None:
         try:
-            self._result = self._fn()
+            with installed(self._pacer):
+                self._result = self._fn()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread
             self._error = e
         finally:
             self._ended.set()
+
+    def release(self) -> None:
+        """The loop waits for this save (or the interpreter exits): no more pacing."""
+        if self._pacer is not None:
+            self._pacer.release()
+        if self._hurry is not None:
+            hurry, self._hurry = self._hurry, None
+            hurry()
 
     @property
     def done(self) -> bool:
@@ -39,6 +58,7 @@ class InFlight:
     def wait(self) -> Any:
         """Block until the save ended; its result, or raise its error. An interrupt (Ctrl-C)
         while waiting leaves the save in flight, to be waited for again."""
+        self.release()
         self._ended.wait()
         self._thread.join()
         if self._error is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import mmap
 import os
 import socket
+import struct
 import subprocess
 import sys
 import weakref
@@ -37,6 +38,12 @@ from . import _wire
 
 _HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
 _TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
+_HEAD = 64  # the segment's first bytes: the newest save to hurry (`hurry`), then the snapshot
+
+
+def hurried(segment: mmap.mmap) -> int:
+    """The number of the newest save the writer's loop waits for (`ProcessPersister.hurry`)."""
+    return int(struct.unpack_from("<Q", segment, 0)[0])
 
 
 class ProcessPersister:
@@ -136,11 +143,12 @@ class ProcessPersister:
                    for n, chunks in artifacts.items() if not isinstance(chunks, Linked)}
         total = sum(c.nbytes for chunks in chunked.values() for c in chunks)
         try:
-            view = memoryview(self._segment(total))
+            view = memoryview(self._segment(_HEAD + total))
         except OSError as e:
             raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
         listed: list[dict[str, Any]] = []
-        offset = 0
+        offset = _HEAD
+        struct.pack_into("<Q", view, 0, 0)  # (not hurried: see `hurry`)
         into = torch.frombuffer(view, dtype=torch.uint8) if total else None
         for name, chunks in artifacts.items():
             if isinstance(chunks, Linked):
@@ -186,6 +194,12 @@ class ProcessPersister:
             raise rebuild(reply)
         self.io_ops = int(reply.get("ops", 0))
         return reply
+
+    def hurry(self) -> None:
+        """The loop waits for the save in flight: a paced persisting process goes on at full
+        speed (it reads the number of the newest save to hurry from the segment's head)."""
+        if self._shm is not None:
+            struct.pack_into("<Q", self._shm, 0, self._seq)
 
     def close(self) -> None:
         """End the persisting process (the caller waited for the save in flight: it is idle)

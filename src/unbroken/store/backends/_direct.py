@@ -17,6 +17,8 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
+from ..._pacing import tick
+
 _BLOCK = 4096  # the alignment O_DIRECT asks of offsets, sizes and memory on Linux
 _BUFFER = 16 << 20  # bytes per write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -79,6 +81,7 @@ def write_direct(fd: int, chunks: Iterable[memoryview | bytes],
                 view = view[n:]
                 if fill == _BUFFER:
                     full.put(buf)
+                    tick()  # (a paced save waits here, `_pacing`)
                     buf, fill = free.get(), 0
                     if failed:
                         raise failed[0]

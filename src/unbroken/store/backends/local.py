@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from ..._pacing import tick
 from ..._procs import kill_job
 from ...errors import CorruptCheckpoint
 from ._direct import drop_direct, try_direct, write_direct
@@ -155,7 +156,11 @@ def _head(chunks: Iterator[memoryview | bytes]) -> tuple[list[memoryview | bytes
 
 def _hashing(chunks: Iterable[memoryview | bytes], h: Any) -> Iterator[memoryview | bytes]:
     for chunk in chunks:
-        h.update(chunk)
+        view = memoryview(chunk).cast("B")
+        # (in pieces: a paced save, `_pacing`, must never hash a 1 GiB tensor in one burst)
+        for at in range(0, len(view), _HASH_PIECE):
+            h.update(view[at:at + _HASH_PIECE])
+            tick()
         yield chunk
 
 
@@ -180,6 +185,7 @@ def _open_regular(path: str, limit: int) -> tuple[int, os.stat_result]:
 
 _SMALL = 256 << 10  # chunks below this are gathered into one write (10,000 small tensors)
 _GATHER = 4 << 20
+_HASH_PIECE = 16 << 20
 
 
 def _coalesced(chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview]:
@@ -232,6 +238,7 @@ class LocalFS:
                 for view in _coalesced(itertools.chain(head, hashed)):
                     write(view)
                     size += len(view)
+                    tick()
             self._op("fsync", path)
             os.fsync(fd)
         finally:
@@ -256,6 +263,7 @@ class LocalFS:
                 for piece in read_ahead(fd, chunk):
                     h.update(piece)
                     size += len(piece)
+                    tick()
             else:
                 view = memoryview(bytearray(max(st.st_size, 1)))
                 while n := os.readv(fd, [view]):
