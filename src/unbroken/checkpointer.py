@@ -78,6 +78,12 @@ class Checkpointer(Persisting, Restoring):
     ``close()``; no older generation is deleted before the new one verified). In a job, the
     saves then use a gloo group of their own, as async ones do (``async_timeout``).
 
+    ``persist_share`` (with a background save of any kind): the background work (writing,
+    hashing, reading back) keeps its CPU time under that share of one core while the loop
+    runs, e.g. 0.2, so a loop that uses every core is slowed about that much while a save
+    persists instead of losing a core; the save is durable later. Once the loop waits for it
+    (the next save, ``wait()``, ``close()``, the interpreter's exit) it runs at full speed.
+
     ``next_step_fixture=True`` (one process, local run): the update after each save records
     its sample ids and the digests of the state it produced, for ``unbroken verify --deep
     --factory`` to replay (`fixture`).

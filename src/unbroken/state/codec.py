@@ -95,9 +95,9 @@ def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
         return None
     if ptr == 0:
         return None
-    if t.dtype in _COMPLEX:  # a conjugate view shares its base's memory, not its values
-        return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
-    return (ptr, t.shape, t.stride(), t.dtype, t.device)
+    # A conjugate or negated view shares its base's memory, not its values (``z.conj().imag``
+    # is a real tensor with the negative bit).
+    return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
 class ViewMemo:
@@ -138,8 +138,10 @@ class _Encoder:
             raise UnsupportedValue(
                 f"{path}: tensor with layout {t.layout} cannot be stored; convert it to a dense "
                 "tensor (e.g. .to_dense()) in state_dict()")
-        if t.dtype in _COMPLEX and (t.is_conj() or t.is_neg()):
-            t = t.resolve_conj().resolve_neg()  # a lazy view of its base: its own values
+        if t.is_neg() or t.dtype in _COMPLEX and t.is_conj():
+            # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
+            # own values; raw copies of its memory would drop the sign
+            t = t.resolve_conj().resolve_neg()
         # The same view referenced twice (tied weights) is stored once and decoded as one object.
         key_of_view, same = self._views.find(t)
         if same is not None:

@@ -33,6 +33,12 @@ _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_B
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
 _ORDER = operator.itemgetter(0, 1, 2)  # (unaligned, -element size, key): keys are unique
 _json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
+# The NumPy dtype a tensor of each safetensors dtype is read through (same item size; torch
+# views it as its own dtype where NumPy has none).
+_AS_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.int16,
+             "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+             "BOOL": np.bool_, "C64": np.complex64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
+             "U16": np.int16, "U32": np.int32, "U64": np.int64}
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
@@ -58,6 +64,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             t = t.cpu()
         if not t.is_contiguous():
             t = t.contiguous()
+        if t.is_neg() or t.is_conj():  # lazy views: their memory is not their values
+            t = t.resolve_conj().resolve_neg()
         nbytes = t.nbytes
         items.append((nbytes % 64 != 0, -t.element_size(), key, t, nbytes))
     items.sort(key=_ORDER)
@@ -218,13 +226,15 @@ def _views(data: memoryview, header: dict[str, Any], base: int, address: int
     """Every tensor of a validated header as a view into ``data`` (whose data section starts
     at byte ``base``, at ``address`` in memory), without a copy where it sits 64-byte aligned.
 
-    (Per-tensor costs matter: 10,000 small tensors are common. Each dtype's whole data section
-    is one tensor, and each tensor one ``as_strided`` view of it, instead of a buffer lookup
-    and a reshape each.) uint8 tensors (RNG states, raw bytes) get storages of their own:
-    APIs such as ``set_rng_state`` read a state from its storage's first byte."""
+    Each tensor gets a storage of exactly its own bytes: a view of a larger storage would be
+    copied whole by ``copy.deepcopy`` (torch deep-copies param_groups, extras may deep-copy
+    what they load) and by anything else that copies storages, and RNG-state APIs read a
+    uint8 state from its storage's first byte. (Per-tensor costs matter: 10,000 small tensors
+    are common. A slice of one NumPy array per dtype and ``torch.from_numpy`` cost what one
+    ``as_strided`` costs.)"""
     out: dict[str, torch.Tensor] = {}
-    typed: dict[str, torch.Tensor] = {}
-    strides: dict[tuple[int, ...], tuple[int, ...]] = {}
+    arrays: dict[str, Any] = {}
+    from_numpy = torch.from_numpy
     for key, e in header.items():
         name, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
         dtype = _ST_BY_NAME[name]
@@ -232,16 +242,14 @@ def _views(data: memoryview, header: dict[str, Any], base: int, address: int
             out[key] = torch.empty(shape, dtype=dtype)
             continue
         size = _ITEMSIZE[name]
-        whole = typed.get(name)
-        if whole is None and name != "U8" and not address % size:
-            whole = typed[name] = torch.frombuffer(data, dtype=dtype, offset=base,
+        if not address % size and not begin % size:
+            arr = arrays.get(name)
+            if arr is None:
+                arr = arrays[name] = np.frombuffer(data, dtype=_AS_NUMPY[name], offset=base,
                                                    count=(len(data) - base) // size)
-        if whole is not None and not begin % size:
-            dims = tuple(shape)
-            stride = strides.get(dims)
-            if stride is None:
-                stride = strides[dims] = _contiguous_strides(dims)
-            t = whole.as_strided(dims, stride, begin // size)
+            t = from_numpy(arr[begin // size:end // size].reshape(shape))
+            if t.dtype != dtype:  # no NumPy dtype of its own (bfloat16, float8, uint16-64)
+                t = t.view(dtype)
         else:
             t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // size,
                                  offset=base + begin)
@@ -257,9 +265,3 @@ def _views(data: memoryview, header: dict[str, Any], base: int, address: int
     return out
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(strides))
