@@ -196,6 +196,25 @@ def test_an_extra_that_deep_copies_what_it_loads_gets_its_tensors_not_the_whole_
     assert held <= 64, held
 
 
+def test_a_live_buffer_with_the_negative_bit_restored_from_a_mapped_file_reads_as_saved(
+        tmp_path):
+    # A live tensor that is a lazy negated view reads its memory negated: the restore's raw
+    # read into a mapped file's destination (`MappedFiles.copy`) must go through copy_ there.
+    n = BIG
+    model = torch.nn.Linear(2, 2)
+    # a contiguous lazy negation (what z.conj().imag is for one element): reads -0, -1, ...
+    model.register_buffer("neg", torch._neg_view(torch.arange(n, dtype=torch.float32)))
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    assert next((tmp_path / "run").glob("gen-*/model.safetensors")).stat().st_size >= _MAP_MIN
+    other = torch.nn.Linear(2, 2)
+    other.register_buffer("neg", torch._neg_view(torch.ones(n)))
+    with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
+        assert ckpt.restore() == 1
+    assert other.neg.is_neg() and torch.equal(other.neg, -torch.arange(n, dtype=torch.float32))
+
+
 # ---------------------------------------------------------------------------------------------
 # Attacks that found nothing: pinned
 

@@ -92,7 +92,8 @@ class MappedFiles:
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype)
         if (not src.is_contiguous() or not dst.is_contiguous() or not dst.is_cpu
-                or dst.dtype != src.dtype or dst.shape != src.shape):
+                or dst.dtype != src.dtype or dst.shape != src.shape
+                or dst.is_neg() or dst.is_conj()):  # (lazy views: memory is not their value)
             dst.copy_(src)
             self._faulted += src.numel() * src.element_size()
             if self._faulted > _FAULTED_MAX:
