@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import copy
 from collections import Counter, OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..state.codec import ViewMemo
+from ..state.codec import view_ident
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
 # Leaves taken as they are: immutable, they cannot change after ``save()`` returns.
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype,
                         torch.device, torch.Size})
+
+# A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
+# them from the buffer again costs ~0.1 us a torch call, for 10,000 small tensors each save.
+# The dtype is None for a buffer of another kind than a plain tensor (a DTensor's), which a
+# plain tensor's check then never takes.
+_Entry = tuple[torch.Tensor, torch.Size, torch.dtype | None, int]
+_NONE: dict[Any, _Entry] = {}  # the entries of a container that has none yet (never written)
 
 
 class SnapshotBuffers:
@@ -28,109 +35,179 @@ class SnapshotBuffers:
     buffer is never written while a save still reads it."""
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        self.nbytes = 0  # bytes copied by the last snapshot
+        # Entries by the path of their container, then their key in it: no path tuple is
+        # built per tensor, and the usual snapshot, which uses every entry, changes nothing.
+        self._buffers: dict[tuple[Any, ...], dict[Any, _Entry]] = {}
+        self._count = 0  # entries in _buffers; -1 after a snapshot that failed
+        self.nbytes = 0  # bytes copied by the last snapshot: those of its entries
 
     def take(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of ``tree`` that shares no mutable object with it."""
         return _Taking(self).tree(tree)
-
-    def _buffer(self, path: tuple[Any, ...], t: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(path)
-        if (buf is not None and type(t) is torch.Tensor and type(buf) is torch.Tensor
-                and buf.dtype == t.dtype and buf.shape == t.shape):
-            return buf  # (the usual case, without the checks below: a call costs ~1 us)
-        if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
-                or type(buf) is not type(t) or not _same_layout(buf, t)):
-            if t.device.type == "cuda":
-                buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            elif type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-                buf = torch.empty(t.shape, dtype=t.dtype)
-            else:  # a DTensor: the same mesh and placements, this rank's chunk
-                buf = torch.empty_like(t.detach())
-            self._buffers[path] = buf
-        return buf
 
 
 class _Taking:
     """One snapshot: the tree rebuilt (dicts, lists and tuples directly; any other container
     through ``copy.deepcopy``), every tensor replaced by its buffer. The CPU tensors' copies
     run at the end, in one ``_foreach_copy_`` call: 10,000 small tensors are common, and a
-    ``copy_`` each costs more than their bytes."""
+    ``copy_`` each costs more than their bytes. (Each torch call costs ~0.1-1 us, and each
+    object made per tensor brings the garbage collector sooner: the usual tensor gets few.)"""
 
     def __init__(self, buffers: SnapshotBuffers) -> None:
         self.buffers = buffers
-        self.memo: dict[int, Any] = {}  # id(tensor) -> its buffer, for deepcopy
-        self.seen = ViewMemo()  # one buffer per view
-        self.used: set[tuple[Any, ...]] = set()
-        self.dst: list[torch.Tensor] = []
+        self.cache = buffers._buffers
+        self.created = False  # an entry added or replaced: the unused ones are then dropped
+        # Each view met and its buffer. The same view twice (tied weights: two state_dict
+        # entries of one parameter) stays one tensor, as the encoder stores it once: views
+        # are found by address (a tensor without one: by -id), then `view_ident`, which costs
+        # more torch calls, only among the views at that address (``after``: the next one).
         self.src: list[torch.Tensor] = []
+        self.bufs: list[torch.Tensor] = []
+        self.views: dict[int, int] = {}
+        self.after: dict[int, int] = {}
+        self.copied: set[int] = set()  # (of src) copied already, not by the _foreach_copy_
         self.cuda = False
-        buffers.nbytes = 0
+        # id(tensor) -> its buffer, for deepcopy. The views join it only when a deepcopy
+        # needs it (``merged`` of them so far): most trees need none.
+        self.memo: dict[int, Any] = {}
+        self.merged = 0
 
     def tree(self, tree: Mapping[str, Any]) -> dict[str, Any]:
-        out = {k: self.node(v, (k,)) for k, v in tree.items()}
-        if self.dst:
+        b, count = self.buffers, self.buffers._count
+        b._count = -1  # (until this snapshot completes: a failed one may have added entries)
+        out = self.fill({}, tree.items(), ())
+        dst, src = self.bufs, self.src
+        if self.copied:
+            dst = [x for i, x in enumerate(dst) if i not in self.copied]
+            src = [x for i, x in enumerate(src) if i not in self.copied]
+        if dst:
             with torch.no_grad():  # (a parameter's history is not the buffer's)
-                torch._foreach_copy_(self.dst, self.src)
+                torch._foreach_copy_(dst, src)
         if self.cuda:
             torch.cuda.synchronize()  # the non-blocking copies have landed
-        b = self.buffers
-        b._buffers = {p: buf for p, buf in b._buffers.items() if p in self.used}
+        if self.created or len(self.bufs) != count:  # (each entry is used at most once)
+            used = {id(x) for x in self.bufs}
+            b._buffers = {p: kept for p, entries in self.cache.items()
+                          if (kept := {k: e for k, e in entries.items() if id(e[0]) in used})}
+            sizes = [e[3] for entries in b._buffers.values() for e in entries.values()]
+            count, b.nbytes = len(sizes), sum(sizes)
+        b._count = count
         return out
 
-    def tensor(self, t: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        # The same view twice (tied weights: two state_dict entries of one parameter) stays
-        # one tensor, as the encoder stores it once.
-        key, buf = self.seen.find(t)
-        if buf is None:
-            buf = self.buffers._buffer(path, t)
-            self.seen.add(key, t, buf)
-            self.used.add(path)
-            kind = type(t)
-            if t.is_cpu and (kind is torch.Tensor or kind is torch.nn.Parameter):
-                self.dst.append(buf)
-                self.src.append(t)
-            elif t.is_cpu:
+    def fill(self, out: Any, items: Iterable[tuple[Any, Any]], path: tuple[Any, ...]) -> Any:
+        """``out`` given the items of the container at ``path``, each key and value copied
+        (a value's buffer found by its original key)."""
+        entries = self.cache.get(path, _NONE)
+        views, src, bufs = self.views, self.src, self.bufs
+        for k, v in items:
+            key = k if type(k) in _IMMUTABLE else self.key(k, path)
+            kind = type(v)
+            if kind is torch.Tensor:
+                # The usual case, inline in its fewest torch calls: a CPU tensor met first,
+                # whose last buffer fits; anything else (a tie, a new shape, no address) in
+                # `tensor`.
+                entry, buf = entries.get(k), None
+                if (entry is not None and v.is_cpu and v.shape == entry[1]
+                        and v.dtype is entry[2]):
+                    try:
+                        ptr = v.data_ptr()
+                    except RuntimeError:  # (a sparse tensor: no storage)
+                        ptr = 0
+                    if ptr and ptr not in views:
+                        views[ptr], buf = len(src), entry[0]
+                        src.append(v)
+                        bufs.append(buf)
+                out[key] = buf if buf is not None else self.tensor(v, path, k)
+            elif kind in _IMMUTABLE:
+                out[key] = v
+            elif kind is dict:  # (the usual container, without `node`)
+                out[key] = self.fill({}, v.items(), (*path, k))
+            elif isinstance(v, torch.Tensor):
+                out[key] = self.tensor(v, path, k)
+            else:
+                out[key] = self.node(v, (*path, k))
+        return out
+
+    def tensor(self, t: torch.Tensor, path: tuple[Any, ...], key: Any) -> torch.Tensor:
+        """Any tensor, entry ``key`` of the container at ``path``: its view's buffer if met
+        already, else its entry's buffer (a new one if that does not fit), copied into."""
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
+            ptr = 0
+        at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
+        i = self.views.get(at)
+        while i is not None:
+            other = self.src[i]
+            if other is t or (ptr and view_ident(other) == view_ident(t)):
+                self.memo[id(t)] = self.bufs[i]
+                return self.bufs[i]
+            i = self.after.get(i)
+        i = len(self.src)
+        if at in self.views:
+            self.after[i] = self.views[at]
+        self.views[at] = i
+        entries = self.cache.setdefault(path, {})
+        entry = _fit(entries.get(key), t)
+        if entry is not entries.get(key):
+            entries[key], self.created = entry, True
+        buf = entry[0]
+        self.src.append(t)
+        self.bufs.append(buf)
+        kind = type(t)
+        if not t.is_cpu or (kind is not torch.Tensor and kind is not torch.nn.Parameter):
+            self.copied.add(i)
+            if t.is_cpu:
                 buf.copy_(t.detach())  # (a DTensor: its own copy_)
             else:
                 self.cuda = self.cuda or t.device.type == "cuda"
                 buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
-            self.buffers.nbytes += t.nbytes
-        self.memo[id(t)] = buf
         return buf
 
     def node(self, node: Any, path: tuple[Any, ...]) -> Any:
+        """A container at ``path`` rebuilt, or anything else deep-copied."""
         kind = type(node)
-        if kind is torch.Tensor:
-            return self.tensor(node, path)
-        if kind in _IMMUTABLE:
-            return node
-        if isinstance(node, torch.Tensor):
-            return self.tensor(node, path)
         if kind is dict:
-            return {k if type(k) in _IMMUTABLE else self.key(k, path): self.node(v, (*path, k))
-                    for k, v in node.items()}
-        if kind is list:
-            return [self.node(v, (*path, i)) for i, v in enumerate(node)]
-        if kind is tuple:
-            return tuple([self.node(v, (*path, i)) for i, v in enumerate(node)])
+            return self.fill({}, node.items(), path)
+        if kind is list or kind is tuple:
+            items = self.fill({}, enumerate(node), path).values()
+            return list(items) if kind is list else tuple(items)
         if kind is OrderedDict or kind is Counter:  # a module's state_dict: with _metadata
-            out: Any = kind()
-            for k, v in node.items():
-                out[k if type(k) in _IMMUTABLE else self.key(k, path)] = self.node(v, (*path, k))
+            out = self.fill(kind(), node.items(), path)
             if vars(node):
-                vars(out).update(self.node(vars(node), (*path, _ATTRIBUTES)))
+                vars(out).update(self.fill({}, vars(node).items(), (*path, _ATTRIBUTES)))
             return out
         # Anything else (a NumPy array, a subclass of a container): deepcopy, after its
-        # tensors are in the memo, so that it takes their buffers.
-        for p, t in _tensors(node, path):
-            self.tensor(t, p)
+        # tensors and every one met so far are in the memo, so that it takes their buffers.
+        for parent, key, t in _tensors(node, path):
+            self.tensor(t, parent, key)
+        self.memo.update(zip(map(id, self.src[self.merged:]), self.bufs[self.merged:]))
+        self.merged = len(self.src)
         return copy.deepcopy(node, self.memo)
 
     def key(self, key: Any, path: tuple[Any, ...]) -> Any:
         """A mutable dict key (a tensor, a tuple holding one): a copy, as any other value."""
-        return self.node(key, (*path, _KEY, id(key)))
+        k = (_KEY, id(key))
+        if isinstance(key, torch.Tensor):
+            return self.tensor(key, path, k)
+        return self.node(key, (*path, k))
+
+
+def _fit(entry: _Entry | None, t: torch.Tensor) -> _Entry:
+    """``entry`` if its buffer fits ``t`` (shape, dtype, kind), else a new buffer's."""
+    plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
+    if entry is not None and t.shape == entry[1] and (
+            t.dtype is entry[2] if plain
+            else type(entry[0]) is type(t) and t.dtype == entry[0].dtype
+            and _same_layout(entry[0], t)):
+        return entry
+    if t.device.type == "cuda":
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    elif plain:
+        buf = torch.empty(t.shape, dtype=t.dtype)
+    else:  # a DTensor: the same mesh and placements, this rank's chunk
+        buf = torch.empty_like(t.detach())
+    return buf, t.shape, t.dtype if plain else None, t.nbytes
 
 
 def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:
@@ -140,12 +217,14 @@ def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:
                                   == getattr(buf, "device_mesh", None))
 
 
-def _tensors(node: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    if isinstance(node, torch.Tensor):
-        yield path, node
-    elif isinstance(node, Mapping):
-        for k, v in node.items():
+def _tensors(node: Any, path: tuple[Any, ...]
+             ) -> Iterator[tuple[tuple[Any, ...], Any, torch.Tensor]]:
+    """(the path of its container, its key, the tensor) for each tensor in ``node``'s dicts,
+    lists and tuples."""
+    items = (node.items() if isinstance(node, Mapping)
+             else enumerate(node) if isinstance(node, (list, tuple)) else ())
+    for k, v in items:
+        if isinstance(v, torch.Tensor):
+            yield path, k, v
+        else:
             yield from _tensors(v, (*path, k))
-    elif isinstance(node, (list, tuple)):
-        for i, v in enumerate(node):
-            yield from _tensors(v, (*path, i))
