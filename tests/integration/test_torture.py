@@ -84,9 +84,11 @@ def test_crash_torture_with_a_persisting_process_saves_on_failure(capsys):
     """async_save="process": the training process SIGKILLed right after save() returned
     still gets that generation committed (verified, retention applied) by its persisting
     process, in every trial; kills inside the persisting process (a lost machine) leave a
-    verified generation or none; every finished run equals the uninterrupted one."""
+    verified generation or none; every finished run equals the uninterrupted one. The saves
+    are paced (``persist_share``): a persisting process whose writer died goes on at full
+    speed, and one hurried by the next save does too."""
     code, f = _run("crash", "--kills", "8", "--seed", "4", "--async-save", "process",
-                   "--kinds", "point", "--points",
+                   "--persist-share", "0.05", "--kinds", "point", "--points",
                    "step-done,artifact-1-written,step-done,after-rename")
     _show(capsys, "crash torture, async process (seed 4)", {
         k: f.get(k) for k in ("kills", "kills_after_save_returned",

@@ -47,10 +47,13 @@ def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
 
 def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap) -> dict[str, Any]:
     """One save, paced by ``persist_share`` until the writer's loop waits for it (the writer
-    then writes the request's number into the segment's first bytes, `hurried`)."""
+    then writes the request's number into the segment's first bytes, `hurried`) or the writer
+    is gone (nothing left to protect; finished sooner, it is at risk for less time)."""
     share, seq = request.get("share"), request.get("seq", 0)
-    pacer = None if share is None else Pacer(float(share), time.process_time,
-                                              lambda: hurried(shm) >= seq)
+    writer = os.getppid()
+    pacer = None if share is None else Pacer(
+        float(share), time.process_time,
+        lambda: hurried(shm) >= seq or os.getppid() != writer)
     with installed(pacer):
         return _persist(store, request, shm)
 

@@ -72,6 +72,8 @@ def _crash_text(f: dict[str, Any]) -> str:
          f"{f['episodes_equal']}/{f['episodes']}", "yes" if f["final_equal"] else "NO"],
     ]
     mode = "" if f["async_save"] == "off" else f", async_save={f['async_save']!r}"
+    if f.get("persist_share") is not None:
+        mode += f", persist_share={f['persist_share']}"
     head = (f"crash torture{mode}: seed {f['seed']}, {f['kills']} kills in {f['seconds']} s "
             f"(reference run: {f['reference_ops']} I/O operations, {f['reference_seconds']} s)")
     lines = [head, "",
@@ -139,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "process that commits a save handed over even when the training "
                         "process is killed (named kills after a save then land right after "
                         "save() returned; figures: how many of those generations committed)")
+    c.add_argument("--persist-share", type=float, default=None,
+                   help="with --async-save: pace the background saves at this share of one "
+                        "core (Checkpointer(persist_share=...))")
     c.add_argument("--dir", help="work in DIR (kept) instead of a temporary folder")
     c.add_argument("--sabotage", choices=["retention-first", "skip-hash",
                                           "first-save-unchecked"],
@@ -182,9 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"--points of {','.join(POINTS)} and --events of {','.join(EVENTS)} (or "
                   "none)", file=sys.stderr)
             return 2
+        if args.persist_share is not None and (args.async_save == "off"
+                                               or not 0 < args.persist_share <= 1):
+            print("torture: --persist-share is a share of one core in (0, 1], with "
+                  "--async-save thread or process", file=sys.stderr)
+            return 2
         result = crash(args.kills, args.seed, args.dir, kinds, sabotage=args.sabotage,
-                       events=events, async_save=args.async_save,
-                       points=points).to_json()
+                       events=events, async_save=args.async_save, points=points,
+                       persist_share=args.persist_share).to_json()
         text = _crash_text
     else:
         from .corrupt import corrupt

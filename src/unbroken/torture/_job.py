@@ -37,10 +37,12 @@ class Job:
     data: torch.Generator
 
 
-def build(run: str, every: int | None, keep_last: int, async_save: bool | str = False) -> Job:
+def build(run: str, every: int | None, keep_last: int, async_save: bool | str = False,
+          persist_share: float | None = None) -> Job:
     """A small model with everything a resume can get wrong: AdamW moments, a warm-up
     schedule, dropout (global torch RNG), a registered data generator, NumPy and Python
-    randomness. Deterministic given the seeds set here. ``async_save``: the Checkpointer's."""
+    randomness. Deterministic given the seeds set here. ``async_save``, ``persist_share``: the
+    Checkpointer's."""
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
@@ -52,7 +54,8 @@ def build(run: str, every: int | None, keep_last: int, async_save: bool | str = 
     ckpt = Checkpointer(run, model=model, optimizer=opt, scheduler=sched,
                         generators={"data": data},
                         identity=Identity(config={"torture": 1, "width": 16}),
-                        every=every, keep=Keep(last=keep_last), async_save=async_save)
+                        every=every, keep=Keep(last=keep_last), async_save=async_save,
+                        persist_share=persist_share)
     return Job(ckpt, model, opt, sched, data)
 
 
@@ -99,7 +102,7 @@ def _emitter(log: str) -> tuple[int, Any]:
 
 def train(run: str, log: str, steps: int = STEPS, every: int = 2,
           keep_last: int = KEEP_LAST, reseed: int | None = None,
-          async_save: bool | str = False) -> None:
+          async_save: bool | str = False, persist_share: float | None = None) -> None:
     """One life of the run: restore from disk, train to ``steps``, logging exact digests.
     ``reseed``: reseed every random stream after restoring (an independent run, whose states
     differ from the usual one's). With ``async_save``, a save is logged twice: "handed" when
@@ -108,7 +111,7 @@ def train(run: str, log: str, steps: int = STEPS, every: int = 2,
     where the Checkpointer waits for it anyway) and at the end."""
     fd, emit = _emitter(log)
     emit(e="start", pid=os.getpid())
-    job = build(run, every, keep_last, async_save)
+    job = build(run, every, keep_last, async_save, persist_share)
     start = job.ckpt.restore()
     emit(e="restored", step=start, digest=state_digest(job),
          rejected=[os.path.basename(p) for p, _ in job.ckpt.rejected])
@@ -140,13 +143,14 @@ def _confirm(job: Job, emit: Any) -> None:
 
 
 def start_without_restore(run: str, log: str, steps: int = STEPS, every: int = 2,
-                          keep_last: int = KEEP_LAST, async_save: bool | str = False) -> None:
+                          keep_last: int = KEEP_LAST, async_save: bool | str = False,
+                          persist_share: float | None = None) -> None:
     """A script that forgot ``restore()``: it trains from step 0 in a used run folder until its
     first save, which must raise `RunNotRestored` before writing or deleting anything. Logs
     "refused" (with the error) or, if the save went through, "saved"."""
     fd, emit = _emitter(log)
     emit(e="start", pid=os.getpid())
-    job = build(run, every, keep_last, async_save)
+    job = build(run, every, keep_last, async_save, persist_share)
     step = 0
     try:
         while step < steps:

@@ -70,6 +70,7 @@ class Figures:
     torn_or_corrupt_loaded: int = 0
     wrong_state_restored: int = 0
     async_save: str = "off"
+    persist_share: float | None = None
     # async saves: kills right after save() returned ("step-done" at a save step), and how
     # many of those generations were committed all the same (by the persisting process)
     kills_after_save_returned: int = 0
@@ -106,12 +107,15 @@ class Figures:
 class Torture(Events):
     def __init__(self, kills: int, seed: int, workdir: str, kinds: tuple[str, ...] = KINDS,
                  keep: bool = False, events: tuple[str, ...] = EVENTS,
-                 async_save: str = "off", points: tuple[str, ...] = POINTS) -> None:
-        self.f = Figures(seed=seed, kills_requested=kills, async_save=async_save)
+                 async_save: str = "off", points: tuple[str, ...] = POINTS,
+                 persist_share: float | None = None) -> None:
+        self.f = Figures(seed=seed, kills_requested=kills, async_save=async_save,
+                         persist_share=persist_share)
         mode: bool | str = False if async_save == "off" else async_save
         self.async_save = mode
-        self.job = partial(train, async_save=mode)
-        self.no_restore_job = partial(start_without_restore, async_save=mode)
+        self.job = partial(train, async_save=mode, persist_share=persist_share)
+        self.no_restore_job = partial(start_without_restore, async_save=mode,
+                                      persist_share=persist_share)
         self.points = points
         self.rng = random.Random(seed)
         self.workdir = workdir
@@ -428,14 +432,15 @@ SABOTAGE: dict[str, Callable[[], Callable[[], None]]] = {
 def crash(kills: int, seed: int, workdir: str | None = None, kinds: tuple[str, ...] = KINDS,
           keep: bool = False, sabotage: str | None = None,
           events: tuple[str, ...] = EVENTS, async_save: str = "off",
-          points: tuple[str, ...] = POINTS) -> Figures:
+          points: tuple[str, ...] = POINTS, persist_share: float | None = None) -> Figures:
     prepare_parent()
     own = workdir is None
     work = workdir or tempfile.mkdtemp(prefix="unbroken-torture-")
     os.makedirs(work, exist_ok=True)
     undo = SABOTAGE[sabotage]() if sabotage else None  # forked lives inherit it
     try:
-        return Torture(kills, seed, work, kinds, keep, events, async_save, points).run()
+        return Torture(kills, seed, work, kinds, keep, events, async_save, points,
+                       persist_share).run()
     finally:
         if undo is not None:
             undo()
