@@ -88,7 +88,7 @@ def test_crash_torture_with_a_persisting_process_saves_on_failure(capsys):
     are paced (``persist_share``): a persisting process whose writer died goes on at full
     speed, and one hurried by the next save does too."""
     code, f = _run("crash", "--kills", "8", "--seed", "4", "--async-save", "process",
-                   "--persist-share", "0.05", "--kinds", "point", "--points",
+                   "--persist-share", "0.2", "--kinds", "point", "--points",
                    "step-done,artifact-1-written,step-done,after-rename")
     _show(capsys, "crash torture, async process (seed 4)", {
         k: f.get(k) for k in ("kills", "kills_after_save_returned",
