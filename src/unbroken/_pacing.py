@@ -78,6 +78,11 @@ def installed(pacer: Pacer | None) -> Iterator[None]:
         _local.pacer = before
 
 
+def paced() -> bool:
+    """Whether this thread's work is paced (a save persisting beside the loop for long)."""
+    return getattr(_local, "pacer", None) is not None
+
+
 def tick() -> None:
     """A point between blocks of a save's work: waits only in a paced thread."""
     pacer = getattr(_local, "pacer", None)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ._pacing import paced
 from .boundary import UpdateWatch
 from .dist.group import Group
 from .errors import CorruptCheckpoint, NoCheckpoint, ReadOnlyRun, UnbrokenError, UnbrokenWarning
@@ -43,11 +44,15 @@ def gc_paused(fn: Any) -> Any:
     thousands of tensors allocates enough containers to trigger full collections, and each
     one walks every object of the process (importing torch alone makes ~10^6). Counted across
     threads: an async save persisting in the background keeps it paused until it ends, and the
-    collector comes back (if it was on) when the last one ends."""
+    collector comes back (if it was on) when the last one ends. A paced save
+    (``persist_share``) never pauses it: it runs beside the loop for many times its work, and
+    the loop must keep collecting meanwhile."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         global _gc_holders, _gc_was_enabled
+        if paced():
+            return fn(*args, **kwargs)
         with _gc_lock:
             if _gc_holders == 0:
                 _gc_was_enabled = gc.isenabled()

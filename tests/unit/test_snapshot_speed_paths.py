@@ -11,6 +11,7 @@ import weakref
 import pytest
 import torch
 
+from unbroken.errors import UnsupportedValue
 from unbroken.persist.snapshot import SnapshotBuffers
 
 
@@ -95,7 +96,7 @@ def test_a_snapshot_after_a_failed_one_is_whole():
 
     buffers = SnapshotBuffers()
     buffers.take({"a": torch.zeros(2), "c": torch.zeros(1)})
-    with pytest.raises(TypeError, match="no copy"):
+    with pytest.raises(UnsupportedValue, match="no copy"):
         buffers.take({"a": torch.zeros(2), "b": torch.ones(7), "bad": Uncopyable()})
     snap = buffers.take({"a": torch.full((2,), 2.0), "b": torch.ones(7)})
     assert torch.equal(snap["a"], torch.full((2,), 2.0)) and torch.equal(snap["b"], torch.ones(7))

@@ -9,6 +9,7 @@ is finished first."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
@@ -133,14 +134,18 @@ def main(root: str, fd: int) -> None:
     try:
         held = take_persister(store.root)
     except Exception as e:  # noqa: BLE001 -- the writer raises it at its next save
-        _wire.send(sock, {"ok": False, **describe(e)})
+        with contextlib.suppress(OSError):  # (unless it is gone already)
+            _wire.send(sock, {"ok": False, **describe(e)})
         return
     if str(os.getppid()) != os.environ.get(PERSISTER_OF_ENV):
         os.close(held)  # the writer died before handing anything over
         return
     store.adopt_lock(held)
     try:
-        _wire.send(sock, {"locked": os.getpid()})
+        try:
+            _wire.send(sock, {"locked": os.getpid()})
+        except OSError:
+            return  # the writer closed before its first save: nothing to commit
         _serve(store, sock)
     finally:
         store.unlock()

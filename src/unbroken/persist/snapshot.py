@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from ..state.codec import view_ident
+from ..errors import UnsupportedValue
+from ..state.codec import MAX_DEPTH, view_ident
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
@@ -97,6 +98,9 @@ class _Taking:
     def fill(self, out: Any, items: Iterable[tuple[Any, Any]], path: tuple[Any, ...]) -> Any:
         """``out`` given the items of the container at ``path``, each key and value copied
         (a value's buffer found by its original key)."""
+        if len(path) > MAX_DEPTH:  # (a container holding itself: the encoder's refusal)
+            raise UnsupportedValue(f"{_shown(path[:8])}...: nested deeper than {MAX_DEPTH} "
+                                   "levels; make its state_dict() return a tree, not a cycle")
         entries = self.cache.get(path, _NONE)
         views, src, bufs = self.views, self.src, self.bufs
         for k, v in items:
@@ -131,6 +135,10 @@ class _Taking:
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], key: Any) -> torch.Tensor:
         """Any tensor, entry ``key`` of the container at ``path``: its view's buffer if met
         already, else its entry's buffer (a new one if that does not fit), copied into."""
+        if t.layout != torch.strided:  # (the encoder's refusal, before a buffer is made)
+            raise UnsupportedValue(
+                f"{_shown((*path, key))}: tensor with layout {t.layout} cannot be stored; "
+                "convert it to a dense tensor (e.g. .to_dense()) in state_dict()")
         try:
             ptr = t.data_ptr()
         except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
@@ -179,11 +187,19 @@ class _Taking:
             return out
         # Anything else (a NumPy array, a subclass of a container): deepcopy, after its
         # tensors and every one met so far are in the memo, so that it takes their buffers.
+        # (What the encoder cannot store is refused by it, typed, in the save.)
         for parent, key, t in _tensors(node, path):
             self.tensor(t, parent, key)
         self.memo.update(zip(map(id, self.src[self.merged:]), self.bufs[self.merged:]))
         self.merged = len(self.src)
-        return copy.deepcopy(node, self.memo)
+        try:
+            return copy.deepcopy(node, self.memo)
+        except Exception as e:  # noqa: BLE001 -- a lock, a generator, an open file: typed
+            raise UnsupportedValue(
+                f"{_shown(path)}: value of type {kind.__module__}.{kind.__qualname__} cannot "
+                f"be copied for an async save ({type(e).__name__}: {e!s:.120}), nor stored "
+                "without pickle; return tensors, numbers, strings, bytes, lists, tuples or "
+                "dicts from state_dict()") from None
 
     def key(self, key: Any, path: tuple[Any, ...]) -> Any:
         """A mutable dict key (a tensor, a tuple holding one): a copy, as any other value."""
@@ -228,3 +244,9 @@ def _tensors(node: Any, path: tuple[Any, ...]
             yield path, k, v
         else:
             yield from _tensors(v, (*path, k))
+
+
+def _shown(path: tuple[Any, ...]) -> str:
+    """A tree path as errors name it: the part, then the keys within it."""
+    keys = ".".join("<key>" if type(k) is tuple else str(k) for k in path[1:])
+    return f"part {path[0]!r}" + (f", {keys}" if keys else "")
