@@ -126,13 +126,15 @@ def script():
 
 
 def zygote_process(cmd: list[str], env: dict[str, str], log: str, timeout: float) -> int:
-    """harness.run_process through the test zygote (``cmd`` is [python, script, *argv]): a
+    """harness.run_process through the test zygote (``cmd`` is [python, script, *argv] or
+    [python, -m, module, *argv]): a
     real new process that restores only from disk, forked from one that has imported torch,
     so that a check's many lives fit in the suite."""
     import unbroken.proof.harness as harness
 
-    assert cmd[0] == sys.executable and cmd[1].endswith(".py"), cmd
-    r = run_script(cmd[1], *cmd[2:], env=harness._clean_env(env), timeout=timeout)
+    assert cmd[0] == sys.executable and (cmd[1].endswith(".py") or cmd[1] == "-m"), cmd
+    script, argv = (cmd[2], cmd[3:]) if cmd[1] == "-m" else (cmd[1], cmd[2:])
+    r = run_script(script, *argv, env=harness._clean_env(env), timeout=timeout)
     with open(log, "a") as f:
         f.write(r.stdout + r.stderr)
     return r.returncode

@@ -7,9 +7,17 @@ from __future__ import annotations
 import json
 
 from unbroken.cli import main
+from unbroken.proof import demo
+
+from conftest import zygote_process
 
 
-def test_demo_proves_resume_and_attributes_every_defect(capsys, tmp_path):
+def test_demo_proves_resume_and_attributes_every_defect(capsys, tmp_path, monkeypatch):
+    # Its eight lives are forked from the test zygote, which has imported torch: each a new
+    # process that restores only from disk and is SIGKILLed as a whole group, without the
+    # ~3 s of an interpreter's start (the CLI on interpreters started from scratch is tested
+    # by test_check_cli.py, and `unbroken demo` itself is the README's first command).
+    monkeypatch.setattr(demo, "run_process", zygote_process)
     assert main(["demo", "--json", "--dir", str(tmp_path / "demo")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["killed_by_sigkill"]
