@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 
+from conftest import zygote_process
+
 from unbroken.cli import main
 from unbroken.proof import demo
-
-from conftest import zygote_process
 
 
 def test_demo_proves_resume_and_attributes_every_defect(capsys, tmp_path, monkeypatch):
