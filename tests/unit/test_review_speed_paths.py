@@ -68,6 +68,19 @@ class _Holder:
         self.loaded = sd
 
 
+def _extra_round_trip(tmp_path, state, async_save=False) -> _Holder:
+    """Save an extra whose state_dict() is ``state()``, restore it into a new one."""
+    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
+                               extras={"e": _Holder(state)}, async_save=async_save) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    back = _Holder(dict)
+    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
+                               extras={"e": back}) as ckpt:
+        ckpt.restore()
+    return back
+
+
 def _roundtrip(tree, shift: int = 0):
     """``tree`` through the codec and the safetensors bytes, decoded from a writable buffer
     ``shift`` bytes past a 64-byte boundary (as `LocalFS.read_file(aligned=True)` gives at 0)."""
@@ -131,15 +144,8 @@ def test_a_negated_view_is_not_taken_for_the_view_it_negates(tmp_path, async_sav
     # complex dtypes only. The second is taken as a tie of the first: both restore as `z.imag`,
     # the negated one silently loses its sign. Expected: each restores its own values.
     z = torch.randn(4, dtype=torch.complex64)
-    extra = _Holder(lambda: {"im": z.imag, "neg": z.conj().imag})
-    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
-                               extras={"e": extra}, async_save=async_save) as ckpt:
-        ckpt.step_done(1)
-        ckpt.save()
-    back = _Holder(dict)
-    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
-                               extras={"e": back}) as ckpt:
-        ckpt.restore()
+    back = _extra_round_trip(tmp_path, lambda: {"im": z.imag, "neg": z.conj().imag},
+                             async_save)
     assert torch.equal(back.loaded["im"], z.imag)
     assert torch.equal(back.loaded["neg"], -z.imag)
 
@@ -181,15 +187,7 @@ def test_an_extra_that_deep_copies_what_it_loads_gets_its_tensors_not_the_whole_
     # so a 16-byte tensor deep-copied costs a copy of every float32 of the file (1 MiB here).
     # Expected: the copy is the tensor's own bytes.
     big, small = torch.randn(1 << 18), torch.randn(4)
-    extra = _Holder(lambda: {"big": big, "small": small})
-    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
-                               extras={"e": extra}) as ckpt:
-        ckpt.step_done(1)
-        ckpt.save()
-    back = _Holder(dict)
-    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
-                               extras={"e": back}) as ckpt:
-        ckpt.restore()
+    back = _extra_round_trip(tmp_path, lambda: {"big": big, "small": small})
     kept = copy.deepcopy(back.loaded)["small"]
     assert torch.equal(kept, small)
     held = kept.untyped_storage().nbytes()
