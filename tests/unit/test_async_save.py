@@ -234,12 +234,14 @@ def test_a_snapshot_copies_tensor_dict_keys_and_keeps_attribute_buffers_apart():
 
 @pytest.mark.parametrize("mode", [True, "process"])
 def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path, mode):
+    # The save is paced (persist_share) at a share that would take it minutes: at exit it is
+    # released and committed at full speed (`_pacing.release_at_exit`).
     script = textwrap.dedent(f"""
         import torch, unbroken
         model = torch.nn.Linear(512, 512)
         opt = torch.optim.AdamW(model.parameters())
         ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, model=model, optimizer=opt,
-                                     async_save={mode!r})
+                                     async_save={mode!r}, persist_share=0.00001)
         model(torch.ones(512)).sum().backward()
         opt.step()
         ckpt.step_done(1)
