@@ -147,19 +147,25 @@ def build(root: Path, accumulation: int = ACCUMULATION, every: int | None = 2) -
                 ckpt=ckpt)
 
 
+def update(run: dict[str, Any], x: torch.Tensor, y: torch.Tensor) -> None:
+    """One batch of the accumulation window, through Accelerate."""
+    accelerator, model = run["accelerator"], run["model"]
+    with accelerator.accumulate(model):
+        accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
+        run["opt"].step()
+        run["sched"].step()
+        run["opt"].zero_grad()
+
+
 def train(run: dict[str, Any], until: int) -> dict[int, dict[str, torch.Tensor]]:
     """Train to update ``until`` (across epochs); the weights after each update."""
-    accelerator, model, opt, loader, sched, ckpt = (run[k] for k in (
-        "accelerator", "model", "opt", "loader", "sched", "ckpt"))
+    accelerator, model, loader, ckpt = (run[k] for k in (
+        "accelerator", "model", "loader", "ckpt"))
     step = ckpt.restore()
     weights = {}
     while step < until:
         for x, y in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+            update(run, x, y)
             assert accelerator.sync_gradients == loader.at_boundary
             if accelerator.sync_gradients:
                 step += 1
@@ -307,17 +313,12 @@ def test_an_evaluation_loop_that_breaks_out_early_does_not_shift_the_windows(tmp
     end Accelerate's window with the epoch, where unbroken's loader ends it, or step_done at
     Accelerate's next sync lands inside unbroken's window (UpdateBoundaryError)."""
     run = build(tmp_path / "run", every=None)
-    accelerator, model, opt, loader, sched, ckpt = (run[k] for k in (
-        "accelerator", "model", "opt", "loader", "sched", "ckpt"))
+    accelerator, loader, ckpt = (run[k] for k in ("accelerator", "loader", "ckpt"))
     evaluation = accelerator.prepare(torch.utils.data.DataLoader(Points(), batch_size=8))
     step, syncs = ckpt.restore(), []
     while loader.epoch < 2:
         for x, y in loader:
-            with accelerator.accumulate(model):
-                accelerator.backward(torch.nn.functional.cross_entropy(model(x), y))
-                opt.step()
-                sched.step()
-                opt.zero_grad()
+            update(run, x, y)
             syncs.append(accelerator.sync_gradients)
             assert accelerator.sync_gradients == loader.at_boundary, (step, len(syncs))
             if accelerator.sync_gradients:
