@@ -127,6 +127,7 @@ def _one_fault(run, nth, err, committed):
     if not committed:
         try:
             ckpt.save()
+            ckpt.wait()
         except SaveFailed as e:
             failed = e
         else:
@@ -145,6 +146,7 @@ def _one_fault(run, nth, err, committed):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             info = ckpt.save()  # committed: only retention's deletion failed
+            ckpt.wait()  # (retention follows the read-back, in the background)
         assert info is not None and info.generation == 3
         assert any(issubclass(w.category, UnbrokenWarning) and "retention" in str(w.message)
                    for w in caught), [str(w.message) for w in caught]
@@ -201,6 +203,7 @@ def test_a_full_disk_fails_every_save_until_space_returns(base):
     update(model, opt, 6)
     ckpt.step_done(6)
     assert ckpt.save() is not None
+    ckpt.wait()  # (retention follows the read-back, in the background)
     assert [g.generation for g in GenerationStore(base).scan() if g.ok] == [2, 6]
     ckpt.close()
 
@@ -212,7 +215,8 @@ def test_eio_on_read_back_moves_the_new_generation_aside(base):
     ckpt.step_done(3)
     ckpt.store.fs = FaultyFS(kind="read", err=errno.EIO, match="gen-000000003")
     with pytest.raises(SaveFailed, match="read back"):
-        ckpt.save()
+        ckpt.save()  # committed, then read back beside the loop: the verdict comes at wait()
+        ckpt.wait()
     assert [g.generation for g in GenerationStore(base).scan() if g.ok] == [1, 2]
     assert [n.split("-corrupt-")[0] for n in os.listdir(base / ASIDE)] == ["gen-000000003"]
     ckpt.store.fs = LocalFS()

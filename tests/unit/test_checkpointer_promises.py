@@ -63,6 +63,7 @@ def update(model, opt, ckpt, save=False, **metrics):
     ckpt.step_done(ckpt.step + 1)
     if save:
         ckpt.save(metrics=metrics)
+        ckpt.wait()  # read back and retention applied: what these promises are about
 
 
 def weights(model):
@@ -148,6 +149,7 @@ def test_the_generation_just_committed_is_never_deleted(tmp_path):
     update(model, opt, ckpt)
     with pytest.warns(UnbrokenWarning, match="retried at the next save"):
         ckpt.save()
+        ckpt.wait()  # (retention follows the read-back, in the background)
     saved = weights(model)
     assert gens(root) == ["gen-000000009", "gen-000000010"]
     ckpt.close()

@@ -302,6 +302,7 @@ def test_an_io_error_at_every_operation_of_a_save_loses_nothing(url):
         ckpt.store.lease.fs = faulty
         try:
             ckpt.save(9)
+            ckpt.wait()  # the read-back and retention, in the background, with the fault
             outcomes.add("saved")
         except (unbroken.SaveFailed, unbroken.CorruptCheckpoint, unbroken.StoreLocked) as e:
             outcomes.add(type(e).__name__)

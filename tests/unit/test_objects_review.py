@@ -270,6 +270,7 @@ def test_a_lease_lost_during_the_read_back_ends_the_save_with_a_typed_error(url)
     try:
         with pytest.raises(unbroken.UnbrokenError):
             ckpt.save(6)
+            ckpt.wait()  # (the read-back and retention follow the commit)
     finally:
         ckpt.store.verify = verify
         ckpt.close()

@@ -345,6 +345,7 @@ def test_retention_never_deletes_through_a_symlinked_generation(tmp_path):
     ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt, keep=unbroken.Keep(last=1))
     ckpt.step_done(1)
     ckpt.save()
+    ckpt.wait()  # read back before the test moves it
     os.rename(root / "gen-000000001", outside)
     (root / "gen-000000001").symlink_to(outside)  # an old "generation" leading outside
     before = sorted(p.name for p in outside.iterdir())
