@@ -111,7 +111,7 @@ class Unbroken:
     def files(self) -> str:
         return self.folder
 
-    def after_save(self) -> None:  # retention deletes the older generation inside save()
+    def after_save(self) -> None:  # retention deleted the older generation (see `_timed`)
         pass
 
     def before_load(self) -> None:  # a restore is a fresh Checkpointer's (built untimed)
@@ -130,8 +130,10 @@ class Unbroken:
             t = time.perf_counter()
             self.ckpt.save(self.step) if op == "save" else self.ckpt.restore()
             total = time.perf_counter() - t
+            inside = dict(pt.acc)
+            self.ckpt.wait()  # the read-back and retention beside the loop: phases, untimed
         ph = {k: pt.acc.get(k, 0.0) for k in PHASES[op]}
-        ph["other"] = total - sum(ph[k] for k in PHASES[op][:-2] if ":" not in k)
+        ph["other"] = total - sum(inside.get(k, 0.0) for k in PHASES[op][:-2] if ":" not in k)
         ph["collectives"] = sum(v for k, v in pt.acc.items() if k.endswith(":collectives"))
         self.phases[op].append({**ph, "total": total})
 
@@ -158,19 +160,15 @@ class Unbroken:
         self.ckpt.close()
 
 
-class UnbrokenLater(Unbroken):
-    """``Checkpointer(read_back="background")``: a save returns once committed and durable;
-    every rank's read-back and the retention run beside the loop (waited for, untimed,
-    before the next save)."""
+class UnbrokenSync(Unbroken):
+    """``Checkpointer(read_back="sync")``: a save returns after every rank's read-back and
+    the retention too."""
 
-    name = "unbroken-later"
+    name = "unbroken-sync"
 
     def _open(self) -> Any:
         return unbroken.Checkpointer(self.folder, model=self.model, optimizer=self.opt,
-                                     keep=unbroken.Keep(last=1), read_back="background")
-
-    def after_save(self) -> None:
-        self.ckpt.wait()
+                                     keep=unbroken.Keep(last=1), read_back="sync")
 
 
 class DCP:
@@ -221,7 +219,7 @@ def timed_case(case: dict[str, Any], cfg: dict[str, Any], world: int) -> dict[st
     model, opt, payload = build_state(case["layers"], case["width"], world)
     folder = os.path.join(cfg["root"], f"{case['name']}-w{world}")
     ub, dc = Unbroken(f"{folder}-unbroken", model, opt), DCP(f"{folder}-dcp", model, opt)
-    ms: list[Unbroken | DCP] = [ub, UnbrokenLater(f"{folder}-later", model, opt), dc]
+    ms: list[Unbroken | DCP] = [ub, UnbrokenSync(f"{folder}-sync", model, opt), dc]
     if rank == 0:
         sl.log(f"== {case['name']} at {world} ranks: {case['layers']} x "
                f"Linear({case['width']}), {payload / sl.MB:.0f} MB payload "
