@@ -68,15 +68,20 @@ class Checkpointer(Persisting, Restoring):
     (at most one in flight; its error is raised by the next save, ``wait()`` or ``close()``;
     ``close()`` waits). In a job, the background save talks to the other ranks over a gloo
     group of its own, whose collectives give up after ``async_timeout`` seconds.
-    ``async_save="process"`` (one process): the snapshot goes to shared memory and a
-    persisting process writes it, so a save survives the training process being killed
-    after ``save()`` returned (`persist.process`).
+    ``async_save="process"``: the snapshot goes to shared memory and a persisting process
+    writes it, so a save survives the training process being killed after ``save()``
+    returned (`persist.process`). In a job, every rank has one; they commit each generation
+    together through files in the run folder (`dist.filegroup`), waiting at most
+    ``async_timeout`` seconds for one another.
 
-    ``read_back="background"`` (synchronous saves): ``save()`` returns once the generation is
-    committed and durable; reading it back, verifying it and retention go on in the
-    background (``wait()`` blocks for them; a failure raises at the next save, ``wait()`` or
-    ``close()``; no older generation is deleted before the new one verified). In a job, the
-    saves then use a gloo group of their own, as async ones do (``async_timeout``).
+    ``read_back``, of a synchronous save: ``"background"`` (the default) returns from
+    ``save()`` once the generation is committed and durable (written, hashed, fsynced,
+    manifest last, renamed); reading it back from the device, verifying it and retention go
+    on in the background (``wait()`` blocks for them; a failure raises at the next save,
+    ``wait()`` or ``close()``; no older generation is deleted before the new one verified).
+    In a job, the saves then use a gloo group of their own, as async ones do
+    (``async_timeout``). ``"sync"``: ``save()`` returns only after all of that, with the
+    generation read back and retention applied (twice the I/O inside the call).
 
     ``persist_share`` (with a background save of any kind): the background work (writing,
     hashing, reading back) keeps its CPU time under that share of one core while the loop
@@ -110,7 +115,7 @@ class Checkpointer(Persisting, Restoring):
                  signals: Iterable[int] = (), stop_deadline: float | None = None,
                  stop_check_every: int = 1, process_group: Any = None,
                  async_save: bool | str = False, async_timeout: float = 600.0,
-                 incremental: bool = False, read_back: str = "sync",
+                 incremental: bool = False, read_back: str = "background",
                  storage_options: Mapping[str, Any] | None = None,
                  cache_dir: str | os.PathLike[str] | None = None,
                  next_step_fixture: bool = False, persist_share: float | None = None) -> None:
@@ -124,9 +129,6 @@ class Checkpointer(Persisting, Restoring):
         if async_save not in (False, True, "thread", "process"):
             raise ValueError(f"async_save={async_save!r}: False, True (or 'thread') or "
                              "'process'")
-        if async_save == "process" and self._group.active:
-            raise ValueError("async_save='process' persists the saves of one process; in a "
-                             "job of many ranks use async_save=True")
         if read_back not in ("sync", "background"):
             raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
         later = read_back == "background" and not async_save
@@ -134,9 +136,9 @@ class Checkpointer(Persisting, Restoring):
             raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
         if persist_share is not None:
             if not (async_save or later):
-                raise ValueError("persist_share paces the background part of a save; pass "
-                                 "async_save=True, async_save='process' or "
-                                 "read_back='background' with it")
+                raise ValueError("persist_share paces the background part of a save; "
+                                 "read_back='sync' leaves none (use read_back='background' "
+                                 "or an async save)")
             Pacer(persist_share)  # validates it
         self._persist_share = persist_share
         # An async save's collectives (a read-back later's too) run beside the training loop's:
@@ -205,9 +207,11 @@ class Checkpointer(Persisting, Restoring):
                           stacklevel=2)
         try:
             self._run, self._run_written, self._ambiguous = self._writer.agreed_run(self._group)
-            if self._process and self.store.locked:  # started early: it imports torch
-                self._persister = ProcessPersister(self.store)
-                self._persister.start()
+            if self._process:  # started early where it can: it imports torch
+                self._persister = ProcessPersister(self.store, self._group.leader,
+                                                   async_timeout)
+                if self.store.locked or not self._group.leader:  # (else at the first save)
+                    self._persister.start()
         except BaseException:
             self._writer.close()  # a Checkpointer that failed to open holds no lock
             raise
@@ -243,11 +247,13 @@ class Checkpointer(Persisting, Restoring):
                generation_config: Any = None) -> dict[str, Any]:
         """Inference export of the live model (`tools.export.export_model`): its weights in
         safetensors under their ``state_dict`` names, this run's identity (without data
-        paths) and lineage (run, step, and the generation when this step was saved); no
-        optimizer, data position or RNG. ``inputs``: fixed inputs whose outputs are recorded
-        now, for `unbroken.verify_export` after merging, casting or moving backends."""
+        paths) and lineage (run, step, and the generation when this step was saved: a save
+        in flight is waited for); no optimizer, data position or RNG. ``inputs``: fixed
+        inputs whose outputs are recorded now, for `unbroken.verify_export` after merging,
+        casting or moving backends."""
         from .tools.export import export_model  # the tools sit above the checkpointer
 
+        self.wait()  # a save of this step still in flight: the lineage names it once verified
         lineage: dict[str, Any] = {"run_id": self.run_id, "step": self.step}
         if self._last_saved == self.step:
             lineage["generation"] = self.step
@@ -328,11 +334,12 @@ class Checkpointer(Persisting, Restoring):
 
     def save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None
              ) -> GenerationInfo | None:
-        """Write generation ``step``, read it back, verify it, then apply retention; returns
-        it (with ``async_save``: snapshot the state and return None at once, the rest in the
-        background; ``wait()`` returns the generation). Saving the same step again is a no-op
-        when nothing changed since, and supersedes that generation when something did (an
-        end-of-epoch scheduler step).
+        """Write and commit generation ``step`` and return it, durable; reading it back,
+        verifying it and retention follow in the background (``read_back="sync"``: before
+        it returns; ``async_save``: snapshot the state and return None at once, all the rest
+        in the background). ``wait()`` returns the generation once verified. Saving the same
+        step again is a no-op when nothing changed since, and supersedes that generation when
+        something did (an end-of-epoch scheduler step).
 
         Without ``step`` (the count ``step_done`` reached), the call must come at an update
         boundary: if ``optimizer.step()`` ran or the data loader handed out a batch since the

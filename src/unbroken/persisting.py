@@ -11,7 +11,8 @@ from typing import Any
 
 from ._pacing import Pacer
 from ._progress import Progress
-from .dist.commit import check_replicas, commit_job
+from .dist.commit import check_replicas, commit_job, stage_job
+from .dist.filegroup import FileGroup, stage
 from .dist.group import Group
 from .errors import UnbrokenWarning
 from .persist.background import InFlight
@@ -140,17 +141,36 @@ class Persisting:
                    again: bool, started: float, plan: Plan | None) -> None:
         """``async_save="process"``: the snapshot into shared memory, and the rest of the
         save to the persisting process (`persist.process`), which finishes it even if this
-        process dies."""
-        if again and saved_unchanged(self.store, self._group, step, tree, values, plan):
+        process dies. In a job, the ranks check their replicas and the leader prepares and
+        stages here, together; then each rank's persisting process writes its own files and
+        they commit together (`dist.filegroup`)."""
+        group, persister = self._group, self._persister
+        assert persister is not None  # (made with the Checkpointer)
+        if again and saved_unchanged(self.store, group, step, tree, values, plan):
             return  # the same state saved twice
-        if self._persister is None:
-            self._persister = ProcessPersister(self.store)
-        persister = self._persister
-        encoded = encode_share(self._group, tree, stamps(step, self.incarnation, self.run_id),
-                               plan)
-        persister.submit({"step": step, "again": again, "keep": self.keep.to_json(),
-                          "share": self._persist_share,
-                          "manifest": self._manifest_fields(step, tree, values, 1)}, encoded)
+        request: dict[str, Any] = {
+            "step": step, "again": again, "keep": self.keep.to_json(),
+            "share": self._persist_share,
+            "manifest": self._manifest_fields(step, tree, values, group.size)}
+        if group.active:
+            check_replicas(self._save_group, replicated(tree))
+
+            def staged() -> str:
+                self._prepare_write(step, again)
+                return stage(self.store, step, again)
+
+            request["job"] = {"staging": stage_job(self._save_group, staged),
+                              "rank": group.rank, "size": group.size,
+                              "timeout": persister.timeout}
+        try:
+            encoded = encode_share(group, tree, stamps(step, self.incarnation, self.run_id),
+                                   plan)
+            persister.submit(request, encoded)
+        except BaseException as e:
+            if group.active:  # the other ranks' persisting processes stop waiting for this one
+                FileGroup(self.store.fs, request["job"]["staging"], step, group.rank,
+                          group.size, persister.timeout).close(e)
+            raise
         log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
                  persister.nbytes, time.monotonic() - started)
 

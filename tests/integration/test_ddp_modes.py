@@ -47,16 +47,17 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
                            tmp_path / "r.jsonl"], 10)
 
 
-def test_a_job_reading_back_later_killed_after_a_commit_resumes_from_it(reference, tmp_path):
-    """read_back="background" in a job: save() returns at the commit, every rank reads its
-    own files back beside the loop over a gloo group of its own. Killed after generation
-    15 was committed (its read-back not yet done), the job resumes from 15, bitwise."""
+def test_a_job_reading_back_in_save_killed_after_a_commit_resumes_from_it(reference, tmp_path):
+    """read_back="sync" in a job (the other job tests use the default, the read-back beside
+    the loop over a gloo group of the saves' own): save() returns after every rank read its
+    own files back. Killed after generation 15 was committed (its read-back not yet done),
+    the job resumes from 15, bitwise."""
     folder = tmp_path / "run"
-    killed = torchrun(2, folder, tmp_path / "k.jsonl", "--read-back-later",
+    killed = torchrun(2, folder, tmp_path / "k.jsonl", "--read-back-sync",
                       env={"UNBROKEN_KILL_AT": "after-rename@15"})
     assert_job_killed(killed)
     assert gens(folder)[-1] == "gen-000000015"
-    resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--read-back-later")
+    resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--read-back-sync")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 15)

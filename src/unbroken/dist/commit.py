@@ -12,7 +12,9 @@ check that comes before it.
 4. Every rank re-hashes its own files; a generation any rank cannot read back is moved aside.
 
 A rank's failure travels as ``{"type": ..., "message": ...}`` and is raised again, with the
-same `UnbrokenError` type, on every rank."""
+same `UnbrokenError` type, on every rank. With ``async_save="process"``, step 1 runs in the
+training processes and steps 2-4 in their persisting processes, whose collectives go through
+files (`dist.filegroup`)."""
 
 from __future__ import annotations
 
@@ -70,22 +72,41 @@ def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
                 "synchronised); refusing to save one copy for all")
 
 
-def commit_job(group: Group, store: GenerationStore, generation: int,
-               prepare: Callable[[], None], mine: Mapping[str, Source],
-               make_manifest: Callable[[list[Artifact]], Manifest], supersede: bool
-               ) -> GenerationInfo:
-    """Steps 1-3 of the module doc; returns the committed generation on every rank."""
+def stage_job(group: Group, stage: Callable[[], str]) -> str:
+    """Step 1 of the module doc: the leader prepares and creates the staging folder
+    (``stage``); its path on every rank, or its error raised on every rank."""
     plan: Any = None
     if group.leader:
         try:
-            prepare()
-            plan = {"staging": store.stage(generation, supersede)}
+            plan = {"staging": stage()}
         except (UnbrokenError, OSError) as e:
             plan = {"error": describe(e)}
     plan = group.broadcast(plan, "preparing the save")
     if "error" in plan:
         raise rebuild(plan["error"])
-    staging = plan["staging"]
+    return str(plan["staging"])
+
+
+def commit_job(group: Group, store: GenerationStore, generation: int,
+               prepare: Callable[[], None], mine: Mapping[str, Source],
+               make_manifest: Callable[[list[Artifact]], Manifest], supersede: bool
+               ) -> GenerationInfo:
+    """Steps 1-3 of the module doc; returns the committed generation on every rank."""
+    def stage() -> str:
+        prepare()
+        return store.stage(generation, supersede)
+
+    return commit_staged(group, store, generation, stage_job(group, stage), mine,
+                         make_manifest, supersede)
+
+
+def commit_staged(group: Group, store: GenerationStore, generation: int, staging: str,
+                  mine: Mapping[str, Source],
+                  make_manifest: Callable[[list[Artifact]], Manifest], supersede: bool
+                  ) -> GenerationInfo:
+    """Steps 2-3 of the module doc, into the ``staging`` folder of step 1 (`stage_job`);
+    returns the committed generation on every rank. (The persisting processes of a job run
+    them too, over `dist.filegroup`.)"""
     report: dict[str, Any] = {"artifacts": [], "error": None}
     try:
         report["artifacts"] = [asdict(a) for a in store.write_artifacts(staging, mine,

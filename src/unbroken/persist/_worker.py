@@ -1,11 +1,18 @@
-"""The persisting process (`persist.process`): ``python -m unbroken.persist._worker RUN FD``.
+"""The persisting process (`persist.process`): ``python -m unbroken.persist._worker RUN FD
+[--member]``.
 
-Takes the persister byte of the run's lock first (handed over by its writer) and says so;
-holds it for its whole life. Then, over the socket ``FD`` (`_wire`), one request per save:
-where the snapshot lies in the shared-memory segment (received as a descriptor when new) and
-the manifest's fields; it commits, reads back, applies retention and replies. At the end of
-its input (the writer said quit, or died) it ends: a save handed over before the writer died
-is finished first."""
+Takes the persister byte of the run's lock first (handed over by its writer) and says it is
+ready; holds it for its whole life. Then, over the socket ``FD`` (`_wire`), one request per
+save: where the snapshot lies in the shared-memory segment (received as a descriptor when
+new) and the manifest's fields; it commits, reads back, applies retention and replies. At the
+end of its input (the writer said quit, or died) it ends: a save handed over before the
+writer died is finished first.
+
+In a job of many ranks every rank has one. A request then names the save's staging folder,
+the rank and the job's size, and the persisting processes commit and read back together as
+the ranks of a job do, their collectives going through files (`dist.filegroup`); only the
+leader's holds the lock (a ``--member``, of any other rank, takes no byte of it: it writes
+only its own files into the leader's staging folder), moves aside and applies retention."""
 
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ from typing import Any
 from .._pacing import Pacer, installed
 from .._procs import PERSISTER_OF_ENV
 from .._progress import Progress
-from ..dist.commit import describe
-from ..dist.group import Group
+from ..dist.commit import commit_staged, describe
+from ..dist.filegroup import FileGroup
+from ..dist.group import Group, RankFailed
 from ..errors import SaveFailed, UnbrokenError
 from ..saving import read_back, save_failed
 from ..state.incremental import Linked
@@ -46,7 +54,8 @@ def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
             yield data
 
 
-def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap) -> dict[str, Any]:
+def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group
+          ) -> dict[str, Any]:
     """One save, paced by ``persist_share`` until the writer's loop waits for it (the writer
     then writes the request's number into the segment's first bytes, `hurried`) or the writer
     is gone (nothing left to protect; finished sooner, it is at risk for less time)."""
@@ -56,11 +65,12 @@ def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap) -> di
         float(share), time.process_time,
         lambda: hurried(shm) >= seq or os.getppid() != writer)
     with installed(pacer):
-        return _persist(store, request, shm)
+        return _persist(store, request, shm, group)
 
 
-def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap
+def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group
              ) -> dict[str, Any]:
+    """One save: alone, or as one rank of a job (``group``, a `FileGroup`)."""
     step = request["step"]
     view = memoryview(shm)
     artifacts: dict[str, Any] = {}
@@ -78,23 +88,40 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap
             return Manifest(artifacts=written, **fields)
 
         try:
-            info = store.commit(step, artifacts, make_manifest, supersede=request["again"])
+            if group.active:
+                info = commit_staged(group, store, step, request["job"]["staging"], artifacts,
+                                     make_manifest, request["again"])
+            else:
+                info = store.commit(step, artifacts, make_manifest, supersede=request["again"])
         except OSError as e:
             raise save_failed(store.root, step, e) from e
         linked = {n for n, c in artifacts.items() if isinstance(c, Linked) and c.linked}
     finally:
         artifacts.clear()
         view.release()
-    read_back(Group(), store, info, Progress("", 0), linked)
+    read_back(group, store, info, Progress("", 0), linked)
     keep = request["keep"]
     writer = RunWriter(store, Keep(keep["last"], keep["every"],
                                    tuple(keep["best"]) if keep["best"] else None,
-                                   keep["aside"]), take_lock=False)
+                                   keep["aside"]), leader=group.leader, take_lock=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         writer.retain(step)
     # (its mutating I/O so far: the crash torture spreads numbered I/O kills over it)
     return {"ok": True, "warnings": [str(w.message) for w in caught], "ops": io_count()}
+
+
+def _typed(store: GenerationStore, request: dict[str, Any], e: Exception) -> Exception:
+    """A save's failure as the writer raises it: typed, naming the generation."""
+    step = request.get("step")
+    if isinstance(e, RankFailed):  # (one of a job's persisting processes died or gave up)
+        return SaveFailed(f"{e}; generation {step} is not known to be committed and read "
+                          "back by every rank: older generations are untouched, and a restore "
+                          "verifies a generation before it uses it")
+    if isinstance(e, (UnbrokenError, OSError)):
+        return e
+    return SaveFailed(f"{store.root}: the persisting process failed on generation {step} "
+                      f"({type(e).__name__}: {e}); older generations are untouched")
 
 
 def _serve(store: GenerationStore, sock: socket.socket) -> None:
@@ -106,7 +133,13 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
             return  # the writer is gone (or said nothing more): nothing left to commit
         if request.get("quit"):
             return
+        job: FileGroup | None = None
+        error: Exception | None = None
         try:
+            if "job" in request:
+                j = request["job"]
+                job = FileGroup(store.fs, j["staging"], request["step"], j["rank"], j["size"],
+                                j["timeout"])
             if segment is None or segment[0] != request["segment"]:
                 fd = _wire.receive_fd(sock)
                 try:
@@ -114,13 +147,12 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
                         fd, request["segment_size"], access=mmap.ACCESS_READ))
                 finally:
                     os.close(fd)
-            reply = _save(store, request, segment[1])
+            reply = _save(store, request, segment[1], job or Group())
         except Exception as e:  # noqa: BLE001 -- handed to the writer, typed
-            if not isinstance(e, (UnbrokenError, OSError)):
-                e = SaveFailed(f"{store.root}: the persisting process failed on generation "
-                               f"{request.get('step')} ({type(e).__name__}: {e}); older "
-                               "generations are untouched")
-            reply = {"ok": False, **describe(e)}
+            error = _typed(store, request, e)
+            reply = {"ok": False, **describe(error)}
+        if job is not None:  # the other ranks' persisting processes stop waiting for this one
+            job.close(error)
         reply["seq"] = request.get("seq")
         try:
             _wire.send(sock, reply)
@@ -128,22 +160,26 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
             pass  # the writer is gone; the save was finished all the same
 
 
-def main(root: str, fd: int) -> None:
+def main(root: str, fd: int, takes_lock: bool) -> None:
     sock = socket.socket(fileno=fd)
     store = GenerationStore(root)
-    try:
-        held = take_persister(store.root)
-    except Exception as e:  # noqa: BLE001 -- the writer raises it at its next save
-        with contextlib.suppress(OSError):  # (unless it is gone already)
-            _wire.send(sock, {"ok": False, **describe(e)})
-        return
+    held = None
+    if takes_lock:
+        try:
+            held = take_persister(store.root)
+        except Exception as e:  # noqa: BLE001 -- the writer raises it at its next save
+            with contextlib.suppress(OSError):  # (unless it is gone already)
+                _wire.send(sock, {"ok": False, **describe(e)})
+            return
     if str(os.getppid()) != os.environ.get(PERSISTER_OF_ENV):
-        os.close(held)  # the writer died before handing anything over
+        if held is not None:
+            os.close(held)  # the writer died before handing anything over
         return
-    store.adopt_lock(held)
+    if held is not None:
+        store.adopt_lock(held)
     try:
         try:
-            _wire.send(sock, {"locked": os.getpid()})
+            _wire.send(sock, {"ready": os.getpid()})
         except OSError:
             return  # the writer closed before its first save: nothing to commit
         _serve(store, sock)
@@ -152,4 +188,4 @@ def main(root: str, fd: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] != ["--member"])

@@ -13,7 +13,12 @@ hands of a process that holds the run. The two talk in JSON messages over a Unix
 (``memfd``) allocated in full up front (a full ``/dev/shm`` or memory limit is a `SaveFailed`,
 never a SIGBUS) and passed to the persisting process as a descriptor: it is freed when both
 processes have let go of it, whichever dies, and never named in a folder another job sees.
-It is reused from one save to the next (at most one save is in flight)."""
+It is reused from one save to the next (at most one save is in flight).
+
+In a job of many ranks every rank has a persisting process of its own, and they commit each
+generation together through files (`dist.filegroup`); only the leader's takes the persister
+byte (the other ranks hold no lock: they write their own files into the leader's staging
+folder)."""
 
 from __future__ import annotations
 
@@ -49,12 +54,18 @@ def hurried(segment: mmap.mmap) -> int:
 class ProcessPersister:
     """The persisting process of one writer (see module doc)."""
 
-    def __init__(self, store: GenerationStore) -> None:
+    def __init__(self, store: GenerationStore, takes_lock: bool = True,
+                 timeout: float = 600.0) -> None:
+        """``takes_lock``: the persisting process holds the run's persister byte (one
+        process, or the leader of a job). ``timeout``: how long the persisting processes of a
+        job wait for one another (``async_timeout``)."""
         self._store = store
+        self._takes_lock = takes_lock
+        self.timeout = timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._handed_over = False  # the persister byte went to a persisting process
-        self._locked = False  # the running persisting process said it holds it
+        self._running = False  # the running persisting process said it is ready
         self._seq = 0
         self._shm: mmap.mmap | None = None
         self._shm_fd: int | None = None
@@ -77,7 +88,7 @@ class ProcessPersister:
             self._start()
 
     def _start(self) -> None:
-        if not self._handed_over:  # the first one: the persister byte goes to it
+        if self._takes_lock and not self._handed_over:  # the first: the byte goes to it
             self._store.hand_over()
             self._handed_over = True
         self._disconnect()
@@ -86,30 +97,31 @@ class ProcessPersister:
             env = {**os.environ, PERSISTER_OF_ENV: str(os.getpid()), "UNBROKEN_PROGRESS": "0"}
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "unbroken.persist._worker", self._store.root,
-                 str(theirs.fileno())], pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                 str(theirs.fileno()), *([] if self._takes_lock else ["--member"])],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                 env=env, start_new_session=True)
         except BaseException:
             mine.close()
             raise
         finally:
             theirs.close()
-        self._sock, self._locked, self._shm_sent = mine, False, False
+        self._sock, self._running, self._shm_sent = mine, False, False
 
     def _ready(self) -> socket.socket:
-        """The socket of a persisting process that holds the run (started again if it
-        died since the last save)."""
+        """The socket of a persisting process that is ready (holding the run, where it takes
+        the lock), started again if it died since the last save."""
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._sock is not None
-        if not self._locked:  # it imports torch first: seconds, never minutes
+        if not self._running:  # it imports torch first: seconds, never minutes
             self._sock.settimeout(_HANDSHAKE_S)
             try:
                 said = _wire.receive(self._sock)
             finally:
                 self._sock.settimeout(None)
-            if "locked" not in said:
+            if "ready" not in said:
                 raise rebuild(said) if "type" in said else SaveFailed(str(said)[:200])
-            self._locked = True
+            self._running = True
         return self._sock
 
     def _segment(self, size: int) -> mmap.mmap:

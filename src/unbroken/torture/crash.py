@@ -399,6 +399,7 @@ def _retention_first() -> Callable[[], None]:
     original = getattr(Checkpointer, name)
 
     def save(self: Checkpointer, *args: Any, **kw: Any) -> Any:
+        self.wait()  # (the previous save's read-back and retention, in the background)
         for g in [g for g in self.store.scan() if g.ok][:-1]:
             self.store.delete(g)
         return original(self, *args, **kw)
