@@ -410,10 +410,10 @@ def test_read_back_in_the_background_returns_at_commit_and_retains_after_verifyi
 
 
 def test_a_failed_background_read_back_raises_later_and_keeps_the_older_generation(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, caplog):
     model, opt = net()
     ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
-                                 keep=unbroken.Keep(last=1), read_back="background")
+                                 keep=unbroken.Keep(last=1))  # (the default read-back)
     train(model, opt, ckpt, 0, 1)
     ckpt.save()
     ckpt.wait()
@@ -424,6 +424,10 @@ def test_a_failed_background_read_back_raises_later_and_keeps_the_older_generati
     monkeypatch.setattr(GenerationStore, "verify", corrupt)
     train(model, opt, ckpt, 1, 2)
     assert ckpt.save().generation == 2
+    deadline = time.monotonic() + 30
+    while not any("save of step 2 failed" in r.getMessage() for r in caplog.records):
+        assert time.monotonic() < deadline, "the failure was not logged when it happened"
+        time.sleep(0.01)  # said at once, not only at the next save (a script may never save)
     with pytest.raises(SaveFailed, match="did not read back as written"):
         train(model, opt, ckpt, 2, 3)
         ckpt.save()

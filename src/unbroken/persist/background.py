@@ -6,11 +6,14 @@ A save with a `Pacer` (``persist_share``) is paced until the loop waits for it."
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from .._pacing import Pacer, installed, release_at_exit
+
+log = logging.getLogger("unbroken")
 
 
 class InFlight:
@@ -40,6 +43,9 @@ class InFlight:
                 self._result = self._fn()
         except BaseException as e:  # noqa: BLE001 -- handed to the training thread
             self._error = e
+            # said now too: a script that never saves, waits or closes again would not hear it
+            log.error("the background part of the save of step %d failed: %s (raised at the "
+                      "next save, wait() or close())", self.step, e)
         finally:
             self._ended.set()
 
