@@ -22,9 +22,13 @@ def background_group(process_group: Any, timeout: float) -> Group:
     """A gloo group over the ranks of ``process_group`` (default: all), for collectives that
     run beside the training loop's (an async save): collective; every rank calls it at the
     same point."""
-    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    return Group(dist.new_group(ranks=ranks, backend="gloo",
-                                timeout=datetime.timedelta(seconds=timeout)))
+    if process_group is None:
+        return Group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
+    # A subgroup's ranks alone make it (others may be making their own subgroup's at the same
+    # point: a group of every rank's would pair them up wrongly), named by its ranks.
+    return Group(dist.new_group(ranks=dist.get_process_group_ranks(process_group),
+                                backend="gloo", timeout=datetime.timedelta(seconds=timeout),
+                                use_local_synchronization=True))
 
 
 class RankFailed(UnbrokenError):
@@ -40,6 +44,9 @@ class Group:
         self.pg = process_group
         self.rank = dist.get_rank(process_group) if self.active else 0
         self.size = dist.get_world_size(process_group) if self.active else 1
+        # torch names a broadcast's source by its rank in the world, not in the group
+        self._leader_rank = (dist.get_global_rank(process_group, 0)
+                             if self.active and process_group is not None else 0)
         # NCCL moves CUDA tensors only: the payloads go through this rank's current device.
         self.device = torch.device("cpu")
         if self.active and dist.get_backend(process_group) == "nccl":
@@ -79,11 +86,11 @@ class Group:
             return value
         data = json.dumps(value).encode() if self.leader else b""
         size = torch.tensor([len(data)], device=self.device)
-        self._call(what, dist.broadcast, size, 0)
+        self._call(what, dist.broadcast, size, self._leader_rank)
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
                if self.leader else self._zeros(int(size.item()), torch.uint8))
         if buf.numel():
-            self._call(what, dist.broadcast, buf, 0)
+            self._call(what, dist.broadcast, buf, self._leader_rank)
         return json.loads(bytes(buf.cpu().numpy()).decode())
 
     def max_int(self, value: int, what: str) -> int:
