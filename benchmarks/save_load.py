@@ -553,8 +553,11 @@ class Unbroken(Method):
         self.ckpt = unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
                                           keep=unbroken.Keep(last=1), **self.options)
         self.step = 0
+        # a timed save's phase timer, until `settle` waited for its background part
+        self._saving: tuple[contextlib.ExitStack, PhaseTimer, float, dict[str, float]] | None \
+            = None
 
-    def before_save(self) -> None:  # retention removed the previous generation (wait() in save)
+    def before_save(self) -> None:  # retention removed the previous generation (see settle)
         pass
 
     def save(self) -> None:
@@ -562,20 +565,27 @@ class Unbroken(Method):
         pt = PhaseTimer()
         c, st = self.ckpt, self.ckpt.store
         self.step += 1
-        with contextlib.ExitStack() as es:
-            # after commit, the read-back reads through scan_one and read_verified (or verify)
-            for obj, name, key in ((S, "capture", "capture"), (S, "encode_generation", "encode"),
-                                   (st, "commit", "commit"), (st, "scan_one", "verify"),
-                                   (st, "read_verified", "verify"), (st, "verify", "verify"),
-                                   (c._writer, "apply_retention", "retention")):
-                es.enter_context(pt.patch(obj, name, key))  # a renamed function fails here
-            for name in ("write", "fsync", "readv"):
-                es.enter_context(pt.patch(os, name, name + "()", syscall=True))
-            t = time.perf_counter()
-            c.save(self.step)
-            total = time.perf_counter() - t
-            inside = dict(pt.acc)
-            c.wait()  # the read-back and retention beside the loop: timed as phases only
+        es = contextlib.ExitStack()
+        # after commit, the read-back reads through scan_one and read_verified (or verify)
+        for obj, name, key in ((S, "capture", "capture"), (S, "encode_generation", "encode"),
+                               (st, "commit", "commit"), (st, "scan_one", "verify"),
+                               (st, "read_verified", "verify"), (st, "verify", "verify"),
+                               (c._writer, "apply_retention", "retention")):
+            es.enter_context(pt.patch(obj, name, key))  # a renamed function fails here
+        for name in ("write", "fsync", "readv"):
+            es.enter_context(pt.patch(os, name, name + "()", syscall=True))
+        t = time.perf_counter()
+        c.save(self.step)
+        self._saving = (es, pt, time.perf_counter() - t, dict(pt.acc))
+
+    def settle(self) -> None:
+        """Untimed: the read-back and retention beside the loop (phases of the save)."""
+        if self._saving is None:
+            return
+        es, pt, total, inside = self._saving
+        self._saving = None
+        with es:
+            self.ckpt.wait()
         a = pt.acc
         ph = {k: a.get(k, 0.0) for k in ("capture", "encode", "commit")}
         ph["  write()"] = a.get("commit:write()", 0.0)

@@ -139,7 +139,6 @@ def _write_half(fd: int, view: memoryview) -> None:
 
 
 _DIRECT_MIN = 8 << 20  # smaller files are written through the page cache (cheaper there)
-_LARGE_PIECE = 32 << 20  # a large file is hashed in pieces of this size (see hash_file)
 
 
 def _head(chunks: Iterator[memoryview | bytes]) -> tuple[list[memoryview | bytes], bool]:
@@ -251,9 +250,7 @@ class LocalFS:
         """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through two
         small buffers (no copy of the file is held; `_readahead`). ``drop_cache`` first evicts the
         file's pages (clean once fsynced) so that the bytes come from the disk, not from the
-        page cache that the write just filled. A file of 128 MiB or more is read in pieces of
-        32 MiB: cold 1 GiB read 1.56 GB/s so against 1.40 GB/s in pieces of 8 MiB (medians of
-        6, interleaved, on this project's VM; 16 and 64 MiB fared worse than 32)."""
+        page cache that the write just filled."""
         self._op(READ, path)
         fd, st = _open_regular(path, limit)
         try:
@@ -263,8 +260,7 @@ class LocalFS:
             size = 0
             if st.st_size > chunk:  # read ahead while hashing
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                for piece in read_ahead(fd, _LARGE_PIECE if st.st_size >= 4 * _LARGE_PIECE
-                                        else chunk):
+                for piece in read_ahead(fd, chunk):
                     h.update(piece)
                     size += len(piece)
                     tick()
