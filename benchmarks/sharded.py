@@ -101,6 +101,7 @@ class Unbroken:
     def __init__(self, folder: str, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         self.folder, self.model, self.opt, self.step = folder, model, opt, 0
         self.phases: dict[str, list[dict[str, float]]] = {"save": [], "load": []}
+        self._pending: Any = None  # (op, patches, timer, seconds, phases so far): `_record`
         self.ckpt = self._open()
         self.ckpt.restore()  # an empty folder: step 0, and saving into the folder is allowed
 
@@ -111,8 +112,8 @@ class Unbroken:
     def files(self) -> str:
         return self.folder
 
-    def after_save(self) -> None:  # retention deleted the older generation (see `_timed`)
-        pass
+    def after_save(self) -> None:  # untimed: the read-back and retention beside the loop
+        self._record()
 
     def before_load(self) -> None:  # a restore is a fresh Checkpointer's (built untimed)
         self.ckpt.close()
@@ -123,15 +124,22 @@ class Unbroken:
         labelled ``phase:key`` by the phase they are called from, see
         `save_load.PhaseTimer`); a function the code no longer has is not timed."""
         pt = sl.PhaseTimer()
-        with contextlib.ExitStack() as es:
-            for obj, fn, key, inner in [*patches, (Group, "_call", "collectives", True)]:
-                if hasattr(obj, fn):
-                    es.enter_context(pt.patch(obj, fn, key, syscall=inner))
-            t = time.perf_counter()
-            self.ckpt.save(self.step) if op == "save" else self.ckpt.restore()
-            total = time.perf_counter() - t
-            inside = dict(pt.acc)
-            self.ckpt.wait()  # the read-back and retention beside the loop: phases, untimed
+        es = contextlib.ExitStack()
+        for obj, fn, key, inner in [*patches, (Group, "_call", "collectives", True)]:
+            if hasattr(obj, fn):
+                es.enter_context(pt.patch(obj, fn, key, syscall=inner))
+        t = time.perf_counter()
+        self.ckpt.save(self.step) if op == "save" else self.ckpt.restore()
+        self._pending = (op, es, pt, time.perf_counter() - t, dict(pt.acc))
+        if op == "load":
+            self._record()
+
+    def _record(self) -> None:
+        """The phases of the last save or restore, once its background part (a save's
+        read-back and retention beside the loop) ended: waited for here, untimed."""
+        op, es, pt, total, inside = self._pending
+        with es:
+            self.ckpt.wait()
         ph = {k: pt.acc.get(k, 0.0) for k in PHASES[op]}
         ph["other"] = total - sum(inside.get(k, 0.0) for k in PHASES[op][:-2] if ":" not in k)
         ph["collectives"] = sum(v for k, v in pt.acc.items() if k.endswith(":collectives"))
