@@ -1,6 +1,7 @@
 """What an async save costs a training loop: unbroken (Checkpointer(async_save=True): a
 background thread; async_save="process": a persisting process) against torch DCP's async_save,
-on a CPU compute loop with a fixed amount of work per step.
+on a CPU compute loop with a fixed amount of work per step. Mode ``unbroken`` is the default
+synchronous save: blocked until committed and durable, its read-back beside the loop.
 
 The loop trains a stack of Linear layers with AdamW (forward, backward, optimizer step on the
 same batch every step: fixed work) and saves every N steps. For each save it measures:
@@ -41,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import save_load as sl  # noqa: E402  (helpers: machine facts, scratch folder, IQR)
 
-MODES = ("none", "unbroken-async", "unbroken-process", "unbroken-async-paced",
+MODES = ("none", "unbroken", "unbroken-async", "unbroken-process", "unbroken-async-paced",
          "unbroken-process-paced", "dcp-async")
 DEFAULT_MODES = ("none", "unbroken-async", "unbroken-process", "dcp-async")
 
@@ -328,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     step = 0
     try:
         info = sl.machine_info(root)
+        if "unbroken" in modes:  # the default save: its read-back and retention beside
+            savers["unbroken"] = UnbrokenSaver(os.path.join(root, "unbroken-sync"), model, opt,
+                                               False)
         if "unbroken-async" in modes:
             savers["unbroken-async"] = UnbrokenSaver(os.path.join(root, "unbroken"), model, opt)
         if "unbroken-process" in modes:  # the snapshot in shared memory, a persisting process
