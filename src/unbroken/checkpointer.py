@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import warnings
@@ -132,8 +133,8 @@ class Checkpointer(Persisting, Restoring):
         if read_back not in ("sync", "background"):
             raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
         later = read_back == "background" and not async_save
-        if (async_save or later) and not async_timeout > 0:
-            raise ValueError(f"async_timeout={async_timeout!r}: seconds > 0")
+        if (async_save or later) and not 0 < async_timeout < math.inf:
+            raise ValueError(f"async_timeout={async_timeout!r}: a finite number of seconds > 0")
         if persist_share is not None:
             if not (async_save or later):
                 raise ValueError("persist_share paces the background part of a save; "
@@ -393,11 +394,17 @@ class Checkpointer(Persisting, Restoring):
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
         close the trace, after waiting for an async save in flight (its error is raised once
         everything is released). In a job, every rank waits for the others here (the leader
-        may still be applying retention), so the job can tear down its process group safely."""
+        may still be applying retention), so the job can tear down its process group safely.
+        Interrupted (Ctrl-C) while a save is still in flight, it releases nothing: the save
+        keeps the lock it needs, and ``close()`` again finishes it."""
         try:
             self.wait()
-        finally:
+        except BaseException:
+            if self._in_flight is not None:
+                raise
             self._release()
+            raise
+        self._release()
 
     def _release(self) -> None:
         if self._group.active:

@@ -14,7 +14,7 @@ from ._progress import Progress
 from .dist.commit import check_replicas, commit_job, stage_job
 from .dist.filegroup import FileGroup, stage
 from .dist.group import Group
-from .errors import UnbrokenWarning
+from .errors import SaveFailed, UnbrokenWarning
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
 from .restoring import gc_paused
@@ -75,10 +75,10 @@ class Persisting:
             return None
         try:
             info: GenerationInfo | None = in_flight.wait()
-        except BaseException:
-            if in_flight.done:  # the save's own error, reported once
+        except BaseException as e:
+            if in_flight.raised(e):  # the save's own error, reported once
                 self._in_flight = None
-            raise  # else interrupted (Ctrl-C): the save is still in flight, and still owned
+            raise  # else interrupted (Ctrl-C, even as the save ended): still owned
         self._in_flight = None
         if info is not None and self._trace is not None:
             self._trace.saved(in_flight.step)
@@ -162,20 +162,32 @@ class Persisting:
             request["job"] = {"staging": stage_job(self._save_group, staged),
                               "rank": group.rank, "size": group.size,
                               "timeout": persister.timeout}
+
+        def give_up(e: BaseException) -> None:
+            """This rank's persisting process will post nothing more for this save: say so in
+            its place, so the others' stop waiting for it now, not at the timeout."""
+            if group.active:
+                FileGroup(self.store.fs, request["job"]["staging"], step, group.rank,
+                          group.size, persister.timeout).close(e)
+
         try:
             encoded = encode_share(group, tree, stamps(step, self.incarnation, self.run_id),
                                    plan)
             persister.submit(request, encoded)
         except BaseException as e:
-            if group.active:  # the other ranks' persisting processes stop waiting for this one
-                FileGroup(self.store.fs, request["job"]["staging"], step, group.rank,
-                          group.size, persister.timeout).close(e)
+            give_up(e)
             raise
         log.info("snapshot of step %d (%d bytes) in %.3f s; persisting in process", step,
                  persister.nbytes, time.monotonic() - started)
 
         def collect() -> GenerationInfo:
-            for message in persister.result()["warnings"]:
+            try:
+                reply = persister.result()
+            except SaveFailed as e:
+                if persister.died:  # (one that replied posted its own done)
+                    give_up(e)
+                raise
+            for message in reply["warnings"]:
                 warnings.warn(message, UnbrokenWarning, stacklevel=2)
             info = self.store.scan_one(step)
             self._committed(step, info, plan)

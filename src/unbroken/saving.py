@@ -12,10 +12,10 @@ from typing import Any
 import xxhash
 
 from ._progress import Progress
-from .dist.commit import own_names, rank_prefix, verify_own
+from .dist.commit import describe, own_names, rank_prefix, rebuild, verify_own
 from .dist.group import Group
 from .dist.sharded import encode_shards, split
-from .errors import CorruptCheckpoint, SaveFailed
+from .errors import CorruptCheckpoint, SaveFailed, UnbrokenError
 from .inputs import same_number
 from .state import parts as S
 from .state.codec import encode_tree
@@ -40,14 +40,25 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     tree, shards = split(tree)
     if not group.active:
         out = S.encode_generation(tree, meta, plan=plan)
-    else:
+        if shards:
+            out.update(encode_shards(group, shards, meta))
+        return out
+    # The shared parts are encoded by the leader alone, so only it may refuse one: every rank
+    # still takes part in the collectives below and all raise its error together (else the
+    # others would wait in them for a leader that left).
+    out, failure = {}, None
+    try:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
         out = S.encode_generation(shared, meta, plan=plan) if group.leader else {}
         out.update(S.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
                                        prefix=rank_prefix(group.rank)))
-    if shards or group.active:  # collective in a job: every rank takes part
-        out.update(encode_shards(group, shards, meta))
+    except UnbrokenError as e:
+        failure = describe(e)
+    out.update(encode_shards(group, shards, meta))
+    for rank, failed in enumerate(group.all_gather(failure, "encoding the generation")):
+        if failed:
+            raise rebuild(failed, rank)
     return out
 
 
@@ -123,6 +134,8 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     m = info.manifest
     same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
                                              for k, v in values.items())
+    if group.active:  # every rank or none goes on to the encoding below: it is collective
+        same = all(group.all_gather(same, "comparing with the saved generation"))
     if same and plan is not None:  # its layout came from the generation before it
         same = not group.active and _same_state(store, info, tree, plan)
     elif same:

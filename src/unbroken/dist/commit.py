@@ -47,7 +47,8 @@ def describe(e: BaseException) -> dict[str, str]:
     if isinstance(e, OSError) and not isinstance(e, UnbrokenError):
         return {"type": "SaveFailed", "message": f"{errno_text(e)} ({e.filename or 'run folder'})"}
     name = type(e).__name__ if type(e).__name__ in _TYPES else "UnbrokenError"
-    return {"type": name, "message": str(e)}
+    # (an interrupt has no message: its type is what the other ranks must be told)
+    return {"type": name, "message": str(e) or type(e).__name__}
 
 
 def rebuild(failure: Mapping[str, str], rank: int | None = None) -> UnbrokenError:

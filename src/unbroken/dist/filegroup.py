@@ -17,8 +17,11 @@ removes. The leader's training process creates it with the staging folder (`stag
   waiting for a collective that finds the missing rank's ``done`` fails at once, naming it.
 
 Every wait gives up after ``timeout`` seconds (`RankFailed`, naming the silent ranks and the
-generation), and at once when the job folder is gone (the leader gave up on the save). The
-leader removes the job folder once every other rank that took part is done with it."""
+generation), at once when the job folder is gone (the leader gave up on the save), and at
+once, naming the file, when a post cannot be read as one (a symlink, a FIFO, torn JSON: not
+written by a persisting process). A rank whose persisting process died is posted ``done``
+for by its training process when it learns of it (`persisting`). The leader removes the
+job folder once every other rank that took part is done with it."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UnbrokenError
 from ..store.backends.local import LocalFS
 from ..store.generations import GenerationStore
 from ..store.lock import errno_text
@@ -39,7 +43,10 @@ from .group import Group, RankFailed
 
 JOB_SUFFIX = ".job"
 _MAX_POST = 64 << 20  # a post names a rank's files: far below this
-_POLL = 0.005  # seconds between looks at the folder while waiting (an open per rank)
+# Seconds between looks at the folder while waiting (an open per missing rank): from the
+# first, growing to the last, so that a long wait (the leader writing a large model) does
+# not keep a shared filesystem's metadata server busy on behalf of every rank.
+_POLL, _POLL_MAX = 0.005, 0.1
 _GONE = "the job folder is gone: the leader's persisting process gave up on this save"
 
 
@@ -128,27 +135,44 @@ class FileGroup(Group):
                    f"it could not post to the job folder ({errno_text(e)})")
             raise RankFailed(f"{self._where(what)}: {why}") from None
 
-    def _look(self, names: dict[int, str]) -> dict[int, dict[str, Any]]:
-        """The posts ``names`` (by rank) that are there now."""
+    def _look(self, names: dict[int, str], what: str) -> dict[int, dict[str, Any]]:
+        """The posts ``names`` (by rank) that are there now; `RankFailed` for one that is
+        not what a persisting process posts (its rank is not waited for again)."""
         found = {}
         for r, name in names.items():
             path = os.path.join(self.folder, f"{name}.json")
+            key = "error" if name.startswith("done.") else "value"
             try:
                 value = json.loads(bytes(self._fs.read_file(path, _MAX_POST)))
+                why = _misshapen(value, key)
             except FileNotFoundError:
                 continue
-            if not isinstance(value, dict):
-                raise ValueError(f"{path}: not a JSON object")
+            except (OSError, ValueError, UnbrokenError) as e:  # (a symlink, FIFO, torn JSON)
+                why = errno_text(e) if isinstance(e, OSError) else str(e)
+            if why is not None:
+                self._absent.add(r)
+                raise RankFailed(
+                    f"{self._where(what)}: {path}: rank {r}'s post cannot be read: expected a "
+                    f"JSON object with {key!r}, written whole by its persisting process; "
+                    f"{why}. Something else wrote in the job folder or the disk is failing: "
+                    "this save is abandoned, check the run folder's storage")
             found[r] = value
         return found
 
     def _poll(self, names: dict[int, str], deadline: float) -> None:
-        """Wait until the posts ``names`` are all there, the deadline passed or the job
-        folder is gone."""
+        """Wait until the posts ``names`` are all there (or unreadable), the deadline passed
+        or the job folder is gone."""
+        pause = _POLL
         while names and time.monotonic() < deadline and os.path.isdir(self.folder):
-            found = self._look(names)
-            names = {r: n for r, n in names.items() if r not in found}
-            time.sleep(_POLL if names else 0)
+            for r, name in list(names.items()):
+                try:
+                    if self._look({r: name}, "finishing"):
+                        del names[r]
+                except RankFailed:
+                    del names[r]  # (an unreadable post: no point waiting for it)
+            if names:
+                time.sleep(pause)
+                pause = min(_POLL_MAX, pause * 1.5)
 
     def _await(self, name: str, ranks: Iterable[int], what: str) -> dict[int, Any]:
         """The value every rank of ``ranks`` posted as collective ``name``; `RankFailed`
@@ -157,18 +181,20 @@ class FileGroup(Group):
         waiting = {r: f"{name}.{_rank(r)}" for r in ranks}
         deadline = time.monotonic() + self.timeout
         got: dict[int, dict[str, Any]] = {}
+        pause = _POLL
         while True:
-            got.update(self._look({r: n for r, n in waiting.items() if r not in got}))
+            got.update(self._look({r: n for r, n in waiting.items() if r not in got}, what))
             missing = [r for r in waiting if r not in got]
             if not missing:
                 return {r: x["value"] for r, x in got.items()}
-            left = self._look({r: f"done.{_rank(r)}" for r in missing})
+            left = self._look({r: f"done.{_rank(r)}" for r in missing}, what)
             if left:  # (a rank posts its part before its done: look again, now)
-                got.update(self._look({r: waiting[r] for r in left}))
+                got.update(self._look({r: waiting[r] for r in left}, what))
                 left = {r: x for r, x in left.items() if r not in got}
             if left or time.monotonic() > deadline or not os.path.isdir(self.folder):
                 break
-            time.sleep(_POLL)
+            time.sleep(pause)
+            pause = min(_POLL_MAX, pause * 1.5)
         missing = [r for r in waiting if r not in got]
         if not missing:
             return {r: x["value"] for r, x in got.items()}
@@ -183,6 +209,19 @@ class FileGroup(Group):
                    "process died or is stuck, or a training process never handed this save "
                    "over)")
         raise RankFailed(f"{self._where(what)}: {why}")
+
+
+def _misshapen(value: Any, key: str) -> str | None:
+    """What is wrong with a post whose ``key`` is expected (None: nothing); a ``done``'s
+    error is null or ``{"type": ..., "message": ...}``."""
+    if not isinstance(value, dict) or key not in value:
+        return f"found {type(value).__name__}" + (
+            f" with keys {sorted(value)[:5]}" if isinstance(value, dict) else "")
+    error = value[key] if key == "error" else None
+    if error is not None and not (isinstance(error, dict)
+                                  and isinstance(error.get("message"), str)):
+        return f"found the error {str(error)[:100]!r}"
+    return None
 
 
 def _rank(r: int) -> str:

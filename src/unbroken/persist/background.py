@@ -61,6 +61,11 @@ class InFlight:
     def done(self) -> bool:
         return self._ended.is_set()
 
+    def raised(self, e: BaseException) -> bool:
+        """Whether ``e``, raised by `wait`, is the save's own error (not an interrupt of the
+        wait, which may come as the save ends)."""
+        return self.done and e is self._error
+
     def wait(self) -> Any:
         """Block until the save ended; its result, or raise its error. An interrupt (Ctrl-C)
         while waiting leaves the save in flight, to be waited for again."""

@@ -73,6 +73,7 @@ class ProcessPersister:
         self._shm_sent = False  # the running persisting process has the segment
         self.nbytes = 0  # bytes copied by the last snapshot
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
+        self.died = False  # the persisting process ended before replying to the last save
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
@@ -191,8 +192,10 @@ class ProcessPersister:
         self._shm_sent = True
 
     def result(self) -> dict[str, Any]:
-        """Block until the save handed over ended; its reply, or raise its error."""
+        """Block until the save handed over ended; its reply, or raise its error (``died``
+        tells whether the persisting process ended without replying)."""
         assert self._sock is not None and self._proc is not None
+        self.died = False
         try:
             while True:
                 reply = _wire.receive(self._sock)
@@ -200,6 +203,7 @@ class ProcessPersister:
                     break
         except (OSError, _wire.Closed, ValueError) as e:
             code = self._proc.wait()
+            self.died = True
             raise self._fail(f"it ended with exit code {code} before the save was committed",
                              e) from None
         if not reply.get("ok"):
