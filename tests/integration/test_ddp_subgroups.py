@@ -42,6 +42,7 @@ def test_two_jobs_on_subgroups_of_one_world_save_and_restore_their_own(tmp_path)
                 p.communicate()
     assert [(o["rank"], o["job"], o["restored"], o["same"]) for o in outs] == [
         (0, 0, 3, True), (1, 0, 3, True), (2, 1, 3, True), (3, 1, 3, True)]
+    assert all("is not one of its ranks" in o["outside"] for o in outs), outs
     for job in (0, 1):
         assert sorted(p.name for p in (tmp_path / f"job{job}").iterdir()
                       if p.name.startswith("gen-")) == ["gen-000000003"]  # retention ran

@@ -324,7 +324,7 @@ def test_a_paced_persisting_process_killed_mid_save_fails_typed_at_wait(tmp_path
         time.sleep(0.2)
         ckpt._persister._proc.kill()
         started = time.monotonic()
-        with pytest.raises(SaveFailed, match="before the save was committed"):
+        with pytest.raises(SaveFailed, match="before it replied"):
             ckpt.wait()
         assert time.monotonic() - started < 1.0
     assert not [g for g in GenerationStore(tmp_path / "run").scan() if g.ok]

@@ -39,8 +39,11 @@ class Group:
     """The job's ranks (``process_group``: default, the initialized default group)."""
 
     def __init__(self, process_group: Any = None) -> None:
-        self.active = dist.is_available() and dist.is_initialized() and (
-            dist.get_world_size(process_group) > 1)
+        joined = dist.is_available() and dist.is_initialized()
+        if joined and process_group is not None and dist.get_rank(process_group) < 0:
+            raise ValueError(f"process_group: this rank (rank {dist.get_rank()} of the world) is "
+                             "not one of its ranks; pass the subgroup this rank belongs to")
+        self.active = joined and dist.get_world_size(process_group) > 1
         self.pg = process_group
         self.rank = dist.get_rank(process_group) if self.active else 0
         self.size = dist.get_world_size(process_group) if self.active else 1

@@ -204,7 +204,8 @@ class ProcessPersister:
         except (OSError, _wire.Closed, ValueError) as e:
             code = self._proc.wait()
             self.died = True
-            raise self._fail(f"it ended with exit code {code} before the save was committed",
+            raise self._fail(f"it ended with exit code {code} before it replied (the "
+                             "generation may be committed or not: a restore verifies it)",
                              e) from None
         if not reply.get("ok"):
             raise rebuild(reply)

@@ -2,8 +2,8 @@
 model and save it with a Checkpointer over their own subgroup (``process_group=``), as the
 stages of a pipeline or the replicas of a hybrid-sharded job do. Run with RANK / WORLD_SIZE /
 MASTER_ADDR / MASTER_PORT set; ``--mode`` is the Checkpointer's save mode. Each rank resumes
-in a second Checkpointer and prints one JSON line: the step it restored and whether its state
-equals the one it saved."""
+in a second Checkpointer and prints one JSON line: the step it restored, whether its state
+equals the one it saved, and what a Checkpointer on the other job's subgroup said."""
 
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ def main() -> None:
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
     folder = os.path.join(args.folder, f"job{job}")
+    try:  # the other job's subgroup: this rank is not in it
+        unbroken.Checkpointer(folder, model=model, process_group=groups[1 - job])
+        outside = "accepted"
+    except ValueError as e:
+        outside = str(e)
     with unbroken.Checkpointer(folder, model=model, optimizer=opt, process_group=mine,
                                keep=unbroken.Keep(last=1), async_timeout=30,
                                **options) as ckpt:
@@ -56,7 +61,8 @@ def main() -> None:
                                async_timeout=30, **options) as again:
         step = again.restore()
     same = all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
-    print(json.dumps({"rank": rank, "job": job, "restored": step, "same": same}), flush=True)
+    print(json.dumps({"rank": rank, "job": job, "restored": step, "same": same,
+                      "outside": outside}), flush=True)
     dist.destroy_process_group()
 
 
