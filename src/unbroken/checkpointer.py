@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import fixture
 from ._pacing import Pacer
 from .boundary import Preemption, UpdateWatch
-from .dist.group import Group, RankFailed, background_group
+from .dist.group import Group, background_group
 from .errors import (
     ReadOnlyRun,
     UnbrokenWarning,
@@ -389,39 +389,3 @@ class Checkpointer(Persisting, Restoring):
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
                                                                started, plan), self._pacer())
         return None
-
-    def close(self) -> None:
-        """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
-        close the trace, after waiting for an async save in flight (its error is raised once
-        everything is released). In a job, every rank waits for the others here (the leader
-        may still be applying retention), so the job can tear down its process group safely.
-        Interrupted (Ctrl-C) while a save is still in flight, it releases nothing: the save
-        keeps the lock it needs, and ``close()`` again finishes it."""
-        try:
-            self.wait()
-        except BaseException:
-            if self._in_flight is not None:
-                raise
-            self._release()
-            raise
-        self._release()
-
-    def _release(self) -> None:
-        if self._group.active:
-            try:
-                self._group.all_gather(None, "closing")
-            except RankFailed:
-                pass  # a rank already gone: nothing left to wait for
-        if self._persister is not None:
-            self._persister.close()
-        self._writer.close()
-        self._watch.close()
-        self._preemption.close()
-        if self._trace is not None:
-            self._trace.close()
-
-    def __enter__(self) -> Checkpointer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -1,19 +1,21 @@
 """The saving half of the Checkpointer: persisting a generation (in the training thread, in
 a background thread from a snapshot, or in a persisting process from shared memory), waiting
-for one in flight, and what a committed generation changes for the next save."""
+for one in flight, what a committed generation changes for the next save, and closing (the
+save in flight first, then what the Checkpointer holds)."""
 
 from __future__ import annotations
 
 import logging
 import time
 import warnings
-from typing import Any
+from typing import Any, Self
 
 from ._pacing import Pacer
 from ._progress import Progress
+from .boundary import Preemption, UpdateWatch
 from .dist.commit import check_replicas, commit_job, stage_job
 from .dist.filegroup import FileGroup, stage
-from .dist.group import Group
+from .dist.group import Group, RankFailed
 from .errors import SaveFailed, UnbrokenWarning
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
@@ -61,6 +63,8 @@ class Persisting:
     _read_back_later: bool
     _persist_share: float | None
     _trace: TraceRecorder | None
+    _watch: UpdateWatch
+    _preemption: Preemption
 
     @property
     def run_id(self) -> str:
@@ -227,3 +231,39 @@ class Persisting:
         self._run_written = True
 
     # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
+        close the trace, after waiting for an async save in flight (its error is raised once
+        everything is released). In a job, every rank waits for the others here (the leader
+        may still be applying retention), so the job can tear down its process group safely.
+        Interrupted (Ctrl-C) while a save is still in flight, it releases nothing: the save
+        keeps the lock it needs, and ``close()`` again finishes it."""
+        try:
+            self.wait()
+        except BaseException:
+            if self._in_flight is not None:
+                raise
+            self._release()
+            raise
+        self._release()
+
+    def _release(self) -> None:
+        if self._group.active:
+            try:
+                self._group.all_gather(None, "closing")
+            except RankFailed:
+                pass  # a rank already gone: nothing left to wait for
+        if self._persister is not None:
+            self._persister.close()
+        self._writer.close()
+        self._watch.close()
+        self._preemption.close()
+        if self._trace is not None:
+            self._trace.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
