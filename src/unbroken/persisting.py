@@ -137,7 +137,8 @@ class Persisting:
         if self._read_back_later and self._in_flight is None:
             # committed and durable; the read-back and retention go on beside the loop, and
             # retention still waits for the read-back (the next save waits for both)
-            self._in_flight = InFlight(step, gc_paused(verify_and_retain), self._pacer())
+            # (not gc_paused: it re-hashes files, and the loop runs beside it for seconds)
+            self._in_flight = InFlight(step, verify_and_retain, self._pacer())
             return info
         return verify_and_retain()
 

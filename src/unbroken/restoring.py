@@ -36,6 +36,7 @@ log = logging.getLogger("unbroken")
 
 _gc_lock = threading.Lock()
 _gc_holders = 0  # saves and restores under way, in any thread
+_gc_local = threading.local()  # this thread's share of them (``n``)
 _gc_was_enabled = False
 
 
@@ -58,15 +59,33 @@ def gc_paused(fn: Any) -> Any:
                 _gc_was_enabled = gc.isenabled()
                 gc.disable()
             _gc_holders += 1
+        _gc_local.n = getattr(_gc_local, "n", 0) + 1
         try:
             return fn(*args, **kwargs)
         finally:
+            _gc_local.n -= 1
             with _gc_lock:
                 _gc_holders -= 1
                 if _gc_holders == 0 and _gc_was_enabled:
                     gc.enable()
 
     return wrapper
+
+
+def _gc_after_fork() -> None:
+    """(In a child just forked.) Only the forking thread lives on: a save persisting in
+    another one (a DataLoader worker forked during a background read-back or async save)
+    never ends here, so the holders are the forking thread's alone, and the collector comes
+    back when there are none. The lock is made anew: a thread that held it at the fork is
+    gone."""
+    global _gc_lock, _gc_holders
+    _gc_lock = threading.Lock()
+    held, _gc_holders = _gc_holders, getattr(_gc_local, "n", 0)
+    if held and not _gc_holders and _gc_was_enabled:
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_gc_after_fork)
 
 
 class Restoring:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import os
 import random
 import sys
@@ -64,6 +65,8 @@ from ._transformers_state import TrainerProgress, trainer_config
 
 __all__ = ["TrainerProgress", "UnbrokenCallback", "UnsupportedSetup", "attach",
            "trainer_config"]
+
+log = logging.getLogger("unbroken")
 
 TESTED = "5.24"
 PART = "trainer"  # the extras name of the Trainer's own state in a generation
@@ -137,9 +140,19 @@ class UnbrokenCallback(TrainerCallback):
                 "folder and warm-start from it); to start over, use a new run folder")
         bound.arguments["resume_from_checkpoint"] = None  # no Trainer checkpoint is read
         try:
-            return self._orig["train"](*bound.args, **bound.kwargs)
-        finally:
-            self._close()  # also when training raised: release the run folder's lock
+            result = self._orig["train"](*bound.args, **bound.kwargs)
+        except BaseException as e:
+            # Release the run folder's lock all the same. The training's exception is the one
+            # raised: an error of the save in flight (its read-back) would replace it; it was
+            # logged when it happened, and again here.
+            try:
+                self._close()
+            except Exception as closing:  # noqa: BLE001 -- the training's exception wins
+                log.error("after %s: closing the Checkpointer failed too: %s",
+                          type(e).__name__, closing)
+            raise
+        self._close()
+        return result
 
     def _get_train_dataloader(self) -> ResumableLoader:
         t = self.trainer
