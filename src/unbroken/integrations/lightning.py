@@ -50,7 +50,6 @@ EarlyStopping should monitor a validation metric or a per-step one), and what
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -64,11 +63,10 @@ from ..checkpointer import Checkpointer
 from ..data.loader import ResumableLoader
 from ..errors import StateMismatch, UnbrokenError, UnsupportedSetup, UpdateBoundaryError
 from ..trace import TRACE_ENV
+from ._closing import close_after
 from ._lightning_loops import _LoopState
 
 __all__ = ["LOOPS", "UnbrokenCallback", "UnsupportedSetup"]
-
-log = logging.getLogger("unbroken")
 
 LOOPS = "lightning"  # the extras part that holds Lightning's loop counters
 _OWN = ("model", "optimizer", "scheduler", "scaler", "data")  # Checkpointer arguments we fill
@@ -283,11 +281,7 @@ class UnbrokenCallback(pl.Callback):
         (its read-back), raised here, would replace it and skip the rest of Lightning's
         handling (``strategy.on_exception``, the loggers' finalize, ``trainer._teardown()``);
         it is logged instead (`Checkpointer.close` has released the folder either way)."""
-        try:
-            self._close()
-        except Exception as e:  # noqa: BLE001 -- the training's exception is raised instead
-            log.error("after %s: closing the Checkpointer failed too: %s",
-                      type(exception).__name__, e)
+        close_after(exception, self._close)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Release the run folder if ``fit`` ended without ``on_train_end``."""

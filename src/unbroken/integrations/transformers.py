@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import os
 import random
 import sys
@@ -60,13 +59,12 @@ from ..checkpointer import Checkpointer
 from ..data import ResumableLoader, ResumableSampler, SeededDataset, seeded
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedSetup
 from ..state.identity import Identity
+from ._closing import close_after
 from ._transformers_checks import _refuse_private_rng, _sampling
 from ._transformers_state import TrainerProgress, trainer_config
 
 __all__ = ["TrainerProgress", "UnbrokenCallback", "UnsupportedSetup", "attach",
            "trainer_config"]
-
-log = logging.getLogger("unbroken")
 
 TESTED = "5.24"
 PART = "trainer"  # the extras name of the Trainer's own state in a generation
@@ -142,14 +140,7 @@ class UnbrokenCallback(TrainerCallback):
         try:
             result = self._orig["train"](*bound.args, **bound.kwargs)
         except BaseException as e:
-            # Release the run folder's lock all the same. The training's exception is the one
-            # raised: an error of the save in flight (its read-back) would replace it; it was
-            # logged when it happened, and again here.
-            try:
-                self._close()
-            except Exception as closing:  # noqa: BLE001 -- the training's exception wins
-                log.error("after %s: closing the Checkpointer failed too: %s",
-                          type(e).__name__, closing)
+            close_after(e, self._close)  # the run folder's lock is released all the same
             raise
         self._close()
         return result
