@@ -379,10 +379,7 @@ class Checkpointer(Persisting, Restoring):
             self._hand_over(step, tree, values, again, started, plan)
             return None
         if not self._async:
-            info = self._persist(step, tree, values, again, started, plan)
-            if info is not None and self._trace is not None and self._in_flight is None:
-                self._trace.saved(step)  # (else at wait(), once read back)
-            return info
+            return self._persist(step, tree, values, again, started, plan)
         tree = self._buffers.take(tree)  # nothing the loop does from here on changes it
         log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "
                  "background", step, self._buffers.nbytes, time.monotonic() - started)

@@ -84,8 +84,6 @@ class Persisting:
                 self._in_flight = None
             raise  # else interrupted (Ctrl-C, even as the save ended): still owned
         self._in_flight = None
-        if info is not None and self._trace is not None:
-            self._trace.saved(in_flight.step)
         return info
 
     @gc_paused
@@ -129,6 +127,8 @@ class Persisting:
             read_back(group, self.store, info, progress, plan.linked if plan else ())
             self._committed(step, info, plan)
             self._writer.retain(step)
+            if self._trace is not None:
+                self._trace.saved(step)
             log.info("saved %s (%d bytes) in %.3f s", info.path,
                      info.manifest.total_bytes if info.manifest else 0,
                      time.monotonic() - started)
@@ -196,6 +196,8 @@ class Persisting:
                 warnings.warn(message, UnbrokenWarning, stacklevel=2)
             info = self.store.scan_one(step)
             self._committed(step, info, plan)
+            if self._trace is not None:
+                self._trace.saved(step)
             return info
 
         self._in_flight = InFlight(step, collect,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from typing import IO, Any
 
@@ -49,6 +50,8 @@ class Tracer:
         directory = os.path.dirname(self.path)
         if directory:
             os.makedirs(directory, exist_ok=True)
+        # (A save's record is written by the thread that verified it, beside the loop's.)
+        self._lock = threading.Lock()
         self._file: IO[str] | None = open(self.path, "a", encoding="utf-8")
         # A writer killed mid-line left a torn record: start ours on a line of its own.
         if self._file.tell() > 0:
@@ -58,14 +61,17 @@ class Tracer:
                     self._file.write("\n")
 
     def write(self, record: Mapping[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._file.flush()
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file is not None:
+                self._file.write(line)
+                self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -145,6 +151,8 @@ class TraceRecorder:
                          "rejected": rejected, **self.digests()})
 
     def saved(self, step: int) -> None:
+        """Generation ``step`` committed and read back (written once it is verified: by the
+        thread that verified it, after the updates the loop did meanwhile)."""
         self._out.write({"event": "save", "step": step})
 
     def stopped(self, step: int, signal_name: str) -> None:

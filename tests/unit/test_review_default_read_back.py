@@ -14,6 +14,7 @@ import torch
 import unbroken
 import unbroken.persisting
 from unbroken.errors import SaveFailed
+from unbroken.trace import read_trace
 
 
 def _net() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -92,3 +93,25 @@ def test_transformers_train_raises_the_training_error_not_the_read_back(tmp_path
             trainer.train()
     assert any("read back" in r.getMessage() for r in caplog.records)  # said, not lost
     unbroken.Checkpointer(tmp_path / "run", model=model).close()  # lock released
+
+
+@pytest.mark.parametrize("options", [{}, {"read_back": "sync"}, {"async_save": True}])
+def test_the_trace_records_each_save_once_when_it_is_verified_even_without_close(tmp_path,
+                                                                                   options):
+    # The save record used to be written at the next save, wait() or close(): a script
+    # ending without close() never recorded its last generation.
+    model, opt = _net()
+    trace = tmp_path / "trace.jsonl"
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, trace=trace,
+                                 **options)
+    for step in (1, 2, 3):
+        ckpt.step_done(step)
+        ckpt.save()
+    for _ in range(200):  # the last read-back ends beside the loop, not waited for
+        saves = [r["step"] for r in read_trace(trace) if r["event"] == "save"]
+        if saves == [1, 2, 3]:
+            break
+        threading.Event().wait(0.05)
+    assert saves == [1, 2, 3]
+    ckpt.close()  # nothing recorded twice
+    assert [r["step"] for r in read_trace(trace) if r["event"] == "save"] == [1, 2, 3]

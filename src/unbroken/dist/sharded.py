@@ -68,18 +68,21 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         return dict(tree), shards  # no DTensor can exist (see is_sharded)
     plain = torch.Tensor  # (a plain tensor is no DTensor: one check for most leaves)
 
-    def walk(node: Any, path: list[Any]) -> Any:
+    def walk(node: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
         """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own
         type: an OrderedDict keeps its ``_metadata``, a Counter stays a Counter) without
         them."""
-        if not isinstance(node, Mapping):
-            return node
         out: Any = None
         for k, v in node.items():
             if type(v) is plain:
                 continue
-            inner = None if isinstance(v, dtensor) else walk(v, [*path, k])
-            if inner is v:
+            if isinstance(v, dtensor):
+                inner = None
+            elif isinstance(v, Mapping):
+                inner = walk(v, (*path, k))
+                if inner is v:
+                    continue
+            else:
                 continue
             if out is None:
                 out = copy.copy(node)
@@ -90,7 +93,8 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                 out[k] = inner
         return node if out is None else out
 
-    rest = {part: walk(value, [part]) for part, value in tree.items()}
+    rest = {part: walk(value, (part,)) if isinstance(value, Mapping) else value
+            for part, value in tree.items()}
     return rest, shards
 
 

@@ -23,6 +23,8 @@ from .tensorfile import ST_DTYPES
 TAG = "$t"
 MAX_DEPTH = 200
 _INLINE_BYTES = 4096  # ``bytes`` values this large go to the tensor file, not into JSON
+_STRIDED = torch.strided
+_BIG_INT = 1 << 1024  # JSON text of ints is refused past 4300 digits: larger ones go as hex
 
 
 
@@ -37,7 +39,6 @@ _DTYPE_NAMES = (
 _DTYPES: dict[str, torch.dtype] = {
     n: d for n in _DTYPE_NAMES if isinstance(d := getattr(torch, n, None), torch.dtype)}
 _DTYPE_NAME_OF = {d: n for n, d in _DTYPES.items()}
-_COMPLEX = frozenset(d for d in _DTYPES.values() if d.is_complex)
 
 
 def _dtype_name(dtype: torch.dtype, path: str = "") -> str:
@@ -103,10 +104,11 @@ def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
 class ViewMemo:
     """Values by tensor view (`view_ident`): the same view met twice (tied weights: two
     state_dict entries of one parameter) finds the first one's value. Kept by address first:
-    two views of one address are rare, and `view_ident` costs four more torch calls."""
+    two views of one address are rare, and `view_ident` costs four more torch calls. (One
+    entry per address is a ``(tensor, value)`` pair; a list only for the rare second view.)"""
 
     def __init__(self) -> None:
-        self._at: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._at: dict[int, Any] = {}
 
     def find(self, t: torch.Tensor) -> tuple[int, Any]:
         """(the key to `add` ``t`` under, the value stored for its view or None). A tensor
@@ -116,14 +118,23 @@ class ViewMemo:
         except (RuntimeError, NotImplementedError):
             ptr = 0
         key = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
-        for other, value in self._at.get(key, ()):
+        held = self._at.get(key)
+        if held is None:
+            return key, None
+        for other, value in held if type(held) is list else (held,):
             if other is t or (ptr and view_ident(other) == view_ident(t)):
                 return key, value
         return key, None
 
     def add(self, key: int, t: torch.Tensor, value: Any) -> None:
         """Remember ``value`` for ``t``'s view (``key`` from `find`)."""
-        self._at.setdefault(key, []).append((t, value))
+        held = self._at.get(key)
+        if held is None:
+            self._at[key] = (t, value)
+        elif type(held) is list:
+            held.append((t, value))
+        else:
+            self._at[key] = [held, (t, value)]
 
 
 class _Encoder:
@@ -134,31 +145,39 @@ class _Encoder:
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
         # repeated, and the checks that only rare tensors fail run only for those.)
-        if t.layout != torch.strided:
+        if t.layout is not _STRIDED:
             raise UnsupportedValue(
                 f"{path}: tensor with layout {t.layout} cannot be stored; convert it to a dense "
                 "tensor (e.g. .to_dense()) in state_dict()")
-        if t.is_neg() or t.dtype in _COMPLEX and t.is_conj():
-            # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
-            # own values; raw copies of its memory would drop the sign
-            t = t.resolve_conj().resolve_neg()
-        # The same view referenced twice (tied weights) is stored once and decoded as one object.
+        # The same view referenced twice (tied weights) is stored once and decoded as one
+        # object; a lazy view is found as itself (`view_ident` keeps its bits), before it is
+        # resolved into a new tensor.
         key_of_view, same = self._views.find(t)
         if same is not None:
             return same
         data = t.detach() if t.requires_grad else t
+        if data.is_neg() or data.is_conj():
+            # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
+            # own values; raw copies of its memory would drop the sign
+            data = data.resolve_conj().resolve_neg()
         if not data.is_cpu:
             if data.is_meta:
                 raise UnsupportedValue(f"{path}: a meta tensor holds no data to store; "
                                        "materialize it (e.g. .to_empty()) before saving")
             data = data.cpu()
-        key = self._key(path)
+        tensors = self.tensors
+        # (`_key`'s common case inline)
+        key = (path if path.isascii() and path not in tensors and path != "__metadata__"
+               else self._key(path))
         ref: dict[str, Any] = {TAG: "tensor", "key": key}
         if data.dtype not in ST_DTYPES:  # (quantized dtypes are refused by _dtype_name)
             ref["dtype"] = _dtype_name(data.dtype, path)
             ref["shape"] = list(data.shape)
-            data = data.contiguous().reshape(-1).view(torch.uint8)
-        self.tensors[key] = data
+            flat = data.contiguous().reshape(-1)
+            if flat.numel() <= 1:  # (dimensions of size 0 or 1 keep any stride: bytes need 1)
+                flat = flat.clone(memory_format=torch.contiguous_format)
+            data = flat.view(torch.uint8)
+        tensors[key] = data
         self._views.add(key_of_view, t, ref)
         return ref
 
@@ -194,7 +213,7 @@ class _Encoder:
             return obj
         if t is int:
             # JSON text of ints past 4300 digits is refused by Python; hex has no such limit.
-            return obj if abs(obj) < 1 << 1024 else {TAG: "int", "v": hex(obj)}
+            return obj if -_BIG_INT < obj < _BIG_INT else {TAG: "int", "v": hex(obj)}
         if t is float:
             return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
         if isinstance(obj, torch.Tensor):
@@ -207,18 +226,19 @@ class _Encoder:
             return {TAG: "tuple", "v": [self.encode(v, f"{path}.{i}", depth + 1)
                                         for i, v in enumerate(obj)]}
         if t in _MAPPINGS:
-            def child(k: Any) -> str:
-                return f"{path}.{k}" if path else str(k)
-
+            # (State dicts hold thousands of entries: a plain tensor leaf skips a level of
+            # calls, and so does a plain int key, the optimizer's per-parameter state.)
+            dot = f"{path}." if path else ""
             leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
-            if t is dict and all(type(k) is str for k in obj) and TAG not in obj:
-                # (a plain tensor leaf skips a level of calls: state dicts hold thousands)
-                return {k: self.tensor(v, child(k)) if leaf and type(v) is torch.Tensor
-                        else self.encode(v, child(k), depth + 1) for k, v in obj.items()}
+            tensor, encode, plain = self.tensor, self.encode, torch.Tensor
+            if t is dict and TAG not in obj and all(type(k) is str for k in obj):
+                return {k: tensor(v, dot + k) if leaf and type(v) is plain
+                        else encode(v, dot + k, depth + 1) for k, v in obj.items()}
             return {TAG: _MAPPINGS[t], "v": [
-                [k if type(k) is str else self.encode(k, child("<key>"), depth + 1),
-                 self.tensor(v, child(k)) if leaf and type(v) is torch.Tensor
-                 else self.encode(v, child(k), depth + 1)] for k, v in obj.items()]}
+                [k if type(k) is str or type(k) is int and -_BIG_INT < k < _BIG_INT
+                 else encode(k, f"{dot}<key>", depth + 1),
+                 tensor(v, f"{dot}{k}") if leaf and type(v) is plain
+                 else encode(v, f"{dot}{k}", depth + 1)] for k, v in obj.items()]}
         if t is bytes:
             if len(obj) >= _INLINE_BYTES:
                 return self.raw("bytes", np.frombuffer(obj, dtype=np.uint8), path)
@@ -253,6 +273,7 @@ def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tenso
 def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str = "state") -> Any:
     """Rebuild the tree from its skeleton; ``where`` names the file in error messages."""
     cache: dict[str, torch.Tensor] = {}
+    get = tensors.get
 
     def dec(obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -263,7 +284,21 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
             return obj
         tag = obj.get(TAG)
         if tag is None:
-            return {k: dec(v, depth + 1) for k, v in obj.items()}
+            if depth >= MAX_DEPTH:  # (its children fail the depth check)
+                return {k: dec(v, depth + 1) for k, v in obj.items()}
+            out = {}
+            for k, v in obj.items():
+                # (the common leaf, a tensor's first reference, without a call: state dicts
+                # hold thousands)
+                if type(v) is dict and len(v) == 2 and v.get(TAG) == "tensor":
+                    key = v.get("key")
+                    if type(key) is str and key not in cache:
+                        t = get(key)
+                        if t is not None:
+                            out[k] = cache[key] = t
+                            continue
+                out[k] = dec(v, depth + 1)
+            return out
         if tag == "tensor" and len(obj) == 2:  # (the common leaf, without a call per key)
             key = obj.get("key")
             if type(key) is str and key in tensors and key not in cache:
@@ -352,7 +387,9 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
             raise ValueError(f"torch.Size dimensions {dims!r:.60}")
         return torch.Size(dims)
     if tag in _MAPPING_TYPES:
-        items = {dec(k, depth + 1): dec(v, depth + 1) for k, v in obj["v"]}
+        # (keys stored plain, str and int, are returned as they are without a call)
+        items = {k if type(k) is int or type(k) is str else dec(k, depth + 1):
+                 dec(v, depth + 1) for k, v in obj["v"]}
         return items if tag == "dict" else _MAPPING_TYPES[tag](items)
     if tag == "bytes":
         return bytes(_raw_bytes(obj, tensors))

@@ -182,7 +182,9 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     only one name, and loading that one fills both."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
-    live = model.state_dict()
+    # (keep_vars: the parameters themselves, not a detached view of each; only read here)
+    live = (model.state_dict(keep_vars=True)
+            if type(model).state_dict is torch.nn.Module.state_dict else model.state_dict())
     missing = [k for k in live if k not in saved]
     if missing:
         try:
@@ -246,6 +248,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
+        if mapped is None:  # (nothing views a file: every value is adopted as it is)
+            state[by_id[i]] = dict(values)
+            continue
         live = optimizer.state.get(by_id[i], {})
         state[by_id[i]] = {k: _owned(live.get(k), v, mapped) for k, v in values.items()}
     groups = []

@@ -159,6 +159,8 @@ class Copier(Protocol):
 
     def holds(self, t: torch.Tensor) -> bool: ...
 
+    def maps(self) -> bool: ...
+
     def release(self, t: torch.Tensor) -> None: ...
 
     def finish(self) -> None: ...
@@ -174,6 +176,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
     too large to copy, go last. With ``mapped``, the model's and optimizer's saved tensors
     are views into mapped files: each is copied into the live tensor (or a new one) by
     ``mapped.copy``; none is kept."""
+    if mapped is not None and not mapped.maps():
+        mapped = None  # (no file was mapped: the copies need none of its bookkeeping)
     big = (OPTIMIZER, MODEL)
     order = sorted((p for p in parts if p not in big),
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
@@ -240,11 +244,12 @@ def _copy_into(model: Any, saved: Mapping[str, torch.Tensor],
     """``model.load_state_dict(saved)`` for a model of `_plain_modules`, whose keys, shapes
     and dtypes `validate_model` already checked (``mapped.copy`` when given)."""
     with torch.no_grad():
+        if mapped is None:  # (one call for all: a Python loop of copy_ costs ~1 us a tensor)
+            pairs = model.state_dict(keep_vars=True)
+            torch._foreach_copy_(list(pairs.values()), [saved[name] for name in pairs])
+            return
         for name, live in model.state_dict(keep_vars=True).items():
-            if mapped is None:
-                live.copy_(saved[name])
-            else:
-                mapped.copy(saved[name], live)
+            mapped.copy(saved[name], live)
 
 
 # -- a generation's files ---------------------------------------------------------------------
@@ -285,7 +290,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             elif tensors:
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
-                    tensors, {**meta, "unbroken.part": part})
+                    tensors, {**meta, "unbroken.part": part}, prepared=True)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}

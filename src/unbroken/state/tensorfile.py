@@ -31,7 +31,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
-_ORDER = operator.itemgetter(0, 1, 2)  # (unaligned, -element size, key): keys are unique
+_ORDER = operator.itemgetter(0, 1)  # (unaligned, smaller elements, key): keys are unique
 _json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
 # The NumPy dtype a tensor of each safetensors dtype is read through (same item size; torch
 # views it as its own dtype where NumPy has none).
@@ -46,28 +46,34 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, str] | None = None,
-                       data_hash_key: str | None = None) -> list[memoryview]:
+                       data_hash_key: str | None = None, prepared: bool = False
+                       ) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
-    (a single file that carries its own checksum)."""
+    (a single file that carries its own checksum). ``prepared``: the tensors are detached,
+    on the CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
+    them (only their contiguity is still checked)."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
-    # size first, which keeps every tensor aligned to its element size.
+    # size first, which keeps every tensor aligned to its element size; then by key (the same
+    # tensors give the same bytes in any order).
     # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
     # are read once, with the cheapest torch call that gives each.)
     items = []
     for key, t in tensors.items():
-        if t.requires_grad:
-            t = t.detach()
-        if not t.is_cpu:
-            t = t.cpu()
+        if not prepared:
+            if t.requires_grad:
+                t = t.detach()
+            if not t.is_cpu:
+                t = t.cpu()
+            if t.is_neg() or t.is_conj():  # lazy views: their memory is not their values
+                t = t.resolve_conj().resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
-        if t.is_neg() or t.is_conj():  # lazy views: their memory is not their values
-            t = t.resolve_conj().resolve_neg()
+        dtype = t.dtype
         nbytes = t.nbytes
-        items.append((nbytes % 64 != 0, -t.element_size(), key, t, nbytes))
+        items.append(((nbytes % 64 != 0) << 8 | 16 - dtype.itemsize, key, t, dtype, nbytes))
     items.sort(key=_ORDER)
     entries: list[str] = []
     chunks: list[memoryview] = []
@@ -80,8 +86,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
 
     offset = 0
     kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
-    for _, _, key, t, nbytes in items:
-        dtype, shape = t.dtype, t.shape
+    for _, key, t, dtype, nbytes in items:
+        shape = t.shape
         kind = kinds.get((dtype, shape))
         if kind is None:
             kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
@@ -134,7 +140,11 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.detach()
     if t.dtype in _NUMPY_DTYPES:
         return t.numpy().data.cast("B")
-    return t.reshape(-1).view(torch.uint8).numpy().data  # no NumPy dtype (bfloat16, float8)
+    # no NumPy dtype (bfloat16, float8): viewed as bytes, which needs a last stride of 1; a
+    # dimension of size 0 or 1 keeps any stride, so one element is viewed with stride 1 (the
+    # same memory: a restore reads into it)
+    flat = t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
+    return flat.view(torch.uint8).numpy().data
 
 
 def read_safetensors_header(data: bytes | memoryview, where: str,

@@ -74,6 +74,10 @@ class MappedFiles:
                 return span
         return None
 
+    def maps(self) -> bool:
+        """Whether any file is mapped (else `copy` only copies, and the rest does nothing)."""
+        return bool(self._spans)
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether ``t`` views a mapped file (else it is this process's own memory)."""
         return bool(self._spans) and self._span(t) is not None
