@@ -151,6 +151,9 @@ class Checkpointer(Persisting, Restoring):
         self._async = bool(async_save)
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
+        # The order and header of each tensor file, used again while its tensors keep their
+        # names, dtypes and shapes (one save at a time uses them).
+        self._layouts: dict[str, Any] = {}
         self._process = async_save == "process"
         self._read_back_later = later
         self._persister: ProcessPersister | None = None

@@ -59,6 +59,7 @@ class Persisting:
     _last_saved: int | None
     _held: dict[str, list[HeldFile]]
     _in_flight: InFlight | None
+    _layouts: dict[str, Any]
     _persister: ProcessPersister | None
     _read_back_later: bool
     _persist_share: float | None
@@ -97,7 +98,8 @@ class Persisting:
         if group.active:
             check_replicas(group, replicated(tree))
         meta = stamps(step, self.incarnation, self.run_id)
-        encoded = encode_share(group, tree, meta, plan)  # refuses what restore could not read
+        # (refuses what restore could not read)
+        encoded = encode_share(group, tree, meta, plan, self._layouts)
         total = sum(memoryview(c).nbytes for chunks in encoded.values()
                     if not isinstance(chunks, Linked) for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
@@ -177,7 +179,7 @@ class Persisting:
 
         try:
             encoded = encode_share(group, tree, stamps(step, self.incarnation, self.run_id),
-                                   plan)
+                                   plan, self._layouts)
             persister.submit(request, encoded)
         except BaseException as e:
             give_up(e)

@@ -33,13 +33,15 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
 
 
 def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
-                 plan: Plan | None = None) -> dict[str, Any]:
+                 plan: Plan | None = None, layouts: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """This process's files of a generation (see module doc); sharded tensors (DTensors)
     go through DCP, each rank writing its own chunks (`dist.sharded`). With ``plan``, the
-    shared parts are saved incrementally (`state.incremental`)."""
+    shared parts are saved incrementally (`state.incremental`). ``layouts``: the
+    Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`)."""
     tree, shards = split(tree)
     if not group.active:
-        out = S.encode_generation(tree, meta, plan=plan)
+        out = S.encode_generation(tree, meta, plan=plan, layouts=layouts)
         if shards:
             out.update(encode_shards(group, shards, meta))
         return out
@@ -49,10 +51,11 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     out, failure = {}, None
     try:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = S.encode_generation(shared, meta, plan=plan) if group.leader else {}
+        out = S.encode_generation(shared, meta, plan=plan, layouts=layouts
+                                  ) if group.leader else {}
         out.update(S.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
-                                       prefix=rank_prefix(group.rank)))
+                                       prefix=rank_prefix(group.rank), layouts=layouts))
     except UnbrokenError as e:
         failure = describe(e)
     out.update(encode_shards(group, shards, meta))

@@ -345,6 +345,40 @@ def test_the_writer_emits_safetensors_the_reference_parser_reads_alike(tree):
         same_tree(tree, decode_tree(skeleton, found), [])
 
 
+@examples(40)
+@given(tensor_trees(), st.lists(st.sampled_from(["values", "shape", "dtype", "drop", "add",
+                                                "rename", "same"]), min_size=1, max_size=4),
+       st.integers(0, 2**31))
+def test_a_kept_layout_writes_the_bytes_a_fresh_encoding_writes(tree, changes, seed):
+    # A Checkpointer keeps each tensor file's order and header from one save to the next and
+    # uses them again while the tensors keep their names, dtypes and shapes: each save's bytes
+    # must be those of an encoding without it, whatever changed between the saves.
+    _, tensors = encode_tree(tree)
+    layout: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(seed)
+    for change in ["same", *changes]:
+        tensors = dict(tensors)
+        keys = sorted(tensors)
+        k = keys[int(torch.randint(len(keys), (1,), generator=gen))] if keys else None
+        if change == "values" and k is not None:
+            t = tensors[k]
+            tensors[k] = _random_tensor(t.dtype, tuple(t.shape), seed + 1)
+        elif change == "shape" and k is not None:
+            tensors[k] = _random_tensor(tensors[k].dtype, (tensors[k].numel() + 1,), seed)
+        elif change == "dtype" and k is not None:
+            t = tensors[k]
+            other = torch.int8 if t.dtype != torch.int8 else torch.uint8
+            tensors[k] = _random_tensor(other, tuple(t.shape), seed)
+        elif change == "drop" and k is not None:
+            del tensors[k]
+        elif change == "add":
+            tensors[f"added.{len(tensors)}"] = _random_tensor(torch.float32, (3,), seed)
+        elif change == "rename" and k is not None:
+            tensors[f"{k}.renamed"] = tensors.pop(k)
+        kept = joined(encode_safetensors(tensors, META, layout=layout))
+        assert kept == joined(encode_safetensors(tensors, META)), change
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. a generation's files
 

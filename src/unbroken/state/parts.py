@@ -264,13 +264,15 @@ def check_part_tree(name: str, tree: Any) -> None:
 
 
 def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = "",
-                      plan: Plan | None = None) -> dict[str, Any]:
+                      plan: Plan | None = None, layouts: dict[str, Any] | None = None
+                      ) -> dict[str, Any]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
     ``state.json`` with every part's skeleton. ``meta`` (run id, generation, incarnation) is
     stamped into every tensor file so a file moved between generations is recognised.
     ``prefix`` names one rank's own files (``rank00001.state.json``, ...). With ``plan``
     (incremental saves, see `incremental`), a part's unchanged tensors go to stable files,
-    and a stable file of the previous generation is a `Linked` artifact."""
+    and a stable file of the previous generation is a `Linked` artifact. ``layouts``: kept
+    from one save to the next, each tensor file's layout (`encode_safetensors`)."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
     more: dict[str, list[dict[str, str]]] = {}
@@ -290,7 +292,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             elif tensors:
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
-                    tensors, {**meta, "unbroken.part": part}, prepared=True)
+                    tensors, {**meta, "unbroken.part": part}, prepared=True,
+                    layout=None if layouts is None else layouts.setdefault(files[part], {}))
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}

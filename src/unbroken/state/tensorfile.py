@@ -46,14 +46,17 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, str] | None = None,
-                       data_hash_key: str | None = None, prepared: bool = False
-                       ) -> list[memoryview]:
+                       data_hash_key: str | None = None, prepared: bool = False,
+                       layout: dict[str, Any] | None = None) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
     (a single file that carries its own checksum). ``prepared``: the tensors are detached,
     on the CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
-    them (only their contiguity is still checked)."""
+    them (only their contiguity is still checked). ``layout``: a dict kept from one call to
+    the next (a Checkpointer's saves of one file) in which the order and header of the last
+    call's tensors are kept, and used again while their keys, dtypes and shapes stay the
+    same (the bytes are those of a call without it)."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by key (the same
@@ -61,6 +64,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
     # are read once, with the cheapest torch call that gives each.)
     items = []
+    sig = []  # what the header depends on, in the given order
     for key, t in tensors.items():
         if not prepared:
             if t.requires_grad:
@@ -73,9 +77,15 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             t = t.contiguous()
         dtype = t.dtype
         nbytes = t.nbytes
+        sig.append((key, dtype, t.shape))
         items.append(((nbytes % 64 != 0) << 8 | 16 - dtype.itemsize, key, t, dtype, nbytes))
-    items.sort(key=_ORDER)
-    entries: list[str] = []
+    if layout is not None and layout.get("sig") == sig:
+        order, body = layout["order"], layout["body"]
+    else:
+        order = sorted(range(len(items)), key=list(map(_ORDER, items)).__getitem__)
+        body = _header_body([items[i] for i in order])
+        if layout is not None:
+            layout.update(sig=sig, order=order, body=body)
     chunks: list[memoryview] = []
     run: list[tuple[torch.Tensor, int]] = []  # consecutive small tensors: copied as one chunk
 
@@ -84,18 +94,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             chunks.append(tensor_bytes(run[0][0]) if len(run) == 1 else _gather(run))
             run.clear()
 
-    offset = 0
-    kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
-    for _, key, t, dtype, nbytes in items:
-        shape = t.shape
-        kind = kinds.get((dtype, shape))
-        if kind is None:
-            kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
-                                          f'[{",".join(map(str, shape))}]')
-        # the header's entry as JSON text: json.dumps of 10,000 dicts costs more than this
-        entries.append(f'{_json_key(key)}:{{{kind},"data_offsets":[{offset},'
-                       f'{offset + nbytes}]}}')
-        offset += nbytes
+    for i in order:
+        _, _, t, _, nbytes = items[i]
         if not nbytes:
             continue
         if nbytes > _SMALL:
@@ -111,14 +111,33 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             h.update(chunk)
         meta[data_hash_key] = h.hexdigest()
     if meta:
-        entries.append('"__metadata__":' + json.dumps(meta, separators=(",", ":")))
-    raw = ("{" + ",".join(entries) + "}").encode("utf-8")
+        body = (f"{body}," if body else "") + '"__metadata__":' + json.dumps(
+            meta, separators=(",", ":"))
+    raw = ("{" + body + "}").encode("utf-8")
     raw += b" " * (-(8 + len(raw)) % 64)  # the data section starts 64-byte aligned
     if len(raw) > MAX_HEADER_BYTES:  # what read_safetensors_header refuses is never written
         raise UnsupportedValue(
             f"{len(tensors)} tensors need a {len(raw)}-byte safetensors header, over the "
             f"{MAX_HEADER_BYTES}-byte limit readers apply; store fewer, larger tensors")
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
+
+
+def _header_body(items: list[tuple[Any, str, torch.Tensor, torch.dtype, int]]) -> str:
+    """The header's entries, as JSON text, of ``items`` in their order in the data section
+    (json.dumps of 10,000 dicts costs more than this)."""
+    entries: list[str] = []
+    offset = 0
+    kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
+    for _, key, t, dtype, nbytes in items:
+        shape = t.shape
+        kind = kinds.get((dtype, shape))
+        if kind is None:
+            kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
+                                          f'[{",".join(map(str, shape))}]')
+        entries.append(f'{_json_key(key)}:{{{kind},"data_offsets":[{offset},'
+                       f'{offset + nbytes}]}}')
+        offset += nbytes
+    return ",".join(entries)
 
 
 def _gather(run: list[tuple[torch.Tensor, int]]) -> memoryview:
