@@ -126,7 +126,11 @@ class Persisting:
             raise
 
         def verify_and_retain() -> GenerationInfo:
-            read_back(group, self.store, info, progress, plan.linked if plan else ())
+            try:
+                read_back(group, self.store, info, progress)
+            except SaveFailed:
+                self._held = {}  # (what it linked may be what failed: the next save writes all)
+                raise
             self._committed(step, info, plan)
             self._writer.retain(step)
             if self._trace is not None:
@@ -191,6 +195,7 @@ class Persisting:
             try:
                 reply = persister.result()
             except SaveFailed as e:
+                self._held = {}  # (what it linked may be what failed: the next save writes all)
                 if persister.died:  # (one that replied posted its own done)
                     give_up(e)
                 raise

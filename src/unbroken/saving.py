@@ -6,7 +6,7 @@ read-back after the commit, and whether a repeated save of a step changed anythi
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import xxhash
@@ -21,7 +21,7 @@ from .state import parts as S
 from .state.codec import encode_tree
 from .state.incremental import Linked, Plan, tensor_digest
 from .state.jsontext import dumps_json, loads_json
-from .store.generations import GenerationInfo, GenerationStore
+from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.lock import errno_text
 
 
@@ -88,11 +88,12 @@ def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
 
 
 def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
-              progress: Progress, linked: Collection[str] = ()) -> None:
+              progress: Progress) -> None:
     """Re-hash what was just committed (every rank its own files); a generation that does
-    not read back as written is moved aside, and the save fails (on every rank). ``linked``
-    files were not written but linked (incremental saves), verified when their generation
-    was, and unchanged on disk since: one process does not hash them again."""
+    not read back as written is moved aside, and the save fails (on every rank). Files an
+    incremental save linked from an earlier generation are read back too: a shared file
+    that changed on disk since it was verified (rot that keeps its size and time) must fail
+    the first generation that links it, not be counted in every later one."""
     assert info.manifest is not None
     try:
         before = store.file_identity(info) if group.leader else None
@@ -102,12 +103,7 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
                 store.verified_elsewhere(info, before)
         else:
             try:
-                if linked:
-                    store.verify(info, advance=progress.advance, names={
-                        a.name for a in info.manifest.artifacts if a.name not in linked})
-                    store.verified_elsewhere(info, before)
-                else:
-                    store.verify(info, advance=progress.advance)
+                store.verify(info, advance=progress.advance)
                 problems = []
             except CorruptCheckpoint as e:
                 problems = [str(e)]
@@ -123,6 +119,15 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
             raise SaveFailed(f"generation {info.generation} did not read back as written "
                              f"({why}) and could not be moved aside ({moving}); restore "
                              "refuses it, and older generations are untouched") from None
+        if info.superseded is not None:  # the same step saved before: it is the newest again
+            try:
+                store.put_back(info.superseded, info.generation)
+            except (OSError, CorruptCheckpoint) as e:
+                raise SaveFailed(
+                    f"generation {info.generation} did not read back as written ({why}); it "
+                    f"was moved aside, and the generation of the same step it superseded "
+                    f"could not be put back from {info.superseded} ({e}): move it back "
+                    f"to {generation_name(info.generation)} by hand") from None
     raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
                      "it was moved aside and older generations are untouched")
 
@@ -137,6 +142,9 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     m = info.manifest
     same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
                                              for k, v in values.items())
+    # A generation that no longer verifies (rot since its save) is written again: the state
+    # it should hold is still live. (The leader's verdict is the job's: see below.)
+    same = same and (not group.leader or store.verified(info) is None)
     if group.active:  # every rank or none goes on to the encoding below: it is collective
         same = all(group.all_gather(same, "comparing with the saved generation"))
     if same and plan is not None:  # its layout came from the generation before it

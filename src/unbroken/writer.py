@@ -12,7 +12,7 @@ from .dist.group import Group
 from .errors import CorruptCheckpoint, ReadOnlyRun, RunNotRestored, SaveFailed, UnbrokenWarning
 from .store.generations import GenerationInfo, GenerationStore
 from .store.retention import Keep, select_kept
-from .store.runrecord import RunRecord, folder_run, new_run_id, write_run_record
+from .store.runrecord import RunRecord, folder_run, new_run_id, read_run_record, write_run_record
 
 
 class RunWriter:
@@ -146,6 +146,12 @@ class RunWriter:
         gens = self.store.scan()
         complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
         failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}
+        # A generation of another run (copied in) verifies, but no restore of this run loads
+        # it: it is never counted as a kept copy, nor deleted (maybe that run's only copy).
+        just = complete.get(just_saved)
+        foreign = {n: g for n, g in complete.items() if not self._ours(g, just)}
+        for n in foreign:
+            del complete[n]
 
         def good(n: int) -> bool:
             why = self.store.verified(complete[n])
@@ -160,15 +166,33 @@ class RunWriter:
             warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
                           UnbrokenWarning, stacklevel=5)
             self.set_aside(by_number[n], "corrupt")
+        for n, g in foreign.items():
+            warnings.warn(f"retention found {g.path}, a generation of another run, moved "
+                          "aside as foreign (never deleted)", UnbrokenWarning, stacklevel=5)
+            self.set_aside(g, "foreign")
         oldest_kept = min(kept)
         for g in gens:
             # Torn leftovers older than everything kept are remains of an interrupted deletion.
             if g.generation not in kept and g.generation not in failed and (
-                    g.ok or g.generation < oldest_kept):
+                    g.generation not in foreign) and (g.ok or g.generation < oldest_kept):
                 self.store.delete(g)
         # Only now, with a new generation committed and verified, may aside/ shrink: what a
         # restore moved there (an abandoned branch) stays until the run has moved on.
         self.store.prune_aside(self.keep.aside)
+
+    def _ours(self, info: GenerationInfo, just: GenerationInfo | None) -> bool:
+        """Whether generation ``info`` belongs to the run of the generation just saved
+        (``just``): that run, or one in its lineage as RUN.json records it."""
+        assert info.manifest is not None
+        run_id = info.manifest.run_id
+        mine = just.manifest.run_id if just is not None and just.manifest is not None else None
+        if mine is None or run_id == mine:
+            return True
+        try:
+            record = read_run_record(self.store.root, self.store.fs)
+        except CorruptCheckpoint:
+            return False
+        return record is not None and record.accepts(mine) and record.accepts(run_id)
 
     def retain(self, just_saved: int) -> None:
         """`apply_retention` after a save; an I/O error only warns (the save is committed)."""

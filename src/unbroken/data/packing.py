@@ -104,7 +104,9 @@ class Packer:
                     ids.append(index)
             else:
                 empty_run += 1
-                if empty_run > self.num_documents:
+                # (shuffled, an epoch may end and the next begin with empty documents: only
+                # 2n in a row hold a whole epoch, every document once)
+                if empty_run > 2 * self.num_documents:
                     raise UnbrokenError("Packer: every document is empty and eos_id is None: "
                                         "there are no tokens to pack")
             if offset >= len(tokens):  # document done: the next one, in the next epoch at the end

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from ..errors import StateMismatch
+from ..errors import StateMismatch, UnsupportedSetup
 from ._keyed import MAX_SAMPLES, TAG_ORDER, KeyedPermutation, mix
 
 STATE_VERSION = 1
@@ -245,7 +245,21 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
         self._epoch, self._consumed = int(epoch), int(consumed)
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its first sample (DistributedSampler-compatible)."""
+        """Start ``epoch`` from its first sample (DistributedSampler-compatible), except that
+        the epoch the cursor is in keeps its position: a run resumed mid-epoch calls
+        ``set_epoch`` for the epoch it resumes (``for epoch in range(start, epochs):
+        sampler.set_epoch(epoch)``), and starting it over would train its first samples
+        twice. An epoch before the cursor's raises `UnsupportedSetup` (a loop counting
+        epochs from 0 after a resume would train them all again); `set_position` moves the
+        cursor anywhere on purpose."""
+        if epoch == self._epoch:
+            return
+        if epoch < self._epoch:
+            raise UnsupportedSetup(
+                f"set_epoch({epoch}): the sampler's cursor is at epoch {self._epoch} "
+                f"({self._consumed} samples consumed; restored on resume, it owns the epoch "
+                "counter); start your epoch counter at sampler.epoch, or call "
+                "set_position() to go back on purpose")
         self.set_position(epoch, 0)
 
     def advance(self, batches: int = 1) -> None:

@@ -131,14 +131,16 @@ def commit_staged(group: Group, store: GenerationStore, generation: int, staging
                 outcome = {"error": failure, "rank": r}
             else:
                 written = [Artifact(**a) for x in reports for a in x["artifacts"]]
-                store.publish(staging, generation, make_manifest(written), supersede)
-                outcome = {"ok": True}
+                info = store.publish(staging, generation, make_manifest(written), supersede)
+                outcome = {"ok": True, "superseded": info.superseded}
         except (UnbrokenError, OSError) as e:
             outcome = {"error": describe(e), "rank": 0}
     outcome = group.broadcast(outcome, "committing the generation")
     if "error" in outcome:
         raise rebuild(outcome["error"], outcome["rank"])
-    return store.scan_one(generation)
+    info = store.scan_one(generation)
+    info.superseded = outcome["superseded"]
+    return info
 
 
 def verify_own(group: Group, store: GenerationStore, info: GenerationInfo,

@@ -95,11 +95,10 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, gr
                 info = store.commit(step, artifacts, make_manifest, supersede=request["again"])
         except OSError as e:
             raise save_failed(store.root, step, e) from e
-        linked = {n for n, c in artifacts.items() if isinstance(c, Linked) and c.linked}
     finally:
         artifacts.clear()
         view.release()
-    read_back(group, store, info, Progress("", 0), linked)
+    read_back(group, store, info, Progress("", 0))
     keep = request["keep"]
     writer = RunWriter(store, Keep(keep["last"], keep["every"],
                                    tuple(keep["best"]) if keep["best"] else None,

@@ -103,12 +103,6 @@ class Plan:
     frozen: frozenset[str] = frozenset()
     # filled while encoding: the files of each part as this generation will list them
     layout: dict[str, list[FileRow]] = field(default_factory=dict)
-    links: dict[str, Linked] = field(default_factory=dict)  # by name, as handed to the store
-
-    @property
-    def linked(self) -> set[str]:
-        """The names the store linked rather than wrote (known once written)."""
-        return {name for name, link in self.links.items() if link.linked}
 
 
 def split_part(plan: Plan, part: str, tensors: Mapping[str, torch.Tensor]
@@ -191,7 +185,7 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
         def rewrite(f: HeldFile = f) -> list[memoryview]:
             return encode_safetensors({k: tensors[k] for k in f.digests},
                                       stamped(f.generation, f.incarnation, f.digests))
-        out[f.name] = plan.links[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite)
+        out[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite)
         extra.append(stable_entry(f.name, f.generation, f.incarnation))
         layout.append((f.name, f.generation, f.incarnation, dict(f.digests), True))
     return out, extra

@@ -73,6 +73,17 @@ class AsideFolder:
         self._verified.pop(info.path, None)
         return dest
 
+    def put_back(self, moved: str, generation: int) -> None:
+        """Move generation ``generation``, which a save of the same step moved aside to
+        ``moved`` (`move_aside`), back into the listing: that save failed its read-back, and
+        this was the step's last verified state. (Verified again before any use.)"""
+        self._need_lock()
+        final = os.path.join(self.root, f"gen-{generation:09d}")
+        if os.path.lexists(final):
+            raise CorruptCheckpoint(f"{final}: in the way of putting back {moved}")
+        self.fs.rename(moved, final)
+        self.fs.fsync_dir(self.root)
+
     def aside(self) -> list[AsideEntry]:
         """What ``aside/`` holds, oldest first (entries named by an older version sort first,
         with reason "unknown")."""

@@ -278,13 +278,14 @@ class GenerationStore(AsideFolder, Verifying):
         """Write the manifest last, fsync, rename into place and fsync the run folder (writer
         only); on any failure nothing is committed and the staging folder goes."""
         final = os.path.join(self.root, generation_name(generation))
+        superseded = None
         try:
             self.fs.write_file(os.path.join(staging, MANIFEST), [manifest.to_bytes()])
             fault_point("manifest-written", generation)
             self.fs.fsync_dir(staging)
             fault_point("before-rename", generation)
             if supersede and os.path.lexists(final):
-                self.move_aside(self.scan_one(generation), "superseded")
+                superseded = self.move_aside(self.scan_one(generation), "superseded")
             self.fs.rename(staging, final)
         except BaseException:
             self._discard(staging)
@@ -303,7 +304,7 @@ class GenerationStore(AsideFolder, Verifying):
                 self._discard(staging)
             raise
         fault_point("after-rename", generation)
-        return GenerationInfo(generation, final, "complete", "", manifest)
+        return GenerationInfo(generation, final, "complete", "", manifest, superseded)
 
     def discard(self, staging: str) -> None:
         """Remove a staging folder whose generation will not be committed."""

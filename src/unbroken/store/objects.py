@@ -262,11 +262,12 @@ class ObjectStore(GenerationStore):
         another writer committed ``generation`` first."""
         where = f"{self._prefix(generation)}/{MANIFEST}"
         manifest = replace(manifest, folder=staging.rsplit("/", 1)[1])
+        superseded = None
         try:
             self.renew()
             fault_point("before-rename", generation)
             if supersede and self.fs.exists(where):
-                self.move_aside(self.scan_one(generation), "superseded")
+                superseded = self.move_aside(self.scan_one(generation), "superseded")
             try:
                 self.fs.create_file(where, manifest.to_bytes())
             except OSError as e:
@@ -280,7 +281,7 @@ class ObjectStore(GenerationStore):
         finally:
             self._uploading = None
         fault_point("after-rename", generation)
-        return GenerationInfo(generation, staging, "complete", "", manifest)
+        return GenerationInfo(generation, staging, "complete", "", manifest, superseded)
 
     def _committed_anyway(self, where: str, manifest: Manifest, error: OSError) -> bool:
         """After the manifest upload failed: whether it was committed all the same (the reply
@@ -360,6 +361,16 @@ class ObjectStore(GenerationStore):
             self.fs.copy(url, dest + url[len(prefix):])
         self.delete(info)
         return dest
+
+    def put_back(self, moved: str, generation: int) -> None:
+        """Copy generation ``generation``'s objects back from ``moved`` under ``aside/``
+        (where a save of the same step put them, `move_aside`), the manifest last: that save
+        failed its read-back, and this was the step's last verified state."""
+        self._need_lock()
+        prefix = self._prefix(generation)
+        urls = sorted(self.fs.listing(moved), key=lambda u: u == f"{moved}/{MANIFEST}")
+        for url in urls:
+            self.fs.copy(url, prefix + url[len(moved):])
 
     def aside(self) -> list[AsideEntry]:
         folder = f"{self.root}/{ASIDE}"

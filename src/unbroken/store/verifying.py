@@ -41,6 +41,9 @@ class GenerationInfo:
     status: str
     reason: str = ""
     manifest: Manifest | None = None
+    # (just committed by a save of the same step again) where the generation it replaced
+    # went under aside/: put back should this one fail its read-back
+    superseded: str | None = None
 
     @property
     def ok(self) -> bool:
