@@ -621,7 +621,7 @@ class RunMachine(RuleBasedStateMachine):
 # failure to its shortest sequence (minutes: every shrink step reruns saves and restores), so by
 # default a failure reports the sequence as found, in seconds.
 RunMachine.TestCase.settings = settings(
-    max_examples=int(40 * float(os.environ.get("UNBROKEN_PROPERTY_SCALE", "1"))),
+    max_examples=int(25 * float(os.environ.get("UNBROKEN_PROPERTY_SCALE", "1"))),
     stateful_step_count=20, deadline=None, database=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + (
         [Phase.shrink] if os.environ.get("UNBROKEN_PROPERTY_SHRINK") else []),
