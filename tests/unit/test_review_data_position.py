@@ -41,10 +41,10 @@ pytestmark = [pytest.mark.filterwarnings("ignore:This DataLoader will create"),
 # The suite runs a fixed set of examples (derandomized: the same on every run). For a hunt,
 # UNBROKEN_PROPERTY_SCALE=N multiplies the examples and draws them at random.
 SCALE = int(os.environ.get("UNBROKEN_PROPERTY_SCALE", "1"))
-PROPERTY = settings(deadline=None, database=None, max_examples=30 * SCALE,
+PROPERTY = settings(deadline=None, database=None, max_examples=15 * SCALE,
                     derandomize="UNBROKEN_PROPERTY_SCALE" not in os.environ,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
-FEW = settings(PROPERTY, max_examples=12 * SCALE)  # examples that start DataLoader workers
+FEW = settings(PROPERTY, max_examples=6 * SCALE)  # examples that start DataLoader workers
 
 
 def roundtrip(state: dict[str, Any]) -> dict[str, Any]:

@@ -102,7 +102,7 @@ KEEPS = st.builds(Keep, last=st.integers(1, 3), every=st.sampled_from([None, 2, 
 # -- 1. the pure selection, with verification failing at random ------------------------------
 
 
-@settings(deadline=None, database=None, max_examples=300)
+@settings(deadline=None, database=None, max_examples=150)
 @given(data=st.data(), keep=KEEPS)
 def test_select_kept_matches_the_reference_over_the_generations_that_verify(data, keep):
     numbers = data.draw(st.sets(st.integers(0, 40), min_size=1, max_size=12), label="numbers")
@@ -621,7 +621,7 @@ class RunMachine(RuleBasedStateMachine):
 # failure to its shortest sequence (minutes: every shrink step reruns saves and restores), so by
 # default a failure reports the sequence as found, in seconds.
 RunMachine.TestCase.settings = settings(
-    max_examples=int(25 * float(os.environ.get("UNBROKEN_PROPERTY_SCALE", "1"))),
+    max_examples=int(15 * float(os.environ.get("UNBROKEN_PROPERTY_SCALE", "1"))),
     stateful_step_count=20, deadline=None, database=None,
     phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target] + (
         [Phase.shrink] if os.environ.get("UNBROKEN_PROPERTY_SHRINK") else []),
