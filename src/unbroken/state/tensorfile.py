@@ -64,7 +64,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
     # are read once, with the cheapest torch call that gives each.)
     items = []
-    sig = []  # what the header depends on, in the given order
+    sig: list[Any] | None = [] if layout is not None else None  # what the header depends on
     for key, t in tensors.items():
         if not prepared:
             if t.requires_grad:
@@ -77,7 +77,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             t = t.contiguous()
         dtype = t.dtype
         nbytes = t.nbytes
-        sig.append((key, dtype, t.shape))
+        if sig is not None:
+            sig.append((key, dtype, t.shape))
         items.append(((nbytes % 64 != 0) << 8 | 16 - dtype.itemsize, key, t, dtype, nbytes))
     if layout is not None and layout.get("sig") == sig:
         order, body = layout["order"], layout["body"]
