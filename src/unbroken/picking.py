@@ -24,6 +24,7 @@ from .dist.sharded import SHARDS_FILE, load_shards, read_index
 from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
+from .state.livemodel import LiveModel
 from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore
 from .store.manifest import Artifact
@@ -44,6 +45,7 @@ class Pick:
     labels: dict[str, str] = field(default_factory=dict)  # path -> corrupt | torn | foreign
     layout: dict[str, list[Any]] = field(default_factory=dict)  # files by part (decode_generation)
     mapped: MappedFiles = field(default_factory=MappedFiles)  # release after `parts.apply`
+    walked: LiveModel | None = None  # the live model's walk, validated against (`parts.apply`)
 
 
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
@@ -150,7 +152,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         check_identity(manifest.identity, identity.fingerprint(), intent=intent, allow=allow,
                        where=where)
         check_environment(manifest.environment, environment(), where=where)
-        ready = S.validate_parts(tree, live, model, info.path, intent)
+        pick.walked = LiveModel(model)
+        ready = S.validate_parts(tree, live, model, info.path, intent, pick.walked)
         for name, obj in live.items():
             check = getattr(obj, "validate_state_dict", None)
             if check is not None:

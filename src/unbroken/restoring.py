@@ -169,7 +169,7 @@ class Restoring:
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
         try:
             S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                               self._group.rank), mapped=pick.mapped)
+                               self._group.rank), mapped=pick.mapped, walked=pick.walked)
         finally:
             pick.mapped.close()
         self._restored = True
@@ -228,7 +228,7 @@ class Restoring:
         info = pick.info
         assert info is not None and info.manifest is not None
         try:
-            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped)
+            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked)
         finally:
             pick.mapped.close()
         self._restored = True

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken.picking import _MAP_MIN
 from unbroken.state.optim import load_optimizer_state
-from unbroken.state.parts import _plain_modules
+from unbroken.state.livemodel import LiveModel
 from unbroken.store.backends.local import _coalesced
 
 
@@ -56,7 +56,7 @@ def test_a_stack_of_plain_layers_takes_the_copy_path_and_restores_exactly(tmp_pa
     def make():
         return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(300)])
 
-    assert _plain_modules(make())
+    assert LiveModel(make()).loads
     _save_and_restore(tmp_path, make)
 
 
@@ -64,7 +64,7 @@ def test_modules_that_customise_loading_go_through_load_state_dict(tmp_path):
     def make():
         return torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
 
-    assert not _plain_modules(make())  # BatchNorm overrides _load_from_state_dict
+    assert not LiveModel(make()).loads  # BatchNorm overrides _load_from_state_dict
     _save_and_restore(tmp_path, make)
 
     calls = []
@@ -74,7 +74,7 @@ def test_modules_that_customise_loading_go_through_load_state_dict(tmp_path):
         m.register_load_state_dict_post_hook(lambda module, keys: calls.append(1))
         return m
 
-    assert not _plain_modules(hooked())
+    assert not LiveModel(hooked()).loads
     _save_and_restore(tmp_path / "hooked", hooked)
     assert calls == [1]  # the user's hook ran on restore
 

@@ -13,18 +13,12 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue, shown
+from .livemodel import LiveModel, param_names
 
 
-def param_names(model: torch.nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name in the model (tied parameters keep one name)."""
-    names: dict[int, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), name)
-    return names
-
-
-def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    names = param_names(model)
+def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      names: dict[int, str] | None = None) -> list[list[str]]:
+    names = param_names(model) if names is None else names
     return [[names.get(id(p), f"<not in model>.group{gi}.param{pi}")
              for pi, p in enumerate(g["params"])] for gi, g in enumerate(optimizer.param_groups)]
 
@@ -43,24 +37,28 @@ def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimi
             "nn.Parameter attribute) so their values are saved with it")
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state_dict with integer parameter ids replaced by parameter names."""
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    names: dict[int, str] | None = None) -> dict[str, Any]:
+    """The optimizer's state_dict with integer parameter ids replaced by parameter names
+    (``names``: `param_names` of ``model``, when known already)."""
     sd = optimizer.state_dict()
-    group_names = _live_group_names(model, optimizer)
+    group_names = _live_group_names(model, optimizer, names)
     by_index: dict[int, str] = {}
-    for saved_group, names in zip(sd["param_groups"], group_names):
-        by_index.update(zip(saved_group["params"], names))
+    for saved_group, group in zip(sd["param_groups"], group_names):
+        by_index.update(zip(saved_group["params"], group))
     return {
         "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "state": {by_index[i]: s for i, s in sd["state"].items()},
-        "param_groups": [{**g, "params": names}
-                         for g, names in zip(sd["param_groups"], group_names)],
+        "param_groups": [{**g, "params": group}
+                         for g, group in zip(sd["param_groups"], group_names)],
     }
 
 
 def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
-                        optimizer: torch.optim.Optimizer, where: str) -> dict[str, Any]:
-    """Map a name-keyed optimizer state onto the live optimizer, refusing any mismatch."""
+                             optimizer: torch.optim.Optimizer, where: str,
+                             names: dict[int, str] | None = None) -> dict[str, Any]:
+    """Map a name-keyed optimizer state onto the live optimizer, refusing any mismatch
+    (``names``: `param_names` of ``model``, when known already)."""
     try:
         groups, state = saved["param_groups"], saved["state"]
         saved_names = [list(g["params"]) for g in groups]
@@ -84,7 +82,7 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
                 raise CorruptCheckpoint(
                     f"{where}: param group {gi} {key!r} is {shown(saved_group[key])}, where "
                     f"the live optimizer holds a {type(live).__name__} ({shown(live)})")
-    live_names = _live_group_names(model, optimizer)
+    live_names = _live_group_names(model, optimizer, names)
     if saved_names != live_names:
         raise StateMismatch(
             f"{where}: optimizer parameter groups differ from the live optimizer: saved "
@@ -95,8 +93,8 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     # has checked against the saved model.
     index: dict[str, int] = {}
     n = 0  # torch numbers parameters in group order, each distinct parameter once
-    for names in live_names:
-        for name in names:
+    for group in live_names:
+        for name in group:
             if name not in index:
                 index[name] = n
                 n += 1
@@ -173,18 +171,19 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
 
 
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
-                   dtypes: bool = True) -> Mapping[str, Any]:
+                   dtypes: bool = True, live: Mapping[str, Any] | None = None
+                   ) -> Mapping[str, Any]:
     """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
     model; returns the state to load. A warm start may change precision (fp32 weights into a
     bf16 model): load_state_dict converts. A name the live model ties to a saved one (one
     tensor under two names, as a language model's output layer shares the input embedding) is
     filled in from it: a checkpoint written elsewhere (``save_pretrained``, an import) keeps
-    only one name, and loading that one fills both."""
+    only one name, and loading that one fills both. ``live``: the model's tensors by name
+    (`LiveModel.live_tensors`), when known already."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
-    # (keep_vars: the parameters themselves, not a detached view of each; only read here)
-    live = (model.state_dict(keep_vars=True)
-            if type(model).state_dict is torch.nn.Module.state_dict else model.state_dict())
+    if live is None:
+        live = LiveModel(model).live_tensors()
     missing = [k for k in live if k not in saved]
     if missing:
         try:

@@ -26,6 +26,7 @@ from ..errors import (
 from .codec import decode_tree, encode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
+from .livemodel import LiveModel
 from .optim import (
     load_optimizer_state,
     optimizer_state,
@@ -110,9 +111,12 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """One tree per part. ``parts`` maps part names to live objects (or, for counters and
     rng, to already-captured trees)."""
     tree: dict[str, Any] = {}
+    walked = LiveModel(model) if MODEL in parts or OPTIMIZER in parts else None
     for name, obj in parts.items():
-        if name == OPTIMIZER:
-            tree[name] = optimizer_state(model, obj)
+        if name == MODEL and walked is not None and obj is model:
+            tree[name] = walked.state_dict()
+        elif name == OPTIMIZER:
+            tree[name] = optimizer_state(model, obj, walked.param_names() if walked else None)
         elif isinstance(obj, Stateful):
             tree[name] = obj.state_dict()
         else:
@@ -121,9 +125,11 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
 
 
 def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: torch.nn.Module,
-                   where: str, intent: str = "continue") -> dict[str, Any]:
+                   where: str, intent: str = "continue", walked: LiveModel | None = None
+                   ) -> dict[str, Any]:
     """Check every part the run has against the saved tree; return what ``apply`` needs
-    (the optimizer state already mapped to torch's positional form). Reads only."""
+    (the optimizer state already mapped to torch's positional form). Reads only.
+    ``walked``: ``model``'s walk, made for this restore (given to ``apply`` too)."""
     missing = [p for p in parts if p not in saved]
     if missing:
         raise MissingState(
@@ -136,12 +142,16 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
             f"{where}: the checkpoint holds {', '.join(map(repr, extra))} state but this run "
             "has no such part; pass it to the Checkpointer so the run continues as saved")
     ready = dict(saved)
+    if walked is None:
+        walked = LiveModel(model)
     for name, obj in parts.items():
         if name == MODEL:
             ready[name] = validate_model(saved[name], obj, f"{where} [{name}]",
-                                         dtypes=intent == "continue")
+                                         dtypes=intent == "continue",
+                                         live=walked.live_tensors() if obj is model else None)
         elif name == OPTIMIZER:
-            ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]")
+            ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]",
+                                                   walked.param_names())
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):
             raise CorruptCheckpoint(f"{where}: part {name!r} is not a mapping")
         elif name in (SCHEDULER, SCALER):
@@ -167,7 +177,7 @@ class Copier(Protocol):
 
 
 def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
-          mapped: Copier | None = None) -> None:
+          mapped: Copier | None = None, walked: LiveModel | None = None) -> None:
     """Load validated state into the live objects, all or nothing.
 
     The small parts (extras, scheduler, scaler, data, RNG, counters) go first: their
@@ -175,7 +185,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
     already loaded are put back from a copy. The optimizer and the model, fully validated and
     too large to copy, go last. With ``mapped``, the model's and optimizer's saved tensors
     are views into mapped files: each is copied into the live tensor (or a new one) by
-    ``mapped.copy``; none is kept."""
+    ``mapped.copy``; none is kept. ``walked``: the model's walk made for this restore
+    (`validate_parts`), which the model's structure still is."""
     if mapped is not None and not mapped.maps():
         mapped = None  # (no file was mapped: the copies need none of its bookkeeping)
     big = (OPTIMIZER, MODEL)
@@ -183,14 +194,16 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
     backup = {n: copy.deepcopy(parts[n].state_dict()) for n in order
               if n not in big and isinstance(parts[n], Stateful)}
+    if MODEL in parts and (walked is None or walked.model is not parts[MODEL]):
+        walked = LiveModel(parts[MODEL])
     done: list[str] = []
     for name in order:
         obj = parts[name]
         if not isinstance(obj, Stateful):
             continue
         try:
-            if name == MODEL and _plain_modules(obj):
-                _copy_into(obj, ready[name], mapped)
+            if name == MODEL and walked is not None and walked.loads:
+                _copy_into(walked, ready[name], mapped)
             elif name == OPTIMIZER:
                 load_optimizer_state(obj, ready[name], mapped)  # type: ignore[arg-type]
             else:
@@ -218,37 +231,18 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
         done.append(name)
 
 
-def _plain_modules(model: Any) -> bool:
-    """Whether ``load_state_dict`` of ``model`` would only copy each saved tensor into the
-    live one: no module overrides how it loads or lists its state, keeps extra state, or has
-    hooks on either (FSDP2 has). Then `_copy_into` does the same without
+def _copy_into(walked: LiveModel, saved: Mapping[str, torch.Tensor],
+               mapped: Copier | None = None) -> None:
+    """``model.load_state_dict(saved)`` for a model that `LiveModel.loads`, whose keys,
+    shapes and dtypes `validate_model` already checked (``mapped.copy`` when given). Without
     ``nn.Module.load_state_dict``'s per-child scan of every key, which is quadratic in the
     number of children (2 s for 1,250 layers of a Sequential)."""
-    base = torch.nn.Module
-    if not isinstance(model, base) or type(model).load_state_dict is not base.load_state_dict:
-        return False
-    for m in model.modules():
-        kind = type(m)
-        if (kind._load_from_state_dict is not base._load_from_state_dict
-                or kind.state_dict is not base.state_dict
-                or kind._save_to_state_dict is not base._save_to_state_dict
-                or kind.get_extra_state is not base.get_extra_state
-                or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks
-                or m._state_dict_hooks or m._state_dict_pre_hooks):
-            return False
-    return True
-
-
-def _copy_into(model: Any, saved: Mapping[str, torch.Tensor],
-               mapped: Copier | None = None) -> None:
-    """``model.load_state_dict(saved)`` for a model of `_plain_modules`, whose keys, shapes
-    and dtypes `validate_model` already checked (``mapped.copy`` when given)."""
+    pairs = walked.tensors
     with torch.no_grad():
         if mapped is None:  # (one call for all: a Python loop of copy_ costs ~1 us a tensor)
-            pairs = model.state_dict(keep_vars=True)
             torch._foreach_copy_(list(pairs.values()), [saved[name] for name in pairs])
             return
-        for name, live in model.state_dict(keep_vars=True).items():
+        for name, live in pairs.items():
             mapped.copy(saved[name], live)
 
 
