@@ -138,8 +138,8 @@ def test_a_lone_small_tensor_with_the_negative_bit_saves_or_is_refused_typed():
 
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_negated_view_is_not_taken_for_the_view_it_negates(tmp_path, async_save):
-    # DEFECT (pre-existing in `view_ident`, kept by `ViewMemo.find`, state/codec.py:97-100 and
-    # 119-120; also persist/snapshot.py's tensor()): `z.imag` and `z.conj().imag` have the same
+    # DEFECT (pre-existing in `view_ident`, kept by the encoder's tie lookup in state/codec.py;
+    # also persist/snapshot.py's tensor()): `z.imag` and `z.conj().imag` have the same
     # address, shape, strides and dtype; only is_neg() differs, and view_ident checks it for
     # complex dtypes only. The second is taken as a tie of the first: both restore as `z.imag`,
     # the negated one silently loses its sign. Expected: each restores its own values.

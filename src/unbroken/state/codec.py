@@ -12,7 +12,7 @@ import base64
 import math
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ MAX_DEPTH = 200
 _INLINE_BYTES = 4096  # ``bytes`` values this large go to the tensor file, not into JSON
 _STRIDED = torch.strided
 _BIG_INT = 1 << 1024  # JSON text of ints is refused past 4300 digits: larger ones go as hex
+_COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
 
 
@@ -101,46 +102,19 @@ def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
-class ViewMemo:
-    """Values by tensor view (`view_ident`): the same view met twice (tied weights: two
-    state_dict entries of one parameter) finds the first one's value. Kept by address first:
-    two views of one address are rare, and `view_ident` costs four more torch calls. (One
-    entry per address is a ``(tensor, value)`` pair; a list only for the rare second view.)"""
-
-    def __init__(self) -> None:
-        self._at: dict[int, Any] = {}
-
-    def find(self, t: torch.Tensor) -> tuple[int, Any]:
-        """(the key to `add` ``t`` under, the value stored for its view or None). A tensor
-        without memory of its own (empty, or a DTensor) is found only as the same object."""
-        try:
-            ptr = t.data_ptr()
-        except (RuntimeError, NotImplementedError):
-            ptr = 0
-        key = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
-        held = self._at.get(key)
-        if held is None:
-            return key, None
-        for other, value in held if type(held) is list else (held,):
-            if other is t or (ptr and view_ident(other) == view_ident(t)):
-                return key, value
-        return key, None
-
-    def add(self, key: int, t: torch.Tensor, value: Any) -> None:
-        """Remember ``value`` for ``t``'s view (``key`` from `find`)."""
-        held = self._at.get(key)
-        if held is None:
-            self._at[key] = (t, value)
-        elif type(held) is list:
-            held.append((t, value))
-        else:
-            self._at[key] = [held, (t, value)]
-
-
 class _Encoder:
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self._views = ViewMemo()
+        # Beside each stored tensor, in order: (key, dtype, shape) and its address, which
+        # `encode_safetensors` would otherwise read again (~1 us a tensor for 10,000).
+        self.kinds: list[tuple[str, torch.dtype, torch.Size]] = []
+        self.ptrs: list[int] = []
+        # Each view met and its reference, by address (a tensor without one: by -id): the
+        # same view met twice (tied weights: two state_dict entries of one parameter) is
+        # stored once. `view_ident`, four more torch calls, only tells apart two views of one
+        # address, which is rare. (One view per address is a ``(tensor, ref)`` pair; a list
+        # only for the rare second one.)
+        self._views: dict[int, Any] = {}
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
@@ -152,33 +126,53 @@ class _Encoder:
         # The same view referenced twice (tied weights) is stored once and decoded as one
         # object; a lazy view is found as itself (`view_ident` keeps its bits), before it is
         # resolved into a new tensor.
-        key_of_view, same = self._views.find(t)
-        if same is not None:
-            return same
+        try:
+            ptr = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
+            ptr = 0
+        at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
+        held = self._views.get(at)
+        if held is not None:
+            for other, same in held if type(held) is list else (held,):
+                if other is t or (ptr and view_ident(other) == view_ident(t)):
+                    return same  # type: ignore[no-any-return]
         data = t.detach() if t.requires_grad else t
-        if data.is_neg() or data.is_conj():
+        dtype = data.dtype
+        # (only complex tensors have a conjugate bit; the negative bit any view may have)
+        if data.is_neg() or dtype in _COMPLEX and data.is_conj():
             # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
             # own values; raw copies of its memory would drop the sign
             data = data.resolve_conj().resolve_neg()
+            ptr = 0
         if not data.is_cpu:
             if data.is_meta:
                 raise UnsupportedValue(f"{path}: a meta tensor holds no data to store; "
                                        "materialize it (e.g. .to_empty()) before saving")
             data = data.cpu()
+            ptr = 0
         tensors = self.tensors
         # (`_key`'s common case inline)
         key = (path if path.isascii() and path not in tensors and path != "__metadata__"
                else self._key(path))
         ref: dict[str, Any] = {TAG: "tensor", "key": key}
-        if data.dtype not in ST_DTYPES:  # (quantized dtypes are refused by _dtype_name)
-            ref["dtype"] = _dtype_name(data.dtype, path)
+        if dtype not in ST_DTYPES:  # (quantized dtypes are refused by _dtype_name)
+            ref["dtype"] = _dtype_name(dtype, path)
             ref["shape"] = list(data.shape)
             flat = data.contiguous().reshape(-1)
             if flat.numel() <= 1:  # (dimensions of size 0 or 1 keep any stride: bytes need 1)
                 flat = flat.clone(memory_format=torch.contiguous_format)
-            data = flat.view(torch.uint8)
+            data, dtype, ptr = flat.view(torch.uint8), torch.uint8, 0
+        elif not data.is_contiguous():
+            data, ptr = data.contiguous(), 0
         tensors[key] = data
-        self._views.add(key_of_view, t, ref)
+        self.kinds.append((key, dtype, data.shape))
+        self.ptrs.append(ptr or data.data_ptr())  # (t's address, unless data is a new tensor)
+        if held is None:
+            self._views[at] = (t, ref)
+        elif type(held) is list:
+            held.append((t, ref))
+        else:
+            self._views[at] = [held, (t, ref)]
         return ref
 
     def _key(self, path: str) -> str:
@@ -201,7 +195,9 @@ class _Encoder:
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if not flat.flags.writeable:  # torch shares only writable memory (bytes, a frozen array)
             flat = flat.copy()
-        self.tensors[key] = torch.from_numpy(flat)
+        t = self.tensors[key] = torch.from_numpy(flat)
+        self.kinds.append((key, torch.uint8, t.shape))
+        self.ptrs.append(t.data_ptr())
         return {TAG: tag, **fields, "key": key}
 
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
@@ -209,6 +205,20 @@ class _Encoder:
             shown = path if len(path) < 80 else f"{path[:60]}...{path[-16:]}"
             raise UnsupportedValue(f"{shown}: nested deeper than {MAX_DEPTH} levels")
         t = type(obj)
+        if t in _MAPPINGS:
+            # (First: state dicts hold thousands of entries. A plain tensor leaf skips a level
+            # of calls, and so does a plain int key, the optimizer's per-parameter state.)
+            dot = f"{path}." if path else ""
+            leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
+            tensor, encode, plain = self.tensor, self.encode, torch.Tensor
+            if t is dict and TAG not in obj and all(type(k) is str for k in obj):
+                return {k: tensor(v, dot + k) if leaf and type(v) is plain
+                        else encode(v, dot + k, depth + 1) for k, v in obj.items()}
+            return {TAG: _MAPPINGS[t], "v": [
+                [k if type(k) is str or type(k) is int and -_BIG_INT < k < _BIG_INT
+                 else encode(k, f"{dot}<key>", depth + 1),
+                 tensor(v, f"{dot}{k}") if leaf and type(v) is plain
+                 else encode(v, f"{dot}{k}", depth + 1)] for k, v in obj.items()]}
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
@@ -225,20 +235,6 @@ class _Encoder:
         if t is tuple:
             return {TAG: "tuple", "v": [self.encode(v, f"{path}.{i}", depth + 1)
                                         for i, v in enumerate(obj)]}
-        if t in _MAPPINGS:
-            # (State dicts hold thousands of entries: a plain tensor leaf skips a level of
-            # calls, and so does a plain int key, the optimizer's per-parameter state.)
-            dot = f"{path}." if path else ""
-            leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
-            tensor, encode, plain = self.tensor, self.encode, torch.Tensor
-            if t is dict and TAG not in obj and all(type(k) is str for k in obj):
-                return {k: tensor(v, dot + k) if leaf and type(v) is plain
-                        else encode(v, dot + k, depth + 1) for k, v in obj.items()}
-            return {TAG: _MAPPINGS[t], "v": [
-                [k if type(k) is str or type(k) is int and -_BIG_INT < k < _BIG_INT
-                 else encode(k, f"{dot}<key>", depth + 1),
-                 tensor(v, f"{dot}{k}") if leaf and type(v) is plain
-                 else encode(v, f"{dot}{k}", depth + 1)] for k, v in obj.items()]}
         if t is bytes:
             if len(obj) >= _INLINE_BYTES:
                 return self.raw("bytes", np.frombuffer(obj, dtype=np.uint8), path)
@@ -268,6 +264,25 @@ def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tenso
     enc = _Encoder()
     skeleton = enc.encode(tree, prefix)
     return skeleton, enc.tensors
+
+
+class Encoded(NamedTuple):
+    """`encode_tree`'s skeleton and tensors, and what `encode_safetensors` takes of each
+    tensor (``kinds``: key, dtype, shape; ``ptrs``: the address of its data), in order."""
+
+    skeleton: Any
+    tensors: dict[str, torch.Tensor]
+    kinds: list[tuple[str, torch.dtype, torch.Size]]
+    ptrs: list[int]
+
+
+def encode_tree_for_file(tree: Any) -> Encoded:
+    """`encode_tree`, with what `encode_safetensors` needs of each tensor already read:
+    every tensor is contiguous, detached, on the CPU, without a lazy bit, of a dtype the
+    file format names."""
+    enc = _Encoder()
+    skeleton = enc.encode(tree, "")
+    return Encoded(skeleton, enc.tensors, enc.kinds, enc.ptrs)
 
 
 def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str = "state") -> Any:

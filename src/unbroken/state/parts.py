@@ -23,7 +23,7 @@ from ..errors import (
     UnsupportedValue,
     shown,
 )
-from .codec import decode_tree, encode_tree
+from .codec import decode_tree, encode_tree_for_file
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
 from .livemodel import LiveModel
@@ -274,7 +274,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     for part, value in tree.items():
         try:
             check_part_tree(part, value)
-            skeleton, tensors = encode_tree(value, "")
+            encoded = encode_tree_for_file(value)
+            skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
             if tensors and plan is not None:
                 out, extra = encode_part(plan, prefix, part, tensors, meta)
@@ -287,7 +288,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
                     tensors, {**meta, "unbroken.part": part}, prepared=True,
-                    layout=None if layouts is None else layouts.setdefault(files[part], {}))
+                    layout=None if layouts is None else layouts.setdefault(files[part], {}),
+                    kinds=encoded.kinds, ptrs=encoded.ptrs)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}

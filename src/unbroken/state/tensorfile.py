@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import operator
 import struct
 from collections.abc import Mapping
 from typing import Any
@@ -30,8 +29,8 @@ ST_DTYPES: dict[torch.dtype, str] = {
 }
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
+_ITEMSIZE_OF = {dt: _ITEMSIZE[name] for name, dt in _ST_BY_NAME.items()}
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
-_ORDER = operator.itemgetter(0, 1)  # (unaligned, smaller elements, key): keys are unique
 _json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
 # The NumPy dtype a tensor of each safetensors dtype is read through (same item size; torch
 # views it as its own dtype where NumPy has none).
@@ -47,64 +46,68 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, str] | None = None,
                        data_hash_key: str | None = None, prepared: bool = False,
-                       layout: dict[str, Any] | None = None) -> list[memoryview]:
+                       layout: dict[str, Any] | None = None,
+                       kinds: list[tuple[str, torch.dtype, torch.Size]] | None = None,
+                       ptrs: list[int] | None = None) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
     (a single file that carries its own checksum). ``prepared``: the tensors are detached,
     on the CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
-    them (only their contiguity is still checked). ``layout``: a dict kept from one call to
-    the next (a Checkpointer's saves of one file) in which the order and header of the last
-    call's tensors are kept, and used again while their keys, dtypes and shapes stay the
-    same (the bytes are those of a call without it)."""
+    them (only their contiguity is still checked). ``kinds`` and ``ptrs``: besides, each
+    tensor's (key, dtype, shape) and data address, in order, and every tensor contiguous
+    (`codec.encode_tree_for_file`). ``layout``: a dict kept from one call to the next (a
+    Checkpointer's saves of one file) in which the order and header of the last call's
+    tensors are kept, and used again while their keys, dtypes and shapes stay the same (the
+    bytes are those of a call without it)."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by key (the same
     # tensors give the same bytes in any order).
     # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
     # are read once, with the cheapest torch call that gives each.)
-    items = []
-    sig: list[Any] | None = [] if layout is not None else None  # what the header depends on
-    for key, t in tensors.items():
-        if not prepared:
-            if t.requires_grad:
-                t = t.detach()
-            if not t.is_cpu:
-                t = t.cpu()
-            if t.is_neg() or t.is_conj():  # lazy views: their memory is not their values
-                t = t.resolve_conj().resolve_neg()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        dtype = t.dtype
-        nbytes = t.nbytes
-        if sig is not None:
-            sig.append((key, dtype, t.shape))
-        items.append(((nbytes % 64 != 0) << 8 | 16 - dtype.itemsize, key, t, dtype, nbytes))
-    if layout is not None and layout.get("sig") == sig:
-        order, body = layout["order"], layout["body"]
+    if kinds is None:
+        values, kinds, ptrs = [], [], None
+        for key, t in tensors.items():
+            if not prepared:
+                if t.requires_grad:
+                    t = t.detach()
+                if not t.is_cpu:
+                    t = t.cpu()
+                if t.is_neg() or t.is_conj():  # lazy views: their memory is not their values
+                    t = t.resolve_conj().resolve_neg()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            values.append(t)
+            kinds.append((key, t.dtype, t.shape))
     else:
-        order = sorted(range(len(items)), key=list(map(_ORDER, items)).__getitem__)
-        body = _header_body([items[i] for i in order])
+        values = list(tensors.values())
+    if layout is not None and layout.get("sig") == kinds:
+        order, body, sizes = layout["order"], layout["body"], layout["sizes"]
+    else:
+        sizes = [t.nbytes for t in values]
+        rank = [((n % 64 != 0) << 8 | 16 - _ITEMSIZE_OF[d], k)
+                for (k, d, _), n in zip(kinds, sizes)]
+        order = sorted(range(len(rank)), key=rank.__getitem__)
+        body = _header_body([(kinds[i], sizes[i]) for i in order])
         if layout is not None:
-            layout.update(sig=sig, order=order, body=body)
+            layout.update(sig=kinds, order=order, body=body, sizes=sizes)
     chunks: list[memoryview] = []
-    run: list[tuple[torch.Tensor, int]] = []  # consecutive small tensors: copied as one chunk
-
-    def flush() -> None:
-        if run:
-            chunks.append(tensor_bytes(run[0][0]) if len(run) == 1 else _gather(run))
-            run.clear()
+    run: list[tuple[int, int]] = []  # consecutive small tensors: copied as one chunk
 
     for i in order:
-        _, _, t, _, nbytes = items[i]
+        nbytes = sizes[i]
         if not nbytes:
             continue
         if nbytes > _SMALL:
-            flush()
-            chunks.append(tensor_bytes(t))
+            if run:
+                chunks.append(_gather(run))
+                run = []
+            chunks.append(tensor_bytes(values[i]))
         else:
-            run.append((t, nbytes))
-    flush()
+            run.append((values[i].data_ptr() if ptrs is None else ptrs[i], nbytes))
+    if run:
+        chunks.append(_gather(run))
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -123,14 +126,13 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     return [memoryview(struct.pack("<Q", len(raw)) + raw), *chunks]
 
 
-def _header_body(items: list[tuple[Any, str, torch.Tensor, torch.dtype, int]]) -> str:
-    """The header's entries, as JSON text, of ``items`` in their order in the data section
-    (json.dumps of 10,000 dicts costs more than this)."""
+def _header_body(items: list[tuple[tuple[str, torch.dtype, torch.Size], int]]) -> str:
+    """The header's entries, as JSON text, of ``items`` ((key, dtype, shape), size) in their
+    order in the data section (json.dumps of 10,000 dicts costs more than this)."""
     entries: list[str] = []
     offset = 0
     kinds: dict[tuple[torch.dtype, torch.Size], str] = {}  # (few distinct ones: reused)
-    for _, key, t, dtype, nbytes in items:
-        shape = t.shape
+    for (key, dtype, shape), nbytes in items:
         kind = kinds.get((dtype, shape))
         if kind is None:
             kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
@@ -141,14 +143,14 @@ def _header_body(items: list[tuple[Any, str, torch.Tensor, torch.dtype, int]]) -
     return ",".join(entries)
 
 
-def _gather(run: list[tuple[torch.Tensor, int]]) -> memoryview:
-    """The bytes of small contiguous CPU tensors (with their sizes), one after the other, in
-    one buffer: a ``memmove`` each, twice as fast as torch's ``flatten_dense_tensors``
-    (which makes a view of each) for 10,000 tensors."""
+def _gather(run: list[tuple[int, int]]) -> memoryview:
+    """The bytes of small contiguous CPU tensors (by address and size; the caller holds
+    them), one after the other, in one buffer: a ``memmove`` each, twice as fast as torch's
+    ``flatten_dense_tensors`` (which makes a view of each) for 10,000 tensors."""
     out = torch.empty(sum(n for _, n in run), dtype=torch.uint8)  # (not zeroed first)
     at, move = out.data_ptr(), ctypes.memmove
-    for t, n in run:
-        move(at, t.data_ptr(), n)
+    for ptr, n in run:
+        move(at, ptr, n)
         at += n
     return tensor_bytes(out)
 
