@@ -42,7 +42,8 @@ class LiveModel:
             return
         kind = type(model)
         self.lists = (kind.state_dict is _MODULE.state_dict
-                      and kind.named_parameters is _MODULE.named_parameters)
+                      and kind.named_parameters is _MODULE.named_parameters
+                      and kind._named_members is _MODULE._named_members)
         self.loads = kind.load_state_dict is _MODULE.load_state_dict
         # What each class of module does its own way, found once per class: (lists its
         # state, loads it, lists its children) as nn.Module does.

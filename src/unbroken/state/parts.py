@@ -379,10 +379,13 @@ def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
                 raise CorruptCheckpoint(
                     f"{folder}/{name}: stamped {file_meta}, expected {stamps}: the file "
                     "belongs to another generation or part")
-            if found.keys() & tensors.keys():
+            if not tensors:  # (the usual part has one file: its tensors as they are)
+                tensors = found
+            elif found.keys() & tensors.keys():
                 raise CorruptCheckpoint(f"{folder}/{name}: holds tensors of part {part!r} "
                                         "that another of its files holds too")
-            tensors.update(found)
+            else:
+                tensors.update(found)
             if layout is not None:
                 layout.setdefault(part, []).append(
                     (name, int(stamps["unbroken.generation"]),
