@@ -12,6 +12,15 @@ from typing import Any
 import torch
 
 _MODULE = torch.nn.Module
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+# Methods through which a module lists or loads its state, or its children, its own way when
+# patched on the instance (as libraries patch the modules they quantize).
+_OWN_WAYS = frozenset({"state_dict", "_save_to_state_dict", "get_extra_state", "set_extra_state",
+                       "_load_from_state_dict", "load_state_dict", "named_modules",
+                       "named_parameters", "_named_members"})
+# Deeper than this, ``state_dict()``'s recursion is refused by Python (its default limit):
+# a module holding its parent as a child nests without end.
+_MAX_DEPTH = 900
 
 
 class LiveModel:
@@ -19,9 +28,11 @@ class LiveModel:
     its persistent buffers, then its children, a shared module under each of its names).
 
     ``lists``: ``state_dict()`` would return exactly ``tensors`` (detached): no module
-    overrides how it lists its state, keeps extra state, or has state-dict hooks.
-    ``loads``: besides, ``load_state_dict`` would only copy each saved tensor into its live
-    one (no module overrides how it loads, none has load hooks; FSDP2 has).
+    overrides how it lists its state or children (in its class or on the instance), keeps
+    extra state, or has state-dict hooks. ``loads``: besides, ``load_state_dict`` would only
+    copy each saved tensor into its live one: no module overrides how it loads, none has load
+    hooks (FSDP2 has), and every tensor is a plain tensor or parameter (a subclass may watch
+    its ``copy_``).
     ``tensors``: name -> the parameter or buffer itself (not detached; read, never kept).
     ``names``: id(parameter) -> its first name, as ``named_parameters`` lists them (tied
     parameters keep one name).
@@ -33,7 +44,7 @@ class LiveModel:
     lists: bool
     loads: bool
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: Any) -> None:  # (a Module; anything else is asked)
         self.model = model
         self.tensors: dict[str, torch.Tensor] = {}
         self.names: dict[int, str] = {}
@@ -49,10 +60,10 @@ class LiveModel:
         # state, loads it, lists its children) as nn.Module does.
         kinds: dict[type, tuple[bool, bool, bool]] = {}
         tensors, names = self.tensors, self.names
-        stack: list[tuple[Any, str]] = [(model, "")]
+        stack: list[tuple[Any, str, int]] = [(model, "", 0)]
         pop = stack.pop
         while stack:
-            m, prefix = pop()
+            m, prefix, depth = pop()
             kind = type(m)
             plain = kinds.get(kind)
             if plain is None:
@@ -60,30 +71,38 @@ class LiveModel:
                     kind.state_dict is _MODULE.state_dict
                     and kind._save_to_state_dict is _MODULE._save_to_state_dict
                     and kind.get_extra_state is _MODULE.get_extra_state,
-                    kind._load_from_state_dict is _MODULE._load_from_state_dict,
+                    kind._load_from_state_dict is _MODULE._load_from_state_dict
+                    and kind.set_extra_state is _MODULE.set_extra_state,
                     kind.named_modules is _MODULE.named_modules)
-            if not plain[0] or m._state_dict_hooks or m._state_dict_pre_hooks:
-                self.lists = False
+            if (not plain[0] or not plain[2] or m._state_dict_hooks or m._state_dict_pre_hooks
+                    or not _OWN_WAYS.isdisjoint(m.__dict__) or depth > _MAX_DEPTH):
+                # Its state or its children are listed its own way (a method of its class or
+                # patched on it, a hook), or the modules nest past what state_dict's recursion
+                # reaches (a module holding its parent): torch's own calls are the source.
+                self.lists = self.loads = False
+                self.tensors, self.names = {}, {}
+                return
             if not plain[1] or m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
                 self.loads = False
-            if not plain[2]:  # its children are listed its own way: names come from torch
-                self.lists = False
             for name, p in m._parameters.items():
                 if p is not None:
                     key = prefix + name
                     tensors[key] = p
                     if id(p) not in names:
                         names[id(p)] = key
+                    if type(p) not in _PLAIN:  # (a subclass may watch its copy_)
+                        self.loads = False
             if m._buffers:
                 transient = m._non_persistent_buffers_set
                 for name, b in m._buffers.items():
                     if b is not None and name not in transient:
                         tensors[prefix + name] = b
+                        if type(b) not in _PLAIN:
+                            self.loads = False
             children = m._modules
             if children:  # (reversed onto the stack: the first child is walked next)
-                stack.extend([(c, f"{prefix}{n}.") for n, c in reversed(children.items())
-                              if c is not None])
-        self.loads = self.loads and self.lists
+                stack.extend([(c, f"{prefix}{n}.", depth + 1)
+                              for n, c in reversed(children.items()) if c is not None])
 
     def state_dict(self) -> dict[str, Any]:
         """``model.state_dict()``: from the walk where that is the same, else the model's."""

@@ -187,9 +187,11 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     missing = [k for k in live if k not in saved]
     if missing:
         try:
-            held = {_view(t): k for k, t in live.items() if k in saved}
+            held = {_view(t): k for k, t in live.items()
+                    if k in saved and isinstance(t, torch.Tensor)}
             tied = {k: held[_view(live[k])] for k in missing
-                    if live[k].numel() and _view(live[k]) in held}
+                    if isinstance(live[k], torch.Tensor) and live[k].numel()
+                    and _view(live[k]) in held}
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
             tied = {}
         saved = {**saved, **{k: saved[v] for k, v in tied.items()}}
@@ -201,6 +203,8 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                             "definition")
     for k, t in live.items():
         s = saved[k]
+        if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
+            continue
         if (not isinstance(s, torch.Tensor) or s.shape != t.shape
                 or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)

@@ -194,14 +194,16 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
     backup = {n: copy.deepcopy(parts[n].state_dict()) for n in order
               if n not in big and isinstance(parts[n], Stateful)}
-    if MODEL in parts and (walked is None or walked.model is not parts[MODEL]):
-        walked = LiveModel(parts[MODEL])
     done: list[str] = []
     for name in order:
         obj = parts[name]
         if not isinstance(obj, Stateful):
             continue
         try:
+            if name == MODEL and (walked is None or walked.model is not obj
+                                  or any(p.startswith(EXTRA_PREFIX) for p in done)):
+                # (an extra's load_state_dict may have changed the model since it was walked)
+                walked = LiveModel(obj)
             if name == MODEL and walked is not None and walked.loads:
                 _copy_into(walked, ready[name], mapped)
             elif name == OPTIMIZER:
@@ -238,9 +240,16 @@ def _copy_into(walked: LiveModel, saved: Mapping[str, torch.Tensor],
     ``nn.Module.load_state_dict``'s per-child scan of every key, which is quadratic in the
     number of children (2 s for 1,250 layers of a Sequential)."""
     pairs = walked.tensors
+    if not pairs:  # (a model without state: nothing to copy, and no list for _foreach_copy_)
+        return
     with torch.no_grad():
         if mapped is None:  # (one call for all: a Python loop of copy_ costs ~1 us a tensor)
-            torch._foreach_copy_(list(pairs.values()), [saved[name] for name in pairs])
+            dst, src = list(pairs.values()), [saved[name] for name in pairs]
+            try:
+                torch._foreach_copy_(dst, src)
+            except RuntimeError:  # (it refuses lazy conjugate or negative views: each copy_)
+                for d, s in zip(dst, src, strict=True):
+                    d.copy_(s)
             return
         for name, live in pairs.items():
             mapped.copy(saved[name], live)
