@@ -34,6 +34,14 @@ from unbroken.state.livemodel import LiveModel, param_names
 from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore")
+# UNBROKEN_PROPERTY_SCALE=10 runs ten times as many examples (a deeper search, minutes).
+_SCALE = float(os.environ.get("UNBROKEN_PROPERTY_SCALE", "0.6"))
+
+
+def _n(examples: int) -> int:
+    return max(5, round(examples * _SCALE))
+
+
 _SETTINGS = dict(deadline=None, database=None, suppress_health_check=list(HealthCheck))
 
 
@@ -429,7 +437,7 @@ def _recipes(draw: st.DrawFn) -> dict[str, Any]:
             "groups": draw(st.sampled_from(["one", "named", "split"]))}
 
 
-@settings(max_examples=45, **_SETTINGS)
+@settings(max_examples=_n(45), **_SETTINGS)
 @given(_recipes())
 def test_generated_models_restore_as_load_state_dict_and_train_alike(recipe):
     original = _build(recipe, 0)
@@ -487,7 +495,7 @@ def _changed_recipes(draw: st.DrawFn) -> tuple[dict[str, Any], dict[str, Any]]:
     return {**base, "tree": tree}, {**base, "tree": changed}
 
 
-@settings(max_examples=20, **_SETTINGS)
+@settings(max_examples=_n(20), **_SETTINGS)
 @given(_changed_recipes())
 def test_a_changed_model_is_refused_where_load_state_dict_refuses_it(recipes):
     saved, live = recipes
@@ -920,7 +928,7 @@ def _joined(chunks: Any) -> bytes:
     return b"".join(bytes(c) for c in chunks)
 
 
-@settings(max_examples=120, **_SETTINGS)
+@settings(max_examples=_n(120), **_SETTINGS)
 @given(_tensor_trees())
 def test_the_recorded_kinds_and_addresses_give_a_fresh_encoding_bytes(tree):
     meta = {"unbroken.part": "x"}
@@ -940,7 +948,7 @@ def test_the_recorded_kinds_and_addresses_give_a_fresh_encoding_bytes(tree):
         _same(tree, decode_tree(enc.skeleton, found))
 
 
-@settings(max_examples=40, **_SETTINGS)
+@settings(max_examples=_n(40), **_SETTINGS)
 @given(st.lists(st.sampled_from(_DTYPES[:12]), min_size=1, max_size=6),
        st.lists(st.integers(0, 2 ** 31), min_size=2, max_size=4))
 def test_the_layout_memo_keeps_the_bytes_of_a_fresh_encoding_as_tensors_change(dtypes, seeds):
@@ -994,7 +1002,7 @@ def _file_is_fresh_encoding(gen: str, part: str, tree: Any) -> None:
         assert f.read() == expected, gen
 
 
-@settings(max_examples=12, **_SETTINGS)
+@settings(max_examples=_n(12), **_SETTINGS)
 @given(_tensor_trees(), st.integers(0, 2 ** 31))
 def test_saves_whose_tensors_are_replaced_between_them_write_fresh_bytes_and_restore(
         tree, seed):
@@ -1078,7 +1086,7 @@ def _grouped_optimizer(model: nn.Module, cfg: dict[str, Any]) -> torch.optim.Opt
     return torch.optim.RMSprop(groups, lr=0.01, centered=True)
 
 
-@settings(max_examples=30, **_SETTINGS)
+@settings(max_examples=_n(30), **_SETTINGS)
 @given(_group_configs())
 def test_param_groups_restore_as_optimizer_load_state_dict_leaves_them(cfg):
     def make(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
