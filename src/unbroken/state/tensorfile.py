@@ -38,6 +38,9 @@ _AS_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np
              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
              "BOOL": np.bool_, "C64": np.complex64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8,
              "U16": np.int16, "U32": np.int32, "U64": np.int64}
+# Read through another NumPy dtype of the same size, then viewed as their own.
+_VIEWED = frozenset(name for name, dt in _ST_BY_NAME.items()
+                    if torch.from_numpy(np.empty(0, dtype=_AS_NUMPY[name])).dtype != dt)
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
@@ -279,8 +282,9 @@ def _views(data: memoryview, header: dict[str, Any], base: int, address: int
             if arr is None:
                 arr = arrays[name] = np.frombuffer(data, dtype=_AS_NUMPY[name], offset=base,
                                                    count=(len(data) - base) // size)
-            t = from_numpy(arr[begin // size:end // size].reshape(shape))
-            if t.dtype != dtype:  # no NumPy dtype of its own (bfloat16, float8, uint16-64)
+            flat = arr[begin // size:end // size]
+            t = from_numpy(flat if len(shape) == 1 else flat.reshape(shape))
+            if name in _VIEWED:  # no NumPy dtype of its own (bfloat16, float8, uint16-64)
                 t = t.view(dtype)
         else:
             t = torch.frombuffer(data, dtype=dtype, count=(end - begin) // size,
