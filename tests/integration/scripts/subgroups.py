@@ -63,6 +63,9 @@ def main() -> None:
     same = all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
     print(json.dumps({"rank": rank, "job": job, "restored": step, "same": same,
                       "outside": outside}), flush=True)
+    # Rank 0 holds the world's store, which the other job's ranks may still be using (their
+    # subgroups are made through it): every rank ends together (within the 30 s timeout).
+    dist.barrier()
     dist.destroy_process_group()
 
 
