@@ -169,12 +169,12 @@ def test_one_failed_heartbeat_does_not_stop_the_lease_being_renewed(url):
     """README: the lease is 'renewed every 20 s'. After one transient error the heartbeat
     thread returns for good, so a writer between saves loses its run to a second writer."""
     fs = FlakyPut(memfs())
-    lease = Lease(fs, f"{url}/{LEASE}", 3.0)  # heartbeat every second
+    lease = Lease(fs, f"{url}/{LEASE}", 1.5)  # heartbeat every 0.5 s
     lease.acquire()
     try:
         fs.failures = 1  # the next renewal fails once
-        time.sleep(4.5)  # the store is fine again; three more renewals were due
-        other = Lease(ObjectFS(memfs()), f"{url}/{LEASE}", 3.0)
+        time.sleep(2.25)  # the store is fine again; three more renewals were due
+        other = Lease(ObjectFS(memfs()), f"{url}/{LEASE}", 1.5)
         with pytest.raises(StoreLocked):
             other.acquire()
             other.release()
@@ -204,9 +204,15 @@ def test_releasing_the_lease_while_the_heartbeat_renews_it_leaves_no_lease_behin
     lease.acquire()
     thread = lease._heartbeat._thread
     assert fs.entered.wait(5)
-    lease.release()  # close(): stop the heartbeat, delete the lease
+    # close(): stop the heartbeat, delete the lease -- it waits for the renewal in flight,
+    # which the network then lets through
+    releasing = threading.Thread(target=lease.release)
+    releasing.start()
+    time.sleep(0.2)
     fs.go.set()
+    releasing.join(5)
     thread.join(5)
+    assert not releasing.is_alive() and not thread.is_alive()
     assert not memfs().exists(f"{url}/{LEASE}"), memfs().cat_file(f"{url}/{LEASE}")
     fresh = open_store(url)
     fresh.lock()  # this very process may write the run again at once
