@@ -152,6 +152,16 @@ class Restoring:
             if self.read_only is not None:  # nothing to read, and nothing could be written
                 raise ReadOnlyRun(f"nothing to restore, and no save could be written: "
                                   f"{self.read_only}")
+            if self._last_saved is not None or self._counters.step:
+                # 0 means "start fresh", and the live objects are not fresh: they hold the
+                # updates this Checkpointer counted (and saved, into generations now gone)
+                done = (f"saved step {self._last_saved}" if self._last_saved is not None
+                        else f"counted {self._counters.step} completed updates")
+                raise NoCheckpoint(
+                    f"{self.store.root}: no generation to restore, but this Checkpointer "
+                    f"{done} in this process and the live model holds them; the folder was "
+                    "emptied outside unbroken. Restore from a copy of the run, or begin a new "
+                    "run with a new Checkpointer and freshly built model and optimizer")
             self._restored = True
             self._after_restore(0, None)
             return 0

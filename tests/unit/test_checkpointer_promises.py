@@ -685,3 +685,29 @@ def test_large_bytes_and_frozen_arrays_save_without_warnings(tmp_path):
         warnings.simplefilter("error")
         ckpt.save()
     ckpt.close()
+
+
+def test_a_restore_after_the_folder_was_emptied_refuses_instead_of_starting_over(tmp_path):
+    """restore() returns 0 for "start fresh"; a Checkpointer whose live model holds updates
+    it counted (and saved into generations deleted since) must not say that: the loop would
+    count from 0 again with trained weights, and the next save would name them step 0."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        assert ckpt.restore() == 0
+        assert ckpt.restore() == 0  # nothing counted yet: still a fresh start
+        for step in (1, 2, 3):
+            ckpt.step_done(step)
+        with pytest.raises(unbroken.NoCheckpoint, match="counted 3 completed updates"):
+            ckpt.restore()
+        ckpt.save()
+        assert ckpt.restore() == 3
+        for gen in (tmp_path / "run").glob("gen-*"):
+            shutil.rmtree(gen)
+        with pytest.raises(unbroken.NoCheckpoint, match=r"run: no generation to restore.*"
+                           r"saved step 3.*new Checkpointer"):
+            ckpt.restore()
+        assert ckpt.step == 3
+    fresh = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(2, 2))
+    assert fresh.restore() == 0  # a new Checkpointer on the emptied folder starts over
+    fresh.close()

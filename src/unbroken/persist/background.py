@@ -34,10 +34,16 @@ class InFlight:
         # Our own flag, not Thread.is_alive(): a join interrupted by Ctrl-C can leave the
         # thread marked stopped while it still runs (CPython before 3.13).
         self._ended = threading.Event()
+        # The thread waits for this before its work: `Thread.start` waits until the new
+        # thread runs, which then kept the GIL for its first switch interval (5 ms) while
+        # the training thread waited to return from ``save()``.
+        self._go = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"unbroken-save-{step}")
         self._thread.start()
+        self._go.set()
 
     def _run(self) -> None:
+        self._go.wait()
         try:
             with installed(self._pacer):
                 self._result = self._fn()
