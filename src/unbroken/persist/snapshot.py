@@ -7,9 +7,11 @@ of live tensors that mixes two steps)."""
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from itertools import chain
+from typing import Any, NamedTuple
 
 import torch
 
@@ -29,6 +31,28 @@ _IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None), torch
 _Entry = tuple[torch.Tensor, torch.Size, torch.dtype | None, int]
 _NONE: dict[Any, _Entry] = {}  # the entries of a container that has none yet (never written)
 
+# A container holding this many tensors or more is taken by its `_Plan` when it can be.
+_PLANNED = 16
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # copied by the one _foreach_copy_
+_PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
+_DICT = frozenset({dict})
+_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+class _Plan(NamedTuple):
+    """How the last snapshot took a container of many tensors: a model's state_dict (keys ->
+    tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
+    ``inner``, each one's keys). A later snapshot of a container with the same keys whose
+    tensors still fit ``bufs`` (same order: ``shapes``, ``dtypes``) is taken with a few
+    whole-list operations instead of a Python step per tensor (see `_Taking.planned`)."""
+
+    keys: list[Any]
+    inner: list[list[Any]] | None
+    bufs: list[torch.Tensor]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+
 
 class SnapshotBuffers:
     """Host buffers by tree path, reused while a tensor keeps its shape, dtype and kind.
@@ -39,6 +63,7 @@ class SnapshotBuffers:
         # Entries by the path of their container, then their key in it: no path tuple is
         # built per tensor, and the usual snapshot, which uses every entry, changes nothing.
         self._buffers: dict[tuple[Any, ...], dict[Any, _Entry]] = {}
+        self._plans: dict[tuple[Any, ...], _Plan] = {}  # by the path of their container
         self._count = 0  # entries in _buffers; -1 after a snapshot that failed
         self.nbytes = 0  # bytes copied by the last snapshot: those of its entries
 
@@ -57,6 +82,7 @@ class _Taking:
     def __init__(self, buffers: SnapshotBuffers) -> None:
         self.buffers = buffers
         self.cache = buffers._buffers
+        self.plans = buffers._plans
         self.created = False  # an entry added or replaced: the unused ones are then dropped
         # Each view met and its buffer. The same view twice (tied weights: two state_dict
         # entries of one parameter) stays one tensor, as the encoder stores it once: views
@@ -92,6 +118,8 @@ class _Taking:
                           if (kept := {k: e for k, e in entries.items() if id(e[0]) in used})}
             sizes = [e[3] for entries in b._buffers.values() for e in entries.values()]
             count, b.nbytes = len(sizes), sum(sizes)
+            b._plans = {p: plan for p, plan in self.plans.items()
+                        if all(id(x) in used for x in plan.bufs)}
         b._count = count
         return out
 
@@ -125,20 +153,104 @@ class _Taking:
             elif kind in _IMMUTABLE:
                 out[key] = v
             elif kind is dict:  # (the usual container, without `node`)
-                out[key] = self.fill({}, v.items(), (*path, k))
+                out[key] = self.mapping({}, v, (*path, k))
             elif isinstance(v, torch.Tensor):
                 out[key] = self.tensor(v, path, k)
             else:
                 out[key] = self.node(v, (*path, k))
         return out
 
+    def mapping(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
+        """``out`` filled with the items of the dict ``d`` at ``path``: by the plan of the last
+        snapshot when it still fits, else by `fill` (then planned for the next snapshot)."""
+        plan = self.plans.get(path)
+        if plan is not None and self.planned(out, d, plan):
+            return out
+        start = len(self.bufs)
+        self.fill(out, d.items(), path)
+        if len(self.bufs) - start >= _PLANNED or plan is not None:
+            self.plan(out, d, path, start)
+        return out
+
+    def planned(self, out: Any, d: Mapping[Any, Any], plan: _Plan) -> bool:
+        """Take ``d`` by ``plan`` if it fits: the same keys (plain str and int keys, whose
+        ``==`` runs no user code), the same number of tensors, each a plain CPU tensor of its
+        buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
+        address of another. What `fill` checks one tensor at a time, here in whole-list
+        operations (~0.3 us a tensor instead of ~1 us); False (nothing done) if not."""
+        keys = list(d)
+        if not _PLAIN_KEYS.issuperset(map(type, keys)) or keys != plan.keys:
+            return False
+        values = list(d.values())
+        if plan.inner is None:
+            tensors = values
+        else:
+            if not _DICT.issuperset(map(type, values)):
+                return False
+            inner = list(map(list, values))
+            if (not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner)))
+                    or inner != plan.inner):
+                return False
+            tensors = [t for v in values for t in v.values()]
+        try:
+            if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
+                    or list(map(_DTYPE, tensors)) != plan.dtypes
+                    or list(map(_SHAPE, tensors)) != plan.shapes
+                    or not all(map(_IS_CPU, tensors))):
+                return False
+            ptrs = list(map(_DATA_PTR, tensors))  # (a sparse tensor has none: it raises)
+        except (RuntimeError, NotImplementedError):  # (an exotic tensor: `fill` says what)
+            return False
+        views = self.views
+        if 0 in ptrs or len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):
+            return False  # an empty tensor, or a tie: `fill` (it compares the views)
+        base = len(self.src)
+        views.update(zip(ptrs, range(base, base + len(ptrs))))
+        self.src.extend(tensors)
+        self.bufs.extend(plan.bufs)
+        if plan.inner is None:
+            out.update(zip(keys, plan.bufs))
+        else:
+            bufs = iter(plan.bufs)  # (each zip stops at its keys' end: takes only its own)
+            out.update(zip(keys, [dict(zip(names, bufs)) for names in inner]))
+        return True
+
+    def plan(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...], start: int) -> None:
+        """After `fill` took ``d`` into ``out``: its plan, if every tensor it holds (directly,
+        or in dicts one level down) got a buffer of its own, in order, copied by the one
+        _foreach_copy_ (``start``: the first one's index); else none."""
+        self.plans.pop(path, None)
+        bufs = self.bufs[start:]
+        if (type(out) is not dict and type(out) is not OrderedDict  # (Counter.update adds)
+                or any(i >= start for i in self.copied)
+                or not _PLAIN_KEYS.issuperset(map(type, d))):
+            return
+        values = list(out.values())
+        inner = None
+        if len(values) != len(bufs):
+            if not (_DICT.issuperset(map(type, values))
+                    and _DICT.issuperset(map(type, d.values()))):
+                return
+            inner = list(map(list, values))
+            if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner))):
+                return
+            values = [t for v in values for t in v.values()]
+            if len(values) != len(bufs):
+                return
+        if all(map(operator.is_, values, bufs)):
+            self.plans[path] = _Plan(list(d), inner, bufs, list(map(_SHAPE, bufs)),
+                                     list(map(_DTYPE, bufs)))
+
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], key: Any) -> torch.Tensor:
         """Any tensor, entry ``key`` of the container at ``path``: its view's buffer if met
         already, else its entry's buffer (a new one if that does not fit), copied into."""
-        if t.layout != torch.strided:  # (the encoder's refusal, before a buffer is made)
+        if t.layout != torch.strided:  # (the encoder's refusals, before a buffer is made)
             raise UnsupportedValue(
                 f"{_shown((*path, key))}: tensor with layout {t.layout} cannot be stored; "
                 "convert it to a dense tensor (e.g. .to_dense()) in state_dict()")
+        if t.is_meta:
+            raise UnsupportedValue(f"{_shown((*path, key))}: a meta tensor holds no data to "
+                                   "store; materialize it (e.g. .to_empty()) before saving")
         try:
             ptr = t.data_ptr()
         except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
@@ -176,12 +288,12 @@ class _Taking:
         """A container at ``path`` rebuilt, or anything else deep-copied."""
         kind = type(node)
         if kind is dict:
-            return self.fill({}, node.items(), path)
+            return self.mapping({}, node, path)
         if kind is list or kind is tuple:
             items = self.fill({}, enumerate(node), path).values()
             return list(items) if kind is list else tuple(items)
         if kind is OrderedDict or kind is Counter:  # a module's state_dict: with _metadata
-            out = self.fill(kind(), node.items(), path)
+            out = self.mapping(kind(), node, path)
             if vars(node):
                 vars(out).update(self.fill({}, vars(node).items(), (*path, _ATTRIBUTES)))
             return out

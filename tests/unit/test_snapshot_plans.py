@@ -1,0 +1,214 @@
+"""`SnapshotBuffers.take` by a container's plan (a later snapshot of a state_dict or of an
+optimizer's per-parameter state, taken in whole-list operations) against the same snapshot
+taken by fresh buffers (no plan): over generated sequences of trees whose containers change
+between snapshots in every way a plan must notice (a shape, a dtype, a key, a tie, an empty or
+sparse tensor, an int key that equals a bool, a tensor replaced by a dict), each snapshot is the
+tree's values at the call, shares no memory with it, and keeps ties exactly."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.errors import UnsupportedValue
+from unbroken.persist import snapshot
+from unbroken.persist.snapshot import SnapshotBuffers
+from unbroken.state.codec import view_ident
+
+N = snapshot._PLANNED + 4  # tensors in a container: enough for a plan
+
+CHANGES = st.sampled_from([
+    "none", "values", "shape", "dtype", "rename", "tie_in", "tie_across", "empty", "sparse",
+    "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
+    "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta"])
+
+
+class Name(str):
+    """A key equal to a plain one that is not immutable by type: a snapshot copies it (a
+    plan, comparing keys by ``==``, must not take it for the plain one and share it)."""
+
+
+def _model(n: int) -> OrderedDict[str, Any]:
+    sd: OrderedDict[str, Any] = OrderedDict(
+        (f"layer{i}.weight", torch.randn(3, 2)) for i in range(n))
+    sd._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
+    return sd
+
+
+def _state(n: int) -> dict[str, Any]:
+    return {f"layer{i}.weight": {"step": torch.tensor(float(i)), "exp_avg": torch.randn(3, 2)}
+            for i in range(n)}
+
+
+def _change(tree: dict[str, Any], change: str, i: int, buffers: SnapshotBuffers) -> None:
+    model, state = tree["model"], tree["optimizer"]["state"]
+    key = f"layer{i % N}.weight"
+    t, entry = model.get(key), state.get(key)
+    if change in ("values", "shape", "dtype", "rename", "tie_in", "empty", "sparse", "meta",
+                  "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
+                      isinstance(t, torch.Tensor) and not t.is_sparse):
+        return  # (an earlier change took this tensor away)
+    if change in ("tie_across", "tensor_for_dict", "inner_rename", "inner_shape",
+                  "inner_custom_key") and not (
+            isinstance(entry, dict) and "exp_avg" in entry and isinstance(t, torch.Tensor)):
+        return
+    if change == "values":
+        model[key] = model[key] + 1
+    elif change == "shape":
+        model[key] = torch.randn(2, 3)
+    elif change == "dtype":
+        model[key] = model[key].double()
+    elif change == "rename":
+        model[f"renamed{i}"] = model.pop(key)
+    elif change == "tie_in":
+        model[f"layer{(i + 1) % N}.weight"] = model[key]
+    elif change == "tie_across":
+        state[key]["exp_avg"] = model[key]
+    elif change == "empty":
+        model[key] = torch.empty(0, 2)
+    elif change == "sparse":  # refused (the encoder could not store it), then made dense
+        model[key] = torch.zeros(3, 2).to_sparse()
+        with pytest.raises(UnsupportedValue, match="layout torch.sparse_coo"):
+            buffers.take(tree)
+        model[key] = torch.randn(3, 2)
+    elif change == "bool_key":  # True == 1: a plan comparing keys by == alone would match
+        tree["optimizer"]["state"] = {(True if k == "layer1.weight" else k): v
+                                      for k, v in state.items()}
+    elif change == "dict_for_tensor":
+        model[key] = {"nested": torch.ones(3, 2)}
+    elif change == "tensor_for_dict":
+        state[key] = torch.ones(3, 2)
+    elif change == "parameter":
+        model[key] = torch.nn.Parameter(model[key].clone())
+    elif change == "drop":
+        del model[key]
+    elif change == "add":
+        state[f"new{i}"] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros(3, 2)}
+    elif change == "inner_rename":
+        state[key]["exp_avg_sq"] = state[key].pop("exp_avg")
+    elif change == "inner_shape":
+        state[key]["exp_avg"] = torch.randn(5)
+    elif change == "meta":  # refused typed (not torch's NotImplementedError), then real
+        model[key] = torch.empty(3, 2, device="meta")
+        with pytest.raises(UnsupportedValue, match="a meta tensor holds no data"):
+            buffers.take(tree)
+        model[key] = torch.randn(3, 2)
+    elif change == "custom_key":
+        tree["model"] = type(model)((Name(k) if k == key else k, v) for k, v in model.items())
+        tree["model"]._metadata = model._metadata
+    elif change == "inner_custom_key":
+        state[key] = {Name(k) if k == "step" else k: v for k, v in entry.items()}
+    elif change == "noncontiguous":
+        model[key] = torch.randn(2, 3).t()
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+    return out
+
+
+def _same_shape(a: Any, b: Any) -> None:
+    """Same containers, keys (and their types) and order; tensors equal in value (a
+    parameter's buffer is a plain tensor)."""
+    assert type(a) is type(b) or isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+    if isinstance(a, dict):
+        assert [(type(k), k) for k in a] == [(type(k), k) for k in b]
+        # (a key of a mutable type -- any but the immutables -- is a copy in the snapshot)
+        assert not [k for k, j in zip(a, b) if type(k) not in snapshot._IMMUTABLE and k is j]
+        for k in a:
+            _same_shape(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            _same_shape(x, y)
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.to_dense() if a.is_sparse else a, b.to_dense() if b.is_sparse else b)
+    else:
+        assert a == b
+
+
+def _ident(t: torch.Tensor) -> Any:
+    return view_ident(t) or id(t)
+
+
+@settings(max_examples=40, deadline=None)
+@given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6))
+def test_a_planned_snapshot_is_the_snapshot_fresh_buffers_take(changes):
+    torch.manual_seed(0)
+    tree: dict[str, Any] = {"model": _model(N), "optimizer": {"state": _state(N), "lr": 0.1}}
+    buffers = SnapshotBuffers()
+    buffers.take(tree)
+    for change, i in [("none", 0), *changes]:
+        _change(tree, change, i, buffers)
+        snap = buffers.take(tree)
+        fresh = SnapshotBuffers().take(tree)
+        _same_shape(snap, tree)
+        _same_shape(snap, fresh)
+        assert snap["model"]._metadata == tree["model"]._metadata
+        src, got = _tensors(tree, []), _tensors(snap, [])
+        assert len(src) == len(got)
+        # one buffer per view: two leaves share a buffer exactly when they are one view
+        groups: dict[Any, set[int]] = {}
+        for a, x in zip(src, got):
+            groups.setdefault(_ident(a), set()).add(id(x))
+        assert all(len(g) == 1 for g in groups.values())
+        assert len(set().union(*groups.values())) == len(groups)
+        dense = [t for t in src if not t.is_sparse and t.numel()]
+        before = [t.clone() for t in dense]
+        with torch.no_grad():
+            for t in dense:
+                t.add_(1)  # the loop goes on: the snapshot keeps the values at the call
+        kept = [t for t, s in zip(got, src) if not s.is_sparse and s.numel()]
+        assert all(torch.equal(k, b) for k, b in zip(kept, before))
+        assert not {t.data_ptr() for t in kept} & {t.data_ptr() for t in dense}
+        with torch.no_grad():
+            for t in dense:
+                t.sub_(1)
+
+
+def test_the_state_dict_and_the_optimizer_state_are_taken_by_their_plans():
+    """The containers a plan is for really take it (not `fill`): the test above would pass
+    with no plan at all."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(N)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+
+    def tree() -> dict[str, Any]:
+        sd = opt.state_dict()
+        return {"model": model.state_dict(), "optimizer": {"state": sd["state"]}}
+
+    buffers = SnapshotBuffers()
+    buffers.take(tree())
+    assert set(buffers._plans) == {("model",), ("optimizer", "state")}
+    taken = []
+    real = snapshot._Taking.fill
+
+    def fill(self, out, items, path):
+        taken.append(path)
+        return real(self, out, items, path)
+
+    snapshot._Taking.fill = fill
+    try:
+        snap = buffers.take(tree())
+    finally:
+        snapshot._Taking.fill = real
+    # by `fill`: the top level and the state_dict's _metadata, not the planned containers
+    assert () in taken and not [p for p in taken if p[:1] == ("model",) and len(p) == 1
+                                or p[:2] == ("optimizer", "state")]
+    assert all(torch.equal(snap["model"][k], v) for k, v in model.state_dict().items())
+    assert torch.equal(snap["optimizer"]["state"][0]["exp_avg"], opt.state[model[0].weight]
+                       ["exp_avg"])
