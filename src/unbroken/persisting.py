@@ -173,6 +173,7 @@ class Persisting:
             request["job"] = {"staging": stage_job(self._save_group, staged),
                               "rank": group.rank, "size": group.size,
                               "timeout": persister.timeout}
+            persister.announce(step, request["job"])
 
         def give_up(e: BaseException) -> None:
             """This rank's persisting process will post nothing more for this save: say so in

@@ -191,3 +191,34 @@ def test_a_silent_persisting_process_fails_the_commit_within_the_timeout(tmp_pat
         assert sorted(os.listdir(store.root)) == ["LOCK"]  # staging and job folder gone
     store.unlock()
     assert gens(tmp_path / "run") == []
+
+
+def test_a_rank_killed_before_handing_its_share_over_frees_the_run_at_once(tmp_path):
+    """Rank 1 dies inside the save of update 3 after the ranks agreed on its staging folder,
+    before its share reached its persisting process (killed while encoding); the leader's
+    persisting process, which has its own share, waited for rank 1's files until the 20 s
+    timeout, holding the run's lock, so a restarted job waited too. Rank 1's persisting
+    process now says that its writer ended: the leader's gives up at once."""
+    folder = tmp_path / "run"
+    life = Life(folder, tmp_path / "died", {"DIE_RANK": "1", "DIE_AT": "3"})
+    try:
+        assert life.procs[1].wait(timeout=120) == -9, life.stderr(1)
+        deadline = time.monotonic() + 60
+        while not (life.out / "saved.3.rank0").exists():  # the leader's share is handed over
+            assert life.procs[0].poll() is None, life.stderr(0)
+            assert time.monotonic() < deadline, life.stderr(0)
+            time.sleep(0.01)
+        life.procs[0].kill()  # (as torchrun tears a job down when one of its ranks dies)
+        life.procs[0].wait()
+        started = time.monotonic()
+        while _tagged(life.tag) and time.monotonic() - started < 60:  # persisting processes
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        assert not _tagged(life.tag)
+        assert took < 10, f"the persisting processes ended {took:.1f} s after the job"
+    finally:
+        life.end()
+    assert_committed(folder, [])  # generation 3 was not committed; no staging is left
+    store = GenerationStore(folder)
+    store.lock()  # a restarted job takes the run at once
+    store.unlock()

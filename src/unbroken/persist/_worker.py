@@ -24,7 +24,7 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._pacing import Pacer, installed
@@ -123,22 +123,35 @@ def _typed(store: GenerationStore, request: dict[str, Any], e: Exception) -> Exc
                       f"({type(e).__name__}: {e}); older generations are untouched")
 
 
+def _job(store: GenerationStore, step: int, j: Mapping[str, Any]) -> FileGroup:
+    return FileGroup(store.fs, j["staging"], step, j["rank"], j["size"], j["timeout"])
+
+
 def _serve(store: GenerationStore, sock: socket.socket) -> None:
     segment: tuple[int, mmap.mmap] | None = None
+    announced: dict[str, Any] | None = None  # a job's save this rank's writer is encoding
     while True:
         try:
             request = _wire.receive(sock)
         except (_wire.Closed, OSError, ValueError):
+            if announced is not None:  # the other ranks' persisting processes wait for it
+                with contextlib.suppress(Exception):
+                    step = announced["step"]
+                    _job(store, step, announced).close(SaveFailed(
+                        f"the training process of rank {announced['rank']} ended before it "
+                        f"handed its share of generation {step} over"))
             return  # the writer is gone (or said nothing more): nothing left to commit
         if request.get("quit"):
             return
+        if "announce" in request:
+            announced = request["announce"]
+            continue
+        announced = None
         job: FileGroup | None = None
         error: Exception | None = None
         try:
             if "job" in request:
-                j = request["job"]
-                job = FileGroup(store.fs, j["staging"], request["step"], j["rank"], j["size"],
-                                j["timeout"])
+                job = _job(store, request["step"], request["job"])
             if segment is None or segment[0] != request["segment"]:
                 fd = _wire.receive_fd(sock)
                 try:

@@ -148,6 +148,17 @@ class ProcessPersister:
             os.close(self._shm_fd)
             self._shm_fd = None
 
+    def announce(self, step: int, job: Mapping[str, Any]) -> None:
+        """Tell the persisting process which save of a job (``job``: staging folder, rank,
+        size, timeout) this rank takes part in, before the snapshot: if this process dies
+        before `submit` (killed while it encodes), the persisting process says so to the
+        others', whose wait for this rank's files then ends at once, not at the timeout
+        (holding the run's lock meanwhile)."""
+        try:
+            _wire.send(self._ready(), {"announce": {"step": step, **job}})
+        except (OSError, _wire.Closed, ValueError) as e:
+            raise self._fail("the save could not be announced", e) from e
+
     def submit(self, request: Mapping[str, Any], artifacts: Mapping[str, Source]) -> None:
         """Copy ``artifacts`` into shared memory (the snapshot: when this returns, nothing
         the training loop does changes what is written) and hand the save over to a

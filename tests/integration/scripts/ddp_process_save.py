@@ -4,7 +4,8 @@ for test_ddp_process_save.py. Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_
 After every save (every ``--every`` updates) each rank writes its model and optimizer tensors
 to ``<out>/state.<step>.rank<r>.safetensors`` and the marker ``<out>/saved.<step>.rank<r>``.
 ``KILL_RANK`` and ``KILL_AT``: that rank SIGKILLs itself right after the save of update
-``KILL_AT`` returned. ``FAIL_RANK`` and ``FAIL_AT``: that rank's persisting process cannot
+``KILL_AT`` returned; ``DIE_RANK`` and ``DIE_AT``: inside it, once the generation's staging
+folder is agreed, before it hands its share over. ``FAIL_RANK`` and ``FAIL_AT``: that rank's persisting process cannot
 write its first file of generation ``FAIL_AT`` (a folder is in its way); every rank then
 waits for that save and writes what it raised to ``<out>/failed.rank<r>.json``."""
 
@@ -51,6 +52,18 @@ def fail_first_file(persister, staging_of_step: int) -> None:
     persister.submit = failing
 
 
+def die_before_handing_over(persister, step: int) -> None:
+    """SIGKILL this rank inside the save of ``step``, where it would hand its share over."""
+    submit = persister.submit
+
+    def dying(request, artifacts):
+        if request["step"] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        submit(request, artifacts)
+
+    persister.submit = dying
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--folder", required=True)
@@ -75,6 +88,8 @@ def main() -> None:
     env = os.environ
     if env.get("FAIL_RANK") == str(rank):
         fail_first_file(ckpt._persister, int(env["FAIL_AT"]))
+    if env.get("DIE_RANK") == str(rank):
+        die_before_handing_over(ckpt._persister, int(env["DIE_AT"]))
     step = ckpt.restore()
     print(f"rank {rank} restored {step}", flush=True)
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
