@@ -139,16 +139,15 @@ class _Taking:
                 # whose last buffer fits; anything else (a tie, a new shape, no address) in
                 # `tensor`.
                 entry, buf = entries.get(k), None
-                if (entry is not None and v.is_cpu and v.shape == entry[1]
-                        and v.dtype is entry[2]):
-                    try:
-                        ptr = v.data_ptr()
-                    except RuntimeError:  # (a sparse tensor: no storage)
-                        ptr = 0
-                    if ptr and ptr not in views:
-                        views[ptr], buf = len(src), entry[0]
-                        src.append(v)
-                        bufs.append(buf)
+                try:
+                    ptr = (v.data_ptr() if entry is not None and v.is_cpu
+                           and v.shape == entry[1] and v.dtype is entry[2] else 0)
+                except RuntimeError:  # (a sparse tensor has no storage, a nested no shape)
+                    ptr = 0
+                if ptr and ptr not in views and entry is not None:  # (entry: for mypy)
+                    views[ptr], buf = len(src), entry[0]
+                    src.append(v)
+                    bufs.append(buf)
                 out[key] = buf if buf is not None else self.tensor(v, path, k)
             elif kind in _IMMUTABLE:
                 out[key] = v
@@ -163,8 +162,13 @@ class _Taking:
     def mapping(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
         """``out`` filled with the items of the dict ``d`` at ``path``: by the plan of the last
         snapshot when it still fits, else by `fill` (then planned for the next snapshot)."""
-        plan = self.plans.get(path)
-        if plan is not None and self.planned(out, d, plan):
+        # (Out of the plans while `fill` runs: a fill that raises may replace a buffer the
+        # plan holds, and a plan used after that would drop the new one as unused. A
+        # Counter's ``update`` counts: it never takes a plan.)
+        plan = self.plans.pop(path, None)
+        if (plan is not None and (type(out) is dict or type(out) is OrderedDict)
+                and self.planned(out, d, plan)):
+            self.plans[path] = plan
             return out
         start = len(self.bufs)
         self.fill(out, d.items(), path)
@@ -248,9 +252,13 @@ class _Taking:
             raise UnsupportedValue(
                 f"{_shown((*path, key))}: tensor with layout {t.layout} cannot be stored; "
                 "convert it to a dense tensor (e.g. .to_dense()) in state_dict()")
-        if t.is_meta:
-            raise UnsupportedValue(f"{_shown((*path, key))}: a meta tensor holds no data to "
-                                   "store; materialize it (e.g. .to_empty()) before saving")
+        if t.is_meta or t.is_nested or t.is_quantized:
+            what = ("a meta tensor holds no data to store; materialize it (e.g. .to_empty())"
+                    if t.is_meta else "a nested tensor cannot be stored; store its "
+                    "components (.unbind())" if t.is_nested else
+                    f"tensors of dtype {t.dtype} cannot be stored (quantized dtypes are not "
+                    "supported); convert them (e.g. .dequantize()) in state_dict()")
+            raise UnsupportedValue(f"{_shown((*path, key))}: {what} before saving")
         try:
             ptr = t.data_ptr()
         except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own

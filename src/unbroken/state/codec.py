@@ -164,8 +164,13 @@ class _Encoder:
             data, dtype, ptr = flat.view(torch.uint8), torch.uint8, 0
         elif not data.is_contiguous():
             data, ptr = data.contiguous(), 0
+        try:
+            shape = data.shape
+        except RuntimeError:  # (a nested tensor of strided layout: no shape; rare, so here)
+            raise UnsupportedValue(f"{path}: a nested tensor cannot be stored; store its "
+                                   "components (.unbind()) in state_dict()") from None
         tensors[key] = data
-        self.kinds.append((key, dtype, data.shape))
+        self.kinds.append((key, dtype, shape))
         self.ptrs.append(ptr or data.data_ptr())  # (t's address, unless data is a new tensor)
         if held is None:
             self._views[at] = (t, ref)
