@@ -711,3 +711,30 @@ def test_a_restore_after_the_folder_was_emptied_refuses_instead_of_starting_over
     fresh = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(2, 2))
     assert fresh.restore() == 0  # a new Checkpointer on the emptied folder starts over
     fresh.close()
+
+
+def test_a_model_on_the_meta_device_is_refused_not_restored_empty(tmp_path):
+    """Copying into a meta tensor does nothing: restore() returned the step with the model
+    still empty. It names the tensor and the way on, and changes nothing."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    with torch.device("meta"):
+        lazy = torch.nn.Linear(2, 2)
+    lazy_opt = torch.optim.SGD(lazy.parameters(), lr=0.1)
+    for intent, source, folder, optimizer in (("continue", None, "run", lazy_opt),
+                                              ("warm_start", tmp_path / "run", "new", None)):
+        with unbroken.Checkpointer(tmp_path / folder, model=lazy,
+                                   optimizer=optimizer) as ckpt:
+            with pytest.raises(unbroken.StateMismatch, match=r"live model tensor 'weight' is "
+                               r"on the meta device.*to_empty"):
+                ckpt.restore(intent, source=source)
+    assert sorted(p.name for p in (tmp_path / "run").iterdir() if p.name.startswith("gen-")) \
+        == ["gen-000000001"]  # nothing set aside
+    lazy.to_empty(device="cpu")
+    with unbroken.Checkpointer(tmp_path / "run", model=lazy,
+                               optimizer=torch.optim.SGD(lazy.parameters(), lr=0.1)) as ckpt:
+        assert ckpt.restore() == 1
+    assert torch.equal(lazy.weight, model.weight) and torch.equal(lazy.bias, model.bias)

@@ -205,6 +205,10 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
             continue
+        if t.is_meta:  # (copying into it does nothing: the restore would "succeed" empty)
+            raise StateMismatch(f"{where}: live model tensor {k!r} is on the meta device and "
+                                "holds no memory to restore into; materialize the model "
+                                "first (e.g. model.to_empty(device='cpu')), then restore()")
         if (not isinstance(s, torch.Tensor) or s.shape != t.shape
                 or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
