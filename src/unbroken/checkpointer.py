@@ -73,7 +73,8 @@ class Checkpointer(Persisting, Restoring):
     writes it, so a save survives the training process being killed after ``save()``
     returned (`persist.process`). In a job, every rank has one; they commit each generation
     together through files in the run folder (`dist.filegroup`), waiting at most
-    ``async_timeout`` seconds for one another.
+    ``async_timeout`` seconds for one another (a rank whose training process dies before it
+    handed its share over is reported to the others by its persisting process at once).
 
     ``read_back``, of a synchronous save: ``"background"`` (the default) returns from
     ``save()`` once the generation is committed and durable (written, hashed, fsynced,
