@@ -8,6 +8,7 @@ tree's values at the call, shares no memory with it, and keeps ties exactly."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -25,7 +26,8 @@ N = snapshot._PLANNED + 4  # tensors in a container: enough for a plan
 CHANGES = st.sampled_from([
     "none", "values", "shape", "dtype", "rename", "tie_in", "tie_across", "empty", "sparse",
     "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
-    "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta"])
+    "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta",
+    "negative_view", "path_clash", "odict_for_dict"])
 
 
 class Name(str):
@@ -45,11 +47,14 @@ def _state(n: int) -> dict[str, Any]:
             for i in range(n)}
 
 
-def _change(tree: dict[str, Any], change: str, i: int, buffers: SnapshotBuffers) -> None:
+def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any]) -> None:
+    """Change ``tree`` in place; a change to a tensor that cannot be stored checks that
+    ``take`` (a snapshot, an encoding) refuses it, then undoes it."""
     model, state = tree["model"], tree["optimizer"]["state"]
     key = f"layer{i % N}.weight"
     t, entry = model.get(key), state.get(key)
     if change in ("values", "shape", "dtype", "rename", "tie_in", "empty", "sparse", "meta",
+                  "negative_view",
                   "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
                       isinstance(t, torch.Tensor) and not t.is_sparse):
         return  # (an earlier change took this tensor away)
@@ -74,7 +79,7 @@ def _change(tree: dict[str, Any], change: str, i: int, buffers: SnapshotBuffers)
     elif change == "sparse":  # refused (the encoder could not store it), then made dense
         model[key] = torch.zeros(3, 2).to_sparse()
         with pytest.raises(UnsupportedValue, match="layout torch.sparse_coo"):
-            buffers.take(tree)
+            take(tree)
         model[key] = torch.randn(3, 2)
     elif change == "bool_key":  # True == 1: a plan comparing keys by == alone would match
         tree["optimizer"]["state"] = {(True if k == "layer1.weight" else k): v
@@ -96,13 +101,21 @@ def _change(tree: dict[str, Any], change: str, i: int, buffers: SnapshotBuffers)
     elif change == "meta":  # refused typed (not torch's NotImplementedError), then real
         model[key] = torch.empty(3, 2, device="meta")
         with pytest.raises(UnsupportedValue, match="a meta tensor holds no data"):
-            buffers.take(tree)
+            take(tree)
         model[key] = torch.randn(3, 2)
     elif change == "custom_key":
         tree["model"] = type(model)((Name(k) if k == key else k, v) for k, v in model.items())
         tree["model"]._metadata = model._metadata
     elif change == "inner_custom_key":
         state[key] = {Name(k) if k == "step" else k: v for k, v in entry.items()}
+    elif change == "negative_view":  # a view with the lazy negative bit: its memory is not
+        model[key] = torch._neg_view(torch.randn(3, 2))  # its value (contiguous, as a plan's)
+    elif change == "odict_for_dict":  # the same keys in another mapping type
+        tree["optimizer"]["state"] = OrderedDict(state)
+    elif change == "path_clash":  # a key met before the state_dict, equal to one of its paths
+        tree.clear()
+        tree.update({f"model.{key}": torch.ones(1), "model": model,
+                     "optimizer": {"state": state, "lr": 0.1}})
     elif change == "noncontiguous":
         model[key] = torch.randn(2, 3).t()
 
@@ -147,12 +160,21 @@ def _ident(t: torch.Tensor) -> Any:
 @settings(max_examples=40, deadline=None)
 @given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6))
 def test_a_planned_snapshot_is_the_snapshot_fresh_buffers_take(changes):
+    _take_after(changes)
+
+
+@pytest.mark.parametrize("change", CHANGES.elements)  # (each one alone, on every run)
+def test_each_change_after_a_planned_snapshot_is_taken_as_by_fresh_buffers(change):
+    _take_after([(change, 1), ("none", 0), (change, 2)])
+
+
+def _take_after(changes: list[tuple[str, int]]) -> None:
     torch.manual_seed(0)
     tree: dict[str, Any] = {"model": _model(N), "optimizer": {"state": _state(N), "lr": 0.1}}
     buffers = SnapshotBuffers()
     buffers.take(tree)
     for change, i in [("none", 0), *changes]:
-        _change(tree, change, i, buffers)
+        _change(tree, change, i, buffers.take)
         snap = buffers.take(tree)
         fresh = SnapshotBuffers().take(tree)
         _same_shape(snap, tree)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import base64
 import math
+import operator
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from itertools import chain
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -102,8 +104,39 @@ def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (ptr, t.shape, t.stride(), t.dtype, t.device, t.is_conj(), t.is_neg())
 
 
+# A mapping holding this many tensors or more is encoded by its `_Plan` when it can be.
+_PLANNED = 16
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
+_DICT = frozenset({dict})
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_IS_CPU, _GRAD = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+_T = torch.Tensor
+
+
+class _Plan(NamedTuple):
+    """How the last save encoded a mapping of many tensors: a model's state_dict (keys ->
+    tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
+    ``inner``, each one's keys). Every tensor was stored as itself under its path (``kinds``,
+    in order) and referenced by a plain ``{"$t": "tensor", "key": path}`` (``refs``). A later
+    save of a mapping of the same type and keys whose tensors are still plain, contiguous CPU
+    tensors of the same dtypes and shapes, none of them met before in the part, gets the same
+    ``skeleton`` (the same object, never changed) from a few whole-list checks instead of a
+    Python step per tensor (`_Encoder.planned`)."""
+
+    kind: type
+    keys: list[Any]
+    inner: list[list[Any]] | None
+    kinds: list[tuple[str, torch.dtype, torch.Size]]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    refs: list[dict[str, Any]]
+    skeleton: Any
+
+
 class _Encoder:
-    def __init__(self) -> None:
+    def __init__(self, plans: dict[str, _Plan] | None = None) -> None:
+        self.plans = plans  # by the mapping's path; kept by the caller from save to save
         self.tensors: dict[str, torch.Tensor] = {}
         # Beside each stored tensor, in order: (key, dtype, shape) and its address, which
         # `encode_safetensors` would otherwise read again (~1 us a tensor for 10,000).
@@ -213,17 +246,10 @@ class _Encoder:
         if t in _MAPPINGS:
             # (First: state dicts hold thousands of entries. A plain tensor leaf skips a level
             # of calls, and so does a plain int key, the optimizer's per-parameter state.)
-            dot = f"{path}." if path else ""
-            leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
-            tensor, encode, plain = self.tensor, self.encode, torch.Tensor
-            if t is dict and TAG not in obj and all(type(k) is str for k in obj):
-                return {k: tensor(v, dot + k) if leaf and type(v) is plain
-                        else encode(v, dot + k, depth + 1) for k, v in obj.items()}
-            return {TAG: _MAPPINGS[t], "v": [
-                [k if type(k) is str or type(k) is int and -_BIG_INT < k < _BIG_INT
-                 else encode(k, f"{dot}<key>", depth + 1),
-                 tensor(v, f"{dot}{k}") if leaf and type(v) is plain
-                 else encode(v, f"{dot}{k}", depth + 1)] for k, v in obj.items()]}
+            if (self.plans is not None and (t is dict or t is OrderedDict)
+                    and depth < MAX_DEPTH - 1):  # (a plan's tensors are two levels down)
+                return self.by_plan(obj, path, depth, self.plans)
+            return self.mapping(obj, path, depth)
         if obj is None or t is bool or t is str:
             return obj
         if t is int:
@@ -263,6 +289,111 @@ class _Encoder:
             "pickle; return tensors, numbers, strings, bytes, lists, tuples or dicts from "
             "state_dict()")
 
+    def mapping(self, obj: Any, path: str, depth: int) -> Any:
+        """A dict, OrderedDict or Counter ``obj``'s skeleton (its tensors stored)."""
+        t = type(obj)
+        dot = f"{path}." if path else ""
+        leaf = depth < MAX_DEPTH  # a tensor child within the depth limit: no call level
+        tensor, encode, plain = self.tensor, self.encode, torch.Tensor
+        if t is dict and TAG not in obj and all(type(k) is str for k in obj):
+            return {k: tensor(v, dot + k) if leaf and type(v) is plain
+                    else encode(v, dot + k, depth + 1) for k, v in obj.items()}
+        return {TAG: _MAPPINGS[t], "v": [
+            [k if type(k) is str or type(k) is int and -_BIG_INT < k < _BIG_INT
+             else encode(k, f"{dot}<key>", depth + 1),
+             tensor(v, f"{dot}{k}") if leaf and type(v) is plain
+             else encode(v, f"{dot}{k}", depth + 1)] for k, v in obj.items()]}
+
+    def by_plan(self, obj: Any, path: str, depth: int, plans: dict[str, _Plan]) -> Any:
+        """`mapping`, by the plan of the last save when it still fits (then planned for the
+        next save, if it holds enough tensors). A plan is out of ``plans`` while `mapping`
+        runs: one that raises may have stored what the plan would not know of."""
+        plan = plans.pop(path, None)
+        if plan is not None and self.planned(obj, plan):
+            plans[path] = plan
+            return plan.skeleton
+        start = len(self.kinds)
+        skeleton = self.mapping(obj, path, depth)
+        if len(self.kinds) - start >= _PLANNED:
+            self.plan(obj, path, skeleton, start)
+        return skeleton
+
+    def planned(self, obj: Mapping[Any, Any], plan: _Plan) -> bool:
+        """Take ``obj`` by ``plan`` if it fits (see `_Plan`): its tensors stored, their
+        kinds and addresses recorded, as `tensor` would; False (nothing done) if not."""
+        if type(obj) is not plan.kind:
+            return False
+        keys = list(obj)
+        if not _PLAIN_KEYS.issuperset(map(type, keys)) or keys != plan.keys:
+            return False
+        values = list(obj.values())
+        if plan.inner is None:
+            tensors = values
+        else:
+            if not _DICT.issuperset(map(type, values)):
+                return False
+            inner = list(map(list, values))
+            if (not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner)))
+                    or inner != plan.inner):
+                return False
+            tensors = [v for d in values for v in d.values()]
+        try:
+            if (len(tensors) != len(plan.kinds)
+                    or not _PLAIN_TENSORS.issuperset(map(type, tensors))
+                    or list(map(_DTYPE, tensors)) != plan.dtypes
+                    or list(map(_SHAPE, tensors)) != plan.shapes
+                    or not all(map(_IS_CPU, tensors)) or any(map(_GRAD, tensors))
+                    or any(map(_T.is_neg, tensors))  # (no complex dtype: no conj bit)
+                    or not all(map(_T.is_contiguous, tensors))):
+                return False
+            ptrs = list(map(_T.data_ptr, tensors))  # (a sparse tensor has none: it raises)
+        except (RuntimeError, NotImplementedError):  # (an exotic tensor: `tensor` says what)
+            return False
+        views, stored = self._views, self.tensors
+        paths = [k for k, _, _ in plan.kinds]
+        if (0 in ptrs or len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs)
+                or not stored.keys().isdisjoint(paths)):
+            return False  # an empty tensor, a tie, a key taken: `tensor` (it tells them apart)
+        stored.update(zip(paths, tensors))
+        self.kinds.extend(plan.kinds)
+        self.ptrs.extend(ptrs)
+        views.update(zip(ptrs, zip(tensors, plan.refs)))
+        return True
+
+    def plan(self, obj: Mapping[Any, Any], path: str, skeleton: Any, start: int) -> None:
+        """After ``obj`` was encoded into ``skeleton`` (its tensors from ``start`` on in
+        ``kinds``): its plan, if every tensor it holds (directly, or in dicts one level down)
+        was stored as itself under its own path and referenced plainly."""
+        assert self.plans is not None
+        kinds = self.kinds[start:]
+        if not _PLAIN_KEYS.issuperset(map(type, obj)):
+            return
+        dot = f"{path}." if path else ""
+        values = list(obj.values())
+        inner = None
+        if _PLAIN_TENSORS.issuperset(map(type, values)):
+            tensors, want = values, [f"{dot}{k}" for k in obj]
+        elif _DICT.issuperset(map(type, values)):
+            inner = list(map(list, values))
+            if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner))):
+                return
+            tensors = [v for d in values for v in d.values()]
+            want = [f"{dot}{k}.{i}" for k, names in zip(obj, inner) for i in names]
+        else:
+            return
+        if (len(tensors) != len(kinds) or [k for k, _, _ in kinds] != want
+                or not all(map(operator.is_, map(self.tensors.__getitem__, want), tensors))
+                or any(d in _COMPLEX for _, d, _ in kinds)):
+            return  # a tie, a copy (detached, resolved, made contiguous), a renamed key
+        refs: list[dict[str, Any]] = []
+        for ptr in self.ptrs[start:]:
+            held = self._views.get(ptr)
+            if type(held) is not tuple or len(held[1]) != 2:  # (not one plain reference)
+                return
+            refs.append(held[1])
+        self.plans[path] = _Plan(type(obj), list(obj), inner, kinds, [s for _, _, s in kinds],
+                                 [d for _, d, _ in kinds], refs, skeleton)
+
 
 def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``tree`` into a JSON-able skeleton and the tensors it references by key."""
@@ -281,11 +412,13 @@ class Encoded(NamedTuple):
     ptrs: list[int]
 
 
-def encode_tree_for_file(tree: Any) -> Encoded:
+def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None) -> Encoded:
     """`encode_tree`, with what `encode_safetensors` needs of each tensor already read:
     every tensor is contiguous, detached, on the CPU, without a lazy bit, of a dtype the
-    file format names."""
-    enc = _Encoder()
+    file format names. ``plans``: a dict kept from one call to the next (a Checkpointer's
+    saves of one part) in which the encoding of mappings of many tensors is kept and used
+    again while it fits (the skeleton and tensors are those of a call without it)."""
+    enc = _Encoder(plans)
     skeleton = enc.encode(tree, "")
     return Encoded(skeleton, enc.tensors, enc.kinds, enc.ptrs)
 

@@ -275,7 +275,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     ``prefix`` names one rank's own files (``rank00001.state.json``, ...). With ``plan``
     (incremental saves, see `incremental`), a part's unchanged tensors go to stable files,
     and a stable file of the previous generation is a `Linked` artifact. ``layouts``: kept
-    from one save to the next, each tensor file's layout (`encode_safetensors`)."""
+    from one save to the next, each tensor file's layout (`encode_safetensors`) and the
+    encoding plans of its part (`encode_tree_for_file`)."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
     more: dict[str, list[dict[str, str]]] = {}
@@ -283,7 +284,10 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     for part, value in tree.items():
         try:
             check_part_tree(part, value)
-            encoded = encode_tree_for_file(value)
+            layout = None if layouts is None else layouts.setdefault(
+                f"{prefix}{part}.safetensors", {})
+            encoded = encode_tree_for_file(
+                value, None if layout is None else layout.setdefault("plans", {}))
             skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
             if tensors and plan is not None:
@@ -296,8 +300,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             elif tensors:
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
-                    tensors, {**meta, "unbroken.part": part}, prepared=True,
-                    layout=None if layouts is None else layouts.setdefault(files[part], {}),
+                    tensors, {**meta, "unbroken.part": part}, prepared=True, layout=layout,
                     kinds=encoded.kinds, ptrs=encoded.ptrs)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None

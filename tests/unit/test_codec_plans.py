@@ -1,0 +1,104 @@
+"""The encoder's plans (a mapping of many tensors encoded again by the last save's plan, in
+whole-list checks) against encodings without plans: over the generated sequences of trees of
+`test_snapshot_plans` (a shape, a dtype, a key, a tie, an empty, sparse or meta tensor, a
+bool key, a custom str key, a dict for a tensor, ...), every save's skeleton, stored tensors,
+kinds, addresses and safetensors bytes are those of an encoding without plans."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_snapshot_plans import CHANGES, N, _change, _model, _state
+
+from unbroken.errors import UnsupportedValue
+from unbroken.state import codec
+from unbroken.state.codec import encode_tree_for_file
+from unbroken.state.jsontext import dumps_json
+from unbroken.state.tensorfile import encode_safetensors
+
+
+def _bytes(encoded: codec.Encoded) -> bytes:
+    chunks = encode_safetensors(encoded.tensors, {"m": "1"}, prepared=True,
+                                kinds=encoded.kinds, ptrs=encoded.ptrs)
+    return b"".join(bytes(c) for c in chunks)
+
+
+def _same(planned: codec.Encoded, fresh: codec.Encoded) -> None:
+    assert planned.skeleton == fresh.skeleton
+    assert dumps_json(planned.skeleton, sort_keys=False) == dumps_json(fresh.skeleton,
+                                                                       sort_keys=False)
+    assert list(planned.tensors) == list(fresh.tensors)
+    assert planned.kinds == fresh.kinds
+    for (key, a), b in zip(planned.tensors.items(), fresh.tensors.values()):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+        assert type(a) is type(b) and a.requires_grad == b.requires_grad, key  # (detached)
+    assert planned.ptrs == [t.data_ptr() for t in planned.tensors.values()]
+    assert _bytes(planned) == _bytes(fresh)
+
+
+@settings(max_examples=40, deadline=None)
+@given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6))
+def test_a_planned_encoding_is_the_encoding_without_plans(changes):
+    _encode_after(changes)
+
+
+@pytest.mark.parametrize("change", CHANGES.elements)  # (each one alone, on every run)
+def test_each_change_after_a_planned_save_is_encoded_as_without_plans(change):
+    _encode_after([(change, 1), ("none", 0), (change, 2)])
+
+
+def _encode_after(changes: list[tuple[str, int]]) -> None:
+    torch.manual_seed(0)
+    tree: dict[str, Any] = {"model": _model(N), "optimizer": {"state": _state(N), "lr": 0.1}}
+    plans: dict[str, Any] = {}
+    encode_tree_for_file(tree, plans)
+    for change, i in [("none", 0), *changes]:
+        _change(tree, change, i, lambda t: encode_tree_for_file(t, plans))
+        try:
+            fresh = encode_tree_for_file(tree)
+        except UnsupportedValue as e:  # (a custom key type): refused the same with a plan
+            with pytest.raises(UnsupportedValue, match=re.escape(str(e))):
+                encode_tree_for_file(tree, plans)
+            continue
+        _same(encode_tree_for_file(tree, plans), fresh)
+
+
+def test_the_state_dict_and_the_optimizer_state_are_encoded_by_their_plans():
+    """The mappings a plan is for really take it: the test above would pass with none."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(N)])
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+
+    def tree() -> dict[str, Any]:
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    plans: dict[str, Any] = {}
+    encode_tree_for_file(tree(), plans)
+    assert set(plans) == {"model", "optimizer.state"}
+    walked = []
+    real = codec._Encoder.mapping
+
+    def mapping(self, obj, path, depth):
+        walked.append(path)
+        return real(self, obj, path, depth)
+
+    codec._Encoder.mapping = mapping
+    try:
+        planned = encode_tree_for_file(tree(), plans)
+    finally:
+        codec._Encoder.mapping = real
+    assert "" in walked and not [p for p in walked if p == "model"
+                                 or p.startswith("optimizer.state")]
+    _same(planned, encode_tree_for_file(tree()))
+    with torch.no_grad():  # values change in place between saves: the plan still fits
+        for p in model.parameters():
+            p.add_(1)
+    again = encode_tree_for_file(tree(), plans)
+    assert again.skeleton["model"] is planned.skeleton["model"]  # (the plan's own skeleton)
+    _same(again, encode_tree_for_file(tree()))
