@@ -738,3 +738,28 @@ def test_a_model_on_the_meta_device_is_refused_not_restored_empty(tmp_path):
                                optimizer=torch.optim.SGD(lazy.parameters(), lr=0.1)) as ckpt:
         assert ckpt.restore() == 1
     assert torch.equal(lazy.weight, model.weight) and torch.equal(lazy.bias, model.bias)
+
+
+def test_a_scaler_or_scheduler_of_another_configuration_is_refused(tmp_path):
+    """A continuation refuses a configuration change by name: an enabled GradScaler's state
+    restored into a disabled one (its loss scale was dropped silently), and a scheduler of
+    another class with the same keys (LambdaLR into MultiplicativeLR was accepted)."""
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt, scheduler=sched,
+                               scaler=torch.amp.GradScaler("cpu")) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    cases = {"disabled scaler": (sched, torch.amp.GradScaler("cpu", enabled=False),
+                                 r"scaler state holds .*'scale'.*is it disabled"),
+             "other scheduler": (torch.optim.lr_scheduler.MultiplicativeLR(opt, lambda s: 0.9),
+                                 torch.amp.GradScaler("cpu"),
+                                 r"scheduler was a torch.optim.lr_scheduler.LambdaLR, the live "
+                                 r"one is a torch.optim.lr_scheduler.MultiplicativeLR")}
+    for name, (scheduler, scaler, said) in cases.items():
+        with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                   scheduler=scheduler, scaler=scaler) as ckpt:
+            with pytest.raises(unbroken.StateMismatch, match=said):
+                ckpt.restore()
+    assert [p.name for p in (tmp_path / "run").glob("gen-*")] == ["gen-000000001"]

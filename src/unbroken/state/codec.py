@@ -256,7 +256,11 @@ class _Encoder:
             # JSON text of ints past 4300 digits is refused by Python; hex has no such limit.
             return obj if -_BIG_INT < obj < _BIG_INT else {TAG: "int", "v": hex(obj)}
         if t is float:
-            return obj if math.isfinite(obj) else {TAG: "float", "v": repr(obj)}
+            if math.isfinite(obj):
+                return obj
+            # (a NaN's sign bit is its own: 0/0 on x86 gives -nan, which repr() calls "nan")
+            return {TAG: "float", "v": "-nan" if math.isnan(obj) and math.copysign(1, obj) < 0
+                    else repr(obj)}
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is list:
@@ -276,6 +280,12 @@ class _Encoder:
                                    "(object, structured or zero-size elements); store each "
                                    "field as its own array")
         if isinstance(obj, np.ndarray):
+            if t is not np.ndarray and not isinstance(obj, np.memmap):
+                raise UnsupportedValue(
+                    f"{path}: a NumPy {t.__qualname__} cannot be stored: its "
+                    f"{'mask' if isinstance(obj, np.ma.MaskedArray) else 'own attributes'} "
+                    "would be lost (stored as a plain array); store its parts as plain arrays "
+                    "(e.g. .data and .mask)")
             return self.raw("ndarray", obj, path, dtype=obj.dtype.str, shape=list(obj.shape))
         if isinstance(obj, np.generic):
             return {TAG: "npscalar", "dtype": obj.dtype.str,

@@ -78,10 +78,13 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
             raise StateMismatch(f"{where}: param group {gi} has settings {sorted(got)}, the "
                                 f"live optimizer's has {sorted(live_group)}")
         for key, live in live_group.items():
+            # (a generation that verifies holds what the run had: a kind the live optimizer
+            # cannot take is a change of configuration, not corruption to fall back from)
             if key != "params" and not _same_kind(saved_group[key], live):
-                raise CorruptCheckpoint(
+                raise StateMismatch(
                     f"{where}: param group {gi} {key!r} is {shown(saved_group[key])}, where "
-                    f"the live optimizer holds a {type(live).__name__} ({shown(live)})")
+                    f"the live optimizer holds a {type(live).__name__} ({shown(live)}); build "
+                    "the optimizer as in the saved run")
     live_names = _live_group_names(model, optimizer, names)
     if saved_names != live_names:
         raise StateMismatch(
@@ -115,8 +118,10 @@ _SCHEDULED = frozenset({"lr", "momentum", "betas"})
 def _same_kind(saved: Any, live: Any) -> bool:
     """Whether a saved hyperparameter has the kind of value the live optimizer holds there
     (torch's load_state_dict takes anything: a None learning rate fails only at the step)."""
-    if isinstance(live, bool) or live is None:
-        return saved is None or isinstance(saved, bool)
+    if isinstance(live, (bool, str)) or live is None:
+        # a setting (LBFGS's line_search_fn: None or "strong_wolfe"; foreach: None or a bool)
+        # that the run may have switched: restored as saved, with a warning
+        return saved is None or isinstance(saved, (bool, str))
     if isinstance(live, (int, float, torch.Tensor)):
         return (isinstance(saved, (int, float, torch.Tensor)) and not isinstance(saved, bool)
                 and (not isinstance(saved, torch.Tensor) or saved.numel() == 1)
@@ -125,8 +130,6 @@ def _same_kind(saved: Any, live: Any) -> bool:
     if isinstance(live, (tuple, list)):
         return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
                 and all(_same_kind(a, b) for a, b in zip(saved, live)))
-    if isinstance(live, str):
-        return isinstance(saved, str)
     return True
 
 
@@ -252,6 +255,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
                                         for i, vals in ready["state"].items()}}
             mapped.finish()  # torch may cast (copy) them: their bytes must be in first
         optimizer.load_state_dict(dict(ready))
+        _uncast(optimizer, ready, by_id)
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
@@ -287,8 +291,11 @@ def _owned(live: Any, saved: Any, mapped: Any) -> Any:
 
 
 def _identity_cast(param: torch.Tensor, values: Mapping[str, Any], exact: bool) -> bool:
-    """Whether torch's cast of ``values`` for ``param`` leaves every one as it is (``exact``:
-    a fused or capturable group, where torch keeps ``step`` in float32)."""
+    """Whether ``values`` can be adopted for ``param`` as they are (``exact``: a fused or
+    capturable group, where torch keeps ``step`` in float32). torch's load casts every value
+    but ``step`` to the parameter's dtype; a continuation keeps the saved dtypes, as the run
+    had them (NAdam's ``mu_product``, ASGD's ``eta`` and ``mu`` are float32 for a float64 or
+    bfloat16 parameter: cast, the next update differs)."""
     if not param.is_cpu or not param.is_floating_point():
         return False
     for key, v in values.items():
@@ -298,9 +305,23 @@ def _identity_cast(param: torch.Tensor, values: Mapping[str, Any], exact: bool) 
             continue
         if not v.is_cpu:
             return False
-        if key == "step":
-            if exact and v.dtype != torch.float32:
-                return False
-        elif v.dtype != param.dtype:
+        if key == "step" and exact and v.dtype != torch.float32:
             return False
     return True
+
+
+def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
+            by_id: Mapping[int, torch.Tensor]) -> None:
+    """After torch's ``load_state_dict``: each value torch cast from its saved dtype to its
+    floating parameter's (see `_identity_cast`) is the saved value again, on the device torch
+    put it on."""
+    for i, values in ready["state"].items():
+        param = by_id.get(i)
+        live = optimizer.state.get(param) if param is not None else None
+        if live is None or not param.is_floating_point():  # type: ignore[union-attr]
+            continue
+        for key, v in values.items():
+            now = live.get(key)
+            if (key != "step" and isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor)
+                    and v.dtype != now.dtype and now.dtype == param.dtype):  # type: ignore[union-attr]
+                live[key] = v.to(device=now.device)

@@ -44,6 +44,7 @@ DATA = "data"
 RNG = "rng"
 COUNTERS = "counters"
 EXTRA_PREFIX = "extra."
+SCHEDULER_CLASS = "unbroken.class"  # beside a scheduler's state: its class (`scheduler_class`)
 STATE_FILE = "state.json"
 STATE_SCHEMA = "unbroken.state/1"
 MORE_FILES = "more_files"  # state.json: a part's stable files (incremental saves)
@@ -117,6 +118,10 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
             tree[name] = walked.state_dict()
         elif name == OPTIMIZER:
             tree[name] = optimizer_state(model, obj, walked.param_names() if walked else None)
+        elif name == SCHEDULER and isinstance(obj, Stateful):
+            state = obj.state_dict()
+            tree[name] = ({**state, SCHEDULER_CLASS: scheduler_class(obj)}
+                          if isinstance(state, Mapping) else state)
         elif isinstance(obj, Stateful):
             tree[name] = obj.state_dict()
         else:
@@ -155,11 +160,35 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):
             raise CorruptCheckpoint(f"{where}: part {name!r} is not a mapping")
         elif name in (SCHEDULER, SCALER):
-            live, got = set(obj.state_dict()), set(saved[name])
+            state = saved[name]
+            if name == SCHEDULER and SCHEDULER_CLASS in state:  # (generations since 12-02)
+                kind, live_kind = state[SCHEDULER_CLASS], scheduler_class(obj)
+                if kind != live_kind:  # (another schedule may take the same keys)
+                    raise StateMismatch(f"{where}: the scheduler was a {str(kind)[:300]}, the "
+                                        f"live one is a {live_kind}; build the scheduler of "
+                                        "the saved run, or warm_start")
+                ready[name] = state = {k: v for k, v in state.items() if k != SCHEDULER_CLASS}
+            live, got = set(obj.state_dict()), set(state)
             if live - got:
                 raise MissingState(f"{where}: {name} state lacks {sorted(live - got)}; it was "
                                    f"written by a different {type(obj).__name__} configuration")
+            if name == SCALER and got - live:  # (a disabled GradScaler has no state at all)
+                raise StateMismatch(f"{where}: the saved {name} state holds "
+                                    f"{sorted(map(str, got - live))}, which the live "
+                                    f"{type(obj).__name__} has not (is it disabled?); build it "
+                                    "as in the saved run")
     return ready
+
+
+def scheduler_class(scheduler: Any) -> str:
+    """A scheduler's class, with those of the schedulers it chains (SequentialLR,
+    ChainedScheduler), as the scheduler part records it beside its state."""
+    kind = type(scheduler)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    inner = getattr(scheduler, "_schedulers", None)
+    if isinstance(inner, (list, tuple)):
+        name += "[" + ", ".join(scheduler_class(s) for s in inner) + "]"
+    return name
 
 
 class Copier(Protocol):
@@ -192,7 +221,7 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
     big = (OPTIMIZER, MODEL)
     order = sorted((p for p in parts if p not in big),
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
-    backup = {n: copy.deepcopy(parts[n].state_dict()) for n in order
+    backup = {n: _own(parts[n].state_dict(), n) for n in order
               if n not in big and isinstance(parts[n], Stateful)}
     done: list[str] = []
     for name in order:
@@ -208,11 +237,14 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                 _copy_into(walked, ready[name], mapped)
             elif name == OPTIMIZER:
                 load_optimizer_state(obj, ready[name], mapped)  # type: ignore[arg-type]
-            else:
+            elif name in big:
                 obj.load_state_dict(ready[name])
                 if name == MODEL and mapped is not None:
                     for t in ready[name].values():  # copied by load_state_dict
                         mapped.release(t)
+            else:  # (a small part keeps what it is given: its own copy, not views of a
+                # file's buffer, which it could not resize)
+                obj.load_state_dict(_own(ready[name], name))
             if name in big and mapped is not None:
                 mapped.finish()  # large tensors are read in the background
         except Exception as e:
@@ -231,6 +263,33 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({e}); nothing was changed") from e
         done.append(name)
+    if RNG in done and (MODEL in done or OPTIMIZER in done):
+        # The streams again, last: a load hook of the model (a smoke-test forward) may have
+        # drawn from them since (set first, they fail before any large part changes).
+        parts[RNG].load_state_dict(ready[RNG])
+
+
+def _own(tree: Any, part: str) -> Any:
+    """A copy of a small part's state that shares no memory with it: each tensor detached
+    and cloned (a deepcopy refuses one in an autograd graph, and a view of a file's buffer
+    cannot be resized), the rest deep-copied."""
+    memo: dict[int, Any] = {}
+    stack, seen = [tree], 0
+    while stack and seen < 1_000_000:  # (the tensors, for the memo: containers only)
+        node = stack.pop()
+        seen += 1
+        if isinstance(node, torch.Tensor):
+            memo[id(node)] = node.detach().clone()
+        elif isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+    try:
+        return copy.deepcopy(tree, memo)
+    except Exception as e:  # noqa: BLE001 -- a lock, a generator, an open file: typed
+        raise UnsupportedValue(f"part {part!r}: its state cannot be copied ({type(e).__name__}"
+                               f": {e!s:.200}); return tensors, numbers, strings, bytes, "
+                               "lists, tuples or dicts from state_dict()") from None
 
 
 def _copy_into(walked: LiveModel, saved: Mapping[str, torch.Tensor],

@@ -57,8 +57,47 @@ def capture_rng(generators: Generators | None = None) -> dict[str, Any]:
             bit_gen = gen.bit_generator
             entry = {"kind": "numpy", "bit_generator": type(bit_gen).__name__,
                      "state": bit_gen.state}
+            seeds = _seed_sequence(gen)
+            if seeds is not None:  # (its spawn() children: the count spawned so far)
+                entry["seed_sequence"] = seeds
         state["generators"][name] = entry
     return state
+
+
+def _seed_sequence(gen: np.random.Generator) -> dict[str, Any] | None:
+    """What makes a NumPy generator's ``spawn()`` children: its SeedSequence's entropy, spawn
+    key and pool size, and how many children it spawned already (not in its bit generator's
+    state: a restore that sets only that state spawns the first children again)."""
+    seq = getattr(gen.bit_generator, "seed_seq", None)
+    if not isinstance(seq, np.random.SeedSequence):
+        return None
+    entropy = seq.entropy
+    return {"entropy": int(entropy) if isinstance(entropy, (int, np.integer))
+            else [int(x) for x in entropy] if entropy is not None else None,
+            "spawn_key": [int(x) for x in seq.spawn_key], "pool_size": int(seq.pool_size),
+            "spawned": int(seq.n_children_spawned)}
+
+
+def _spawned(saved: Any, gen: np.random.Generator, key: str, where: str) -> int:
+    """How many more children ``gen`` must spawn (and drop) to be where the saved run's was;
+    `StateMismatch` if it cannot get there (seeded otherwise after spawning, or ahead)."""
+    live = _seed_sequence(gen)
+    if saved is None or live is None:
+        return 0  # (saved before 2026-12-02, or no SeedSequence: nothing known to match)
+    if not isinstance(saved, Mapping) or type(saved.get("spawned")) is not int:
+        raise StateMismatch(f"{where}: {key}.seed_sequence is malformed")
+    same = all(saved.get(k) == live[k] for k in ("entropy", "spawn_key", "pool_size"))
+    if not same:
+        if saved["spawned"]:
+            raise StateMismatch(
+                f"{where}: {key} spawned {saved['spawned']} children in the saved run from "
+                "another SeedSequence than the registered generator's; seed it as the saved "
+                "run did (e.g. np.random.default_rng(seed)) so spawn() continues the same")
+        return 0
+    if live["spawned"] > saved["spawned"]:
+        raise StateMismatch(f"{where}: {key} has spawned {live['spawned']} children already, "
+                            f"the saved run {saved['spawned']}; register a fresh generator")
+    return int(saved["spawned"]) - live["spawned"]
 
 
 def _uint8_vector(value: Any, length: int, key: str, where: str) -> None:
@@ -150,6 +189,7 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
                                     f"one is {bit_cls.__name__}; use the same bit generator")
             probe = bit_cls()
             _probe(key, where, lambda s: setattr(probe, "state", s), entry["state"])
+            _spawned(entry.get("seed_sequence"), gen, key, where)
 
 
 def _apply(saved: Mapping[str, Any], generators: Generators) -> None:
@@ -174,7 +214,12 @@ def _apply(saved: Mapping[str, Any], generators: Generators) -> None:
         if isinstance(gen, torch.Generator):
             gen.set_state(saved["generators"][name]["state"])
         else:
-            gen.bit_generator.state = saved["generators"][name]["state"]
+            entry = saved["generators"][name]
+            gen.bit_generator.state = entry["state"]
+            more = _spawned(entry.get("seed_sequence"), gen, name, "rng")
+            seq = getattr(gen.bit_generator, "seed_seq", None)
+            if more and isinstance(seq, np.random.SeedSequence):
+                seq.spawn(more)  # (the saved run's children: dropped)
 
 
 def restore_rng(saved: Mapping[str, Any], generators: Generators | None,

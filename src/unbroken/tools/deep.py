@@ -223,9 +223,10 @@ def _scheduler(state: Any, label: str, groups: int | None, state_json: str, out:
             out.append(f"{state_json}: {label} {key!r} is {_show(lrs)}; expected a list of "
                        "learning rates, one per optimizer param group")
             continue
-        if groups is not None and len(lrs) != groups:
-            out.append(f"{state_json}: {label} {key!r} has {len(lrs)} entries; expected "
-                       f"{groups}, one per optimizer param group")
+        # (fewer: groups added by add_param_group after the scheduler was built)
+        if groups is not None and len(lrs) > groups:
+            out.append(f"{state_json}: {label} {key!r} has {len(lrs)} entries; expected at "
+                       f"most {groups}, one per optimizer param group")
         for i, v in enumerate(lrs):
             x = _number(v)
             if x is None or not math.isfinite(x) or x < 0:
