@@ -15,7 +15,8 @@ import torch
 import xxhash
 
 from unbroken.errors import CorruptCheckpoint, UnsupportedValue
-from unbroken.state.codec import MAX_DEPTH, TAG, decode_tree, encode_tree
+from unbroken.state.codec import MAX_DEPTH, TAG, encode_tree
+from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json, loads_json
 from unbroken.state.tensorfile import (
     decode_safetensors,

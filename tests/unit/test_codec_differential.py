@@ -35,7 +35,8 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 from unbroken.state import parts as P
-from unbroken.state.codec import decode_tree, encode_tree
+from unbroken.state.codec import encode_tree
+from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json, loads_json
 from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
 

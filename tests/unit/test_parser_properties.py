@@ -56,7 +56,8 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import UnbrokenError
-from unbroken.state.codec import TAG, decode_tree
+from unbroken.state.codec import TAG
+from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import loads_json
 from unbroken.state.parts import STATE_FILE, check_stamps, decode_generation
 from unbroken.state.tensorfile import decode_safetensors, read_safetensors_header

@@ -29,7 +29,8 @@ from torch.nn.utils import parametrize
 import unbroken
 from unbroken.errors import StateMismatch
 from unbroken.state import parts as S
-from unbroken.state.codec import decode_tree, encode_tree, encode_tree_for_file
+from unbroken.state.codec import encode_tree, encode_tree_for_file
+from unbroken.state.decoding import decode_tree
 from unbroken.state.livemodel import LiveModel, param_names
 from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
 

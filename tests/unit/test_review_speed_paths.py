@@ -20,7 +20,8 @@ import torch
 import unbroken
 from unbroken.errors import UnbrokenError
 from unbroken.picking import _MAP_MIN
-from unbroken.state.codec import decode_tree, encode_tree
+from unbroken.state.codec import encode_tree
+from unbroken.state.decoding import decode_tree
 from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
 from unbroken.store.backends import _mapped
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from unbroken.errors import MissingState, StateMismatch, UnbrokenWarning
-from unbroken.state.codec import decode_tree, encode_tree
+from unbroken.state.codec import encode_tree
+from unbroken.state.decoding import decode_tree
 from unbroken.state.rng import (
     capture_rng,
     fork_rng_streams,

@@ -16,7 +16,8 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpoint
-from ..state.codec import decode_tree, encode_tree
+from ..state.codec import encode_tree
+from ..state.decoding import decode_tree
 from ..state.jsontext import dumps_json, loads_json
 from ..state.optim import optimizer_state, optimizer_state_to_torch, validate_model
 from ..state.tensorfile import decode_safetensors, encode_safetensors

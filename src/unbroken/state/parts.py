@@ -23,7 +23,8 @@ from ..errors import (
     UnsupportedValue,
     shown,
 )
-from .codec import decode_tree, encode_tree_for_file
+from .codec import encode_tree_for_file
+from .decoding import decode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
 from .livemodel import LiveModel
