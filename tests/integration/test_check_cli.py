@@ -69,7 +69,8 @@ def test_a_failing_reference_run_shows_the_scripts_own_error_and_json(capsys, tm
 def test_a_crashed_resume_is_an_error_not_a_divergence(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     script = write(tmp_path, "train.py", CRASHES_ON_RESUME)
-    code, out, err = run(capsys, "check", "--json", "--keep", "--", sys.executable, script)
+    code, out, err = run(capsys, "check", "--json", "--keep", "--at", "3", "--phase",
+                         "after-update", "--", sys.executable, script)  # (one case is enough)
     doc = json.loads(out)
     assert code == 1 and doc["verdict"] == "error"
     assert "cannot open the shard index after a resume" in doc["cases"][0]["note"]
