@@ -224,6 +224,7 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                    key=lambda p: not p.startswith(EXTRA_PREFIX)) + [p for p in big if p in parts]
     backup = {n: _own(parts[n].state_dict(), n) for n in order
               if n not in big and isinstance(parts[n], Stateful)}
+    again = MODEL in parts or OPTIMIZER in parts  # (the RNG streams are set again at the end)
     done: list[str] = []
     for name in order:
         obj = parts[name]
@@ -245,7 +246,10 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                         mapped.release(t)
             else:  # (a small part keeps what it is given: its own copy, not views of a
                 # file's buffer, which it could not resize)
-                obj.load_state_dict(_own(ready[name], name))
+                load = obj.load_state_dict
+                if name == RNG and again:  # (spawn counts cannot be put back: set last)
+                    load = getattr(obj, "load_streams", load)
+                load(_own(ready[name], name))
             if name in big and mapped is not None:
                 mapped.finish()  # large tensors are read in the background
         except Exception as e:
@@ -264,7 +268,7 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({e}); nothing was changed") from e
         done.append(name)
-    if RNG in done and (MODEL in done or OPTIMIZER in done):
+    if again and RNG in done:
         # The streams again, last: a load hook of the model (a smoke-test forward) may have
         # drawn from them since (set first, they fail before any large part changes).
         parts[RNG].load_state_dict(ready[RNG])
@@ -280,7 +284,12 @@ def _own(tree: Any, part: str) -> Any:
         node = stack.pop()
         seen += 1
         if isinstance(node, torch.Tensor):
-            memo[id(node)] = node.detach().clone()
+            copied = node.detach().clone()  # (a leaf keeps its requires_grad, a parameter
+            if isinstance(node, torch.nn.Parameter):  # its class)
+                copied = torch.nn.Parameter(copied, requires_grad=node.requires_grad)
+            elif node.requires_grad and node.is_leaf:
+                copied.requires_grad_(True)
+            memo[id(node)] = copied
         elif isinstance(node, Mapping):
             stack.extend(node.values())
         elif isinstance(node, (list, tuple)):

@@ -192,8 +192,9 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
             _spawned(entry.get("seed_sequence"), gen, key, where)
 
 
-def _apply(saved: Mapping[str, Any], generators: Generators) -> None:
-    """Set every stream from an already validated ``saved``."""
+def _apply(saved: Mapping[str, Any], generators: Generators, spawn: bool = True) -> None:
+    """Set every stream from an already validated ``saved`` (``spawn``: and advance each
+    NumPy generator's count of spawned children to the saved one, which cannot be undone)."""
     random.setstate(saved["python"])
     np.random.set_state(saved["numpy"])
     torch.set_rng_state(saved["torch_cpu"])
@@ -216,7 +217,7 @@ def _apply(saved: Mapping[str, Any], generators: Generators) -> None:
         else:
             entry = saved["generators"][name]
             gen.bit_generator.state = entry["state"]
-            more = _spawned(entry.get("seed_sequence"), gen, name, "rng")
+            more = _spawned(entry.get("seed_sequence"), gen, name, "rng") if spawn else 0
             seq = getattr(gen.bit_generator, "seed_seq", None)
             if more and isinstance(seq, np.random.SeedSequence):
                 seq.spawn(more)  # (the saved run's children: dropped)
@@ -266,3 +267,10 @@ class RNGStreams:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         restore_rng(saved, self.generators)
+
+    def load_streams(self, saved: dict[str, Any]) -> None:
+        """`load_state_dict` but for the NumPy generators' spawn counts: a restore sets the
+        streams first, where a later part's refusal can still put them back, and everything
+        last (`parts.apply`)."""
+        validate_rng(saved, self.generators, "rng state")
+        _apply(saved, self.generators, spawn=False)
