@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..errors import UnsupportedValue
-from ..state.codec import MAX_DEPTH, view_ident
+from ..state.codec import MAX_DEPTH, planned_leaves, view_ident
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
@@ -182,20 +182,10 @@ class _Taking:
         buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
         address of another. What `fill` checks one tensor at a time, here in whole-list
         operations (~0.3 us a tensor instead of ~1 us); False (nothing done) if not."""
-        keys = list(d)
-        if not _PLAIN_KEYS.issuperset(map(type, keys)) or keys != plan.keys:
+        leaves = planned_leaves(d, plan.keys, plan.inner)
+        if leaves is None:
             return False
-        values = list(d.values())
-        if plan.inner is None:
-            tensors = values
-        else:
-            if not _DICT.issuperset(map(type, values)):
-                return False
-            inner = list(map(list, values))
-            if (not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner)))
-                    or inner != plan.inner):
-                return False
-            tensors = [t for v in values for t in v.values()]
+        keys, inner, tensors = leaves
         try:
             if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
                     or list(map(_DTYPE, tensors)) != plan.dtypes
@@ -212,7 +202,7 @@ class _Taking:
         views.update(zip(ptrs, range(base, base + len(ptrs))))
         self.src.extend(tensors)
         self.bufs.extend(plan.bufs)
-        if plan.inner is None:
+        if inner is None:
             out.update(zip(keys, plan.bufs))
         else:
             bufs = iter(plan.bufs)  # (each zip stops at its keys' end: takes only its own)

@@ -97,6 +97,26 @@ _IS_CPU, _GRAD = operator.attrgetter("is_cpu"), operator.attrgetter("requires_gr
 _T = torch.Tensor
 
 
+def planned_leaves(obj: Mapping[Any, Any], keys: list[Any], inner: list[list[Any]] | None
+                   ) -> tuple[list[Any], list[list[Any]] | None, list[Any]] | None:
+    """A mapping's keys, its dicts' keys (``inner`` not None: its values are dicts) and their
+    values in order, when they are a plan's ``keys`` and ``inner`` (plain str and int keys,
+    whose ``==`` runs no user code); None if not. What a plan (the encoder's, the async
+    snapshot's) checks first, in whole-list operations."""
+    got = list(obj)
+    if not _PLAIN_KEYS.issuperset(map(type, got)) or got != keys:
+        return None
+    values = list(obj.values())
+    if inner is None:
+        return got, None, values
+    if not _DICT.issuperset(map(type, values)):
+        return None
+    names = list(map(list, values))
+    if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(names))) or names != inner:
+        return None
+    return got, names, [v for d in values for v in d.values()]
+
+
 class _Plan(NamedTuple):
     """How the last save encoded a mapping of many tensors: a model's state_dict (keys ->
     tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
@@ -314,22 +334,11 @@ class _Encoder:
     def planned(self, obj: Mapping[Any, Any], plan: _Plan) -> bool:
         """Take ``obj`` by ``plan`` if it fits (see `_Plan`): its tensors stored, their
         kinds and addresses recorded, as `tensor` would; False (nothing done) if not."""
-        if type(obj) is not plan.kind:
+        leaves = (planned_leaves(obj, plan.keys, plan.inner) if type(obj) is plan.kind
+                  else None)
+        if leaves is None:
             return False
-        keys = list(obj)
-        if not _PLAIN_KEYS.issuperset(map(type, keys)) or keys != plan.keys:
-            return False
-        values = list(obj.values())
-        if plan.inner is None:
-            tensors = values
-        else:
-            if not _DICT.issuperset(map(type, values)):
-                return False
-            inner = list(map(list, values))
-            if (not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner)))
-                    or inner != plan.inner):
-                return False
-            tensors = [v for d in values for v in d.values()]
+        tensors = leaves[2]
         try:
             if (len(tensors) != len(plan.kinds)
                     or not _PLAIN_TENSORS.issuperset(map(type, tensors))
