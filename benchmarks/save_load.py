@@ -65,6 +65,16 @@ DIRECT_BLOCK = 64 << 20  # O_DIRECT transfer size: the fastest single-stream siz
 ALIGN = 4096
 
 
+def _generation_module(parts: Any) -> Any:
+    """Where ``encode_generation`` / ``decode_generation`` live: ``unbroken.state.generation``,
+    or the parts module of an older checkout (benchmarked against through PYTHONPATH)."""
+    try:
+        import unbroken.state.generation as generation
+    except ImportError:
+        return parts
+    return generation
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -562,12 +572,13 @@ class Unbroken(Method):
 
     def save(self) -> None:
         import unbroken.state.parts as S
+        G = _generation_module(S)
         pt = PhaseTimer()
         c, st = self.ckpt, self.ckpt.store
         self.step += 1
         es = contextlib.ExitStack()
         # after commit, the read-back reads through scan_one and read_verified (or verify)
-        for obj, name, key in ((S, "capture", "capture"), (S, "encode_generation", "encode"),
+        for obj, name, key in ((S, "capture", "capture"), (G, "encode_generation", "encode"),
                                (st, "commit", "commit"), (st, "scan_one", "verify"),
                                (st, "read_verified", "verify"), (st, "verify", "verify"),
                                (c._writer, "apply_retention", "retention")):
@@ -602,6 +613,7 @@ class Unbroken(Method):
 
     def load(self) -> None:
         import unbroken.state.parts as S
+        G = _generation_module(S)
         self.ckpt.close()
         r = self._unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
                                         keep=self._unbroken.Keep(last=1), **self.options)
@@ -610,7 +622,7 @@ class Unbroken(Method):
         try:
             with contextlib.ExitStack() as es:
                 for obj, name, key in ((st, "scan", "scan"), (st, "read_verified", "read+hash"),
-                                       (S, "decode_generation", "decode"),
+                                       (G, "decode_generation", "decode"),
                                        (S, "validate_parts", "validate"), (S, "apply", "apply")):
                     if hasattr(obj, name):
                         es.enter_context(pt.patch(obj, name, key))

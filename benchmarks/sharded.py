@@ -160,7 +160,7 @@ class Unbroken:
         self._timed("load", [
             (self.ckpt.store, "scan", "scan", False),
             (self.ckpt.store, "read_verified", "read+hash", False),
-            (P.S, "decode_generation", "decode", False),
+            (P.G, "decode_generation", "decode", False),
             (P, "_load_shards", "shards (DCP)", False),
             (P.S, "validate_parts", "validate", False), (P.S, "apply", "apply", False)])
 

@@ -29,6 +29,11 @@ from save_load import build_state  # noqa: E402
 
 from unbroken.state import parts as S  # noqa: E402
 
+try:  # (an older checkout, benchmarked against through PYTHONPATH, has them in parts)
+    from unbroken.state import generation as G  # noqa: E402
+except ImportError:
+    G = S
+
 
 def _min_ms(fn: Callable[[], Any], calls: int) -> float:
     times = []
@@ -61,15 +66,15 @@ def main() -> None:
     meta = {"unbroken.run_id": "0" * 32, "unbroken.generation": "1",
             "unbroken.incarnation": "0"}
     layouts: dict[str, Any] = {}
-    with_layouts = "layouts" in S.encode_generation.__code__.co_varnames
+    with_layouts = "layouts" in G.encode_generation.__code__.co_varnames
 
     def encode() -> dict[str, Any]:
         if with_layouts:
-            return S.encode_generation(tree, meta, layouts=layouts)
-        return S.encode_generation(tree, meta)
+            return G.encode_generation(tree, meta, layouts=layouts)
+        return G.encode_generation(tree, meta)
 
     files = {name: _aligned(chunks) for name, chunks in encode().items()}
-    saved, _ = S.decode_generation(files, "bench")
+    saved, _ = G.decode_generation(files, "bench")
 
     def restore() -> None:
         S.apply(S.validate_parts(saved, parts, model, "bench"), parts)
@@ -78,7 +83,7 @@ def main() -> None:
                len(s) for s in opt.state.values()),
            "capture_ms": _min_ms(lambda: S.capture(parts, model), args.calls),
            "encode_generation_ms": _min_ms(encode, args.calls),
-           "decode_generation_ms": _min_ms(lambda: S.decode_generation(files, "bench"),
+           "decode_generation_ms": _min_ms(lambda: G.decode_generation(files, "bench"),
                                            args.calls),
            "validate_apply_ms": _min_ms(restore, args.calls)}
     print(f"{out['tensors']} tensors, min of {args.calls} calls: capture "

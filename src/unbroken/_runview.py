@@ -234,7 +234,8 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     shards)`` lists what else is wrong with the decoded state (`tools.deep`): any problem
     makes the generation corrupt, all of them listed in ``problems``."""
     from .dist.sharded import SHARDS_FILE, read_index
-    from .state.parts import STATE_FILE, check_sizes, check_stamps, decode_generation
+    from .state.generation import check_sizes, check_stamps, decode_generation
+    from .state.parts import STATE_FILE
 
     rec = record(store, info, run)
     if rec["status"] != "complete":

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .errors import UnbrokenError, UnsupportedValue
+from .state import generation as G
 from .state import parts as S
 from .state.codec import encode_tree
 
@@ -37,7 +38,7 @@ def dry_encode(parts: Mapping[str, Any]) -> None:
     small = {name: obj for name, obj in parts.items() if name not in (S.MODEL, S.OPTIMIZER)}
     for name, tree in S.capture(small, torch.nn.Module()).items():
         try:
-            S.check_part_tree(name, tree)
+            G.check_part_tree(name, tree)
             encode_tree(tree, "")
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {name!r}: {e}; make its state_dict() return "

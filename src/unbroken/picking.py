@@ -22,6 +22,7 @@ from .dist.commit import describe, own_names, rank_prefix, rebuild
 from .dist.group import Group
 from .dist.sharded import SHARDS_FILE, load_shards, read_index
 from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
+from .state import generation as G
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
 from .state.livemodel import LiveModel
@@ -121,7 +122,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
             f"{run.run_id} (RUN.json) and its lineage {run.lineage or 'is empty'}: a "
             "generation copied from another run is never continued silently; "
             "restore(adopt=True) continues from it deliberately")
-    S.check_sizes(manifest, info.path)  # before reading a byte
+    G.check_sizes(manifest, info.path)  # before reading a byte
     sharded = intent == "continue" and manifest.world_size > 1
     names: Iterable[str] | None = (
         own_names(manifest, group.rank) if sharded else
@@ -134,7 +135,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                                     map_if=_copied_from)
     finally:
         progress.close()
-    tree, meta = S.decode_generation(files, info.path,
+    tree, meta = G.decode_generation(files, info.path,
                                      None if intent == "continue" else {S.MODEL},
                                      layout=pick.layout)
     if sharded:
@@ -143,7 +144,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         log.warning("%s was saved by one process: every rank of this job restores the same "
                     "random streams (equal data order and weights; dropout draws alike on "
                     "every rank)", info.path)
-    S.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
+    G.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
     where = os.path.join(info.path, "MANIFEST.json")
     live = parts if intent == "continue" else {S.MODEL: model}
     try:
@@ -213,7 +214,7 @@ def _rank_streams(files: Mapping[str, Any], folder: str, meta: Mapping[str, str]
                     "%d..%d are dropped (equal data order and weights, other random draws)",
                     folder, saved_ranks, group.size, group.size, saved_ranks - 1)
     prefix = rank_prefix(group.rank)
-    own, own_meta = S.decode_generation(files, folder, {S.RNG}, prefix)
+    own, own_meta = G.decode_generation(files, folder, {S.RNG}, prefix)
     expected = {**meta, "unbroken.rank": str(group.rank)}
     if own_meta != expected or S.RNG not in own:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: stamped {own_meta}, expected "

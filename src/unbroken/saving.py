@@ -17,6 +17,7 @@ from .dist.group import Group
 from .dist.sharded import encode_shards, split
 from .errors import CorruptCheckpoint, SaveFailed, UnbrokenError
 from .inputs import same_number
+from .state import generation as G
 from .state import parts as S
 from .state.codec import encode_tree
 from .state.incremental import Linked, Plan, tensor_digest
@@ -41,7 +42,7 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`)."""
     tree, shards = split(tree)
     if not group.active:
-        out = S.encode_generation(tree, meta, plan=plan, layouts=layouts)
+        out = G.encode_generation(tree, meta, plan=plan, layouts=layouts)
         if shards:
             out.update(encode_shards(group, shards, meta))
         return out
@@ -51,9 +52,9 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     out, failure = {}, None
     try:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = S.encode_generation(shared, meta, plan=plan, layouts=layouts
+        out = G.encode_generation(shared, meta, plan=plan, layouts=layouts
                                   ) if group.leader else {}
-        out.update(S.encode_generation({S.RNG: tree[S.RNG]},
+        out.update(G.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
                                        prefix=rank_prefix(group.rank), layouts=layouts))
     except UnbrokenError as e:

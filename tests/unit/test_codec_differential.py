@@ -1,7 +1,7 @@
 """Differential property tests (Hypothesis) of the save/restore fast paths: the codec
 (`codec.encode_tree` / `decode_tree`), the safetensors writer and its zero-copy reader
 (`tensorfile.encode_safetensors` / `decode_safetensors`, `_views`, `_gather`), a generation's
-files (`parts.encode_generation` / `decode_generation`) and the restore into live objects
+files (`generation.encode_generation` / `decode_generation`) and the restore into live objects
 (`parts.validate_parts` / `apply`, `_copy_into`, `optim.load_optimizer_state`).
 
 Each property compares a fast path with a slow reference over generated inputs (the class of
@@ -34,6 +34,7 @@ import xxhash
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
+from unbroken.state import generation as G
 from unbroken.state import parts as P
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
@@ -406,13 +407,13 @@ def generations(draw: Any) -> dict[str, Any]:
 @examples(40)
 @given(generations())
 def test_a_generation_round_trips_through_its_files(tree):
-    artifacts = P.encode_generation(tree, META)
+    artifacts = G.encode_generation(tree, META)
     files = {name: aligned(chunks) if name.endswith(".safetensors") else joined(chunks)
              for name, chunks in artifacts.items()}
     with_tensors = {p for p in tree if encode_tree(tree[p])[1]}
     assert set(files) == {P.STATE_FILE} | {f"{p}.safetensors" for p in with_tensors}
     layout: dict[str, list[Any]] = {}
-    out, meta = P.decode_generation(files, "gen", layout=layout)
+    out, meta = G.decode_generation(files, "gen", layout=layout)
     assert meta == META
     assert {p: [(n, g, i, s) for n, g, i, _, s in v] for p, v in layout.items()} == {
         p: [(f"{p}.safetensors", 1, 0, False)] for p in with_tensors}
@@ -421,7 +422,7 @@ def test_a_generation_round_trips_through_its_files(tree):
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         same_tree(tree[part], out[part], pairs)
         check_decoded(pairs)
-    only, _ = P.decode_generation(files, "gen", parts={"model"})  # a warm start's read
+    only, _ = G.decode_generation(files, "gen", parts={"model"})  # a warm start's read
     assert list(only) == ["model"]
     same_tree(tree["model"], only["model"], [])
 
@@ -555,10 +556,10 @@ def test_restoring_through_the_fast_paths_ends_and_steps_as_load_state_dict(s):
     train_step(s, source, source_opt, 1)
     counters = {"step": 1, "epoch": 0}
     tree = P.capture({P.MODEL: source, P.OPTIMIZER: source_opt, P.COUNTERS: counters}, source)
-    artifacts = P.encode_generation(tree, META)
+    artifacts = G.encode_generation(tree, META)
     files = {name: aligned(chunks) if name.endswith(".safetensors") else joined(chunks)
              for name, chunks in artifacts.items()}
-    saved, _ = P.decode_generation(files, "gen")
+    saved, _ = G.decode_generation(files, "gen")
 
     restored = []
     for fast in (True, False):

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import unbroken
 from unbroken.errors import CorruptCheckpoint
+from unbroken.state import generation as G
 from unbroken.state import parts as S
 from unbroken.state.incremental import Plan
 from unbroken.store.backends.local import LocalFS
@@ -235,13 +236,13 @@ def _generation(tmp_path):
     model, opt = lora()
     tree = {S.MODEL: model.state_dict()}
     meta = {"unbroken.run_id": "r", "unbroken.generation": "7", "unbroken.incarnation": "0"}
-    encoded = S.encode_generation(tree, meta, plan=Plan(7, frozen=frozenset(
+    encoded = G.encode_generation(tree, meta, plan=Plan(7, frozen=frozenset(
         n for n, p in model.named_parameters() if not p.requires_grad)))
     return {n: b"".join(bytes(c) for c in chunks) for n, chunks in encoded.items()}
 
 
 def test_the_encoded_files_decode_to_the_same_tree(tmp_path):
-    got, _ = S.decode_generation(_generation(tmp_path), "gen")
+    got, _ = G.decode_generation(_generation(tmp_path), "gen")
     model, _ = lora()
     assert all(torch.equal(model.state_dict()[k], v) for k, v in got[S.MODEL].items())
 
@@ -264,7 +265,7 @@ def test_hostile_file_entries_are_refused(tmp_path_factory, entry):
     doc[S.MORE_FILES][S.MODEL] = [entry]
     found[S.STATE_FILE] = json.dumps(doc).encode()
     with pytest.raises(CorruptCheckpoint):
-        S.decode_generation(found, "gen")
+        G.decode_generation(found, "gen")
 
 
 def test_saving_the_same_step_again_is_still_a_no_op(tmp_path):
@@ -356,4 +357,4 @@ def test_digests_naming_other_tensors_than_the_file_holds_are_refused(tmp_path):
     raw += b" " * (-(8 + len(raw)) % 64)
     found[name] = len(raw).to_bytes(8, "little") + raw + found[name][8 + header_len:]
     with pytest.raises(CorruptCheckpoint, match="other tensors than the file holds"):
-        S.decode_generation(found, "gen")
+        G.decode_generation(found, "gen")

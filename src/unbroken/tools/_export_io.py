@@ -15,7 +15,8 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
-from ..state.parts import MODEL, STATE_FILE, check_sizes, check_stamps, decode_generation
+from ..state.generation import check_sizes, check_stamps, decode_generation
+from ..state.parts import MODEL, STATE_FILE
 from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
 from ..store.generations import GenerationStore

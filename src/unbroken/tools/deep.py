@@ -5,7 +5,7 @@ state decodes. A generation can pass that and still never train: a NaN or an inf
 (the silent corruption large runs report), an optimizer moment whose shape no parameter has
 (a resealed ``exp_avg`` of shape [2**40, 0] decodes, loads, and fails at the first step), an
 impossible hyperparameter, or a scheduler or GradScaler state torch's own classes could not
-hold. `deep_problems` reads the decoded state tree (`unbroken.state.parts.decode_generation`)
+hold. `deep_problems` reads the decoded state tree (`unbroken.state.generation.decode_generation`)
 and names each such problem; it changes nothing and imports no user code.
 
 It is tolerant of what legitimately varies: parts that are absent, an optimizer without

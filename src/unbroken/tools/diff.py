@@ -28,7 +28,8 @@ from .._table import table
 from ..dist.sharded import SHARDS_FILE
 from ..errors import CorruptCheckpoint, UnbrokenError
 from ..state._digest import digest_tree
-from ..state.parts import RNG, STATE_FILE, check_sizes, check_stamps, decode_generation
+from ..state.generation import check_sizes, check_stamps, decode_generation
+from ..state.parts import RNG, STATE_FILE
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
 from ..store.objects import is_url

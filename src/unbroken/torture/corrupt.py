@@ -321,7 +321,7 @@ def _accept_foreign() -> Callable[[], None]:
 
 def _no_size_limits() -> Callable[[], None]:
     """A loader that reads state.json whatever size the manifest lists, on purpose."""
-    from ..state import parts as state
+    from ..state import generation as state
 
     original = state.check_sizes
     setattr(state, "check_sizes", lambda manifest, folder: None)
