@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -185,17 +186,23 @@ def test_enabled_cpu_grad_scaler_restores(tmp_path) -> None:
     assert sc2.get_scale() == 64.0
 
 
-def test_negative_nan_keeps_sign_and_string_nan_stays_string(tmp_path) -> None:
-    """A NaN's sign bit survives; the strings "-nan" and "nan" stay strings."""
+def _round_trip(tmp_path: Any, value: Any) -> Any:
+    """``value`` held by an extra, saved, and restored into a fresh process's objects."""
     m, opt = _net()
-    h = Holder([float("-nan"), float("nan"), "-nan", "nan", -math.inf])
-    ck = unbroken.Checkpointer(tmp_path / "run", model=m, optimizer=opt, extras={"h": h})
+    ck = unbroken.Checkpointer(tmp_path / "run", model=m, optimizer=opt,
+                               extras={"h": Holder(value)})
     ck.save(step=1)
     ck.close()
     m2, opt2 = _net()
     h2 = Holder()
     unbroken.Checkpointer(tmp_path / "run", model=m2, optimizer=opt2, extras={"h": h2}).restore()
-    a, b, s1, s2, inf = h2.value
+    return h2.value
+
+
+def test_negative_nan_keeps_sign_and_string_nan_stays_string(tmp_path) -> None:
+    """A NaN's sign bit survives; the strings "-nan" and "nan" stay strings."""
+    a, b, s1, s2, inf = _round_trip(tmp_path, [float("-nan"), float("nan"), "-nan", "nan",
+                                               -math.inf])
     assert math.isnan(a) and math.copysign(1, a) < 0
     assert math.isnan(b) and math.copysign(1, b) > 0
     assert (s1, s2, inf) == ("-nan", "nan", -math.inf)
@@ -205,16 +212,9 @@ def test_memmap_stored_and_matrix_refused_typed(tmp_path) -> None:
     """np.memmap stores as its plain array; np.matrix is refused with UnsupportedValue."""
     mm = np.memmap(tmp_path / "a.bin", dtype=np.float32, mode="w+", shape=(3,))
     mm[:] = [1, 2, 3]
+    assert np.array_equal(np.asarray(_round_trip(tmp_path, mm)), [1, 2, 3])
     m, opt = _net()
-    h = Holder(mm)
-    ck = unbroken.Checkpointer(tmp_path / "run", model=m, optimizer=opt, extras={"h": h})
-    ck.save(step=1)
-    ck.close()
-    m2, opt2 = _net()
-    h2 = Holder()
-    unbroken.Checkpointer(tmp_path / "run", model=m2, optimizer=opt2, extras={"h": h2}).restore()
-    assert np.array_equal(np.asarray(h2.value), [1, 2, 3])
-    h.value = np.matrix([[1.0]])
+    h = Holder(np.matrix([[1.0]]))
     with pytest.raises(unbroken.UnsupportedValue):
         unbroken.Checkpointer(tmp_path / "run3", model=m, optimizer=opt,
                               extras={"h": h}).save(step=2)

@@ -16,6 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_snapshot_plans import _tensors
 
 from unbroken.errors import UnsupportedValue
 from unbroken.persist import snapshot
@@ -27,18 +28,6 @@ N = snapshot._PLANNED + 2  # tensors in a container: enough for a plan
 
 class Sub(torch.Tensor):
     """A tensor subclass: never taken by a plan."""
-
-
-def _leaves(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _leaves(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _leaves(v, out)
-    return out
 
 
 def _same(a: Any, b: Any) -> None:
@@ -77,7 +66,7 @@ def _check(buffers: SnapshotBuffers, tree: dict[str, Any], accounting: bool = Tr
     fresh = fresh_buffers.take(tree)
     _same(snap, tree)
     _same(fresh, tree)
-    src, got, new = _leaves(tree, []), _leaves(snap, []), _leaves(fresh, [])
+    src, got, new = _tensors(tree, []), _tensors(snap, []), _tensors(fresh, [])
     assert len(src) == len(got) == len(new)
     # one buffer per view: two leaves share a buffer exactly when they are one view
     ident = [view_ident(t) or id(t) for t in src]
