@@ -375,7 +375,8 @@ class Checkpointer(Persisting, Restoring):
             self._prepare_write(step, again)
         self._counters.step = step
         started = time.monotonic()
-        tree = S.capture(self._parts, self.model)
+        # (The async snapshot copies the parameters at once: they need not be detached.)
+        tree = S.capture(self._parts, self.model, detach=not self._async or self._process)
         plan = Plan(step, self._held, frozenset(
             n for n, p in self.model.named_parameters() if not p.requires_grad)
         ) if self._incremental else None

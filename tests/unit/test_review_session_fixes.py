@@ -130,8 +130,8 @@ def test_generation_without_scheduler_class_still_restores(tmp_path, monkeypatch
     sch = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
     real = P.capture
 
-    def old_capture(parts, model):
-        tree = real(parts, model)
+    def old_capture(parts, model, **options):
+        tree = real(parts, model, **options)
         tree[P.SCHEDULER].pop(P.SCHEDULER_CLASS)
         return tree
 

@@ -27,7 +27,7 @@ CHANGES = st.sampled_from([
     "none", "values", "shape", "dtype", "rename", "tie_in", "tie_across", "empty", "sparse",
     "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
     "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta",
-    "negative_view", "path_clash", "odict_for_dict"])
+    "negative_view", "path_clash", "odict_for_dict", "all_shapes", "all_values"])
 
 
 class Name(str):
@@ -118,6 +118,15 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
                      "optimizer": {"state": state, "lr": 0.1}})
     elif change == "noncontiguous":
         model[key] = torch.randn(2, 3).t()
+    elif change == "all_shapes":  # every tensor of a block at once: its shape is another
+        for k, v in model.items():
+            if isinstance(v, torch.Tensor) and not v.is_sparse and v.numel():
+                model[k] = torch.randn(v.numel() // 2 + 1, 2)
+    elif change == "all_values":  # the usual save: new values, the same tensors
+        with torch.no_grad():
+            for v in _tensors(tree, []):
+                if not v.is_sparse and v.numel():
+                    v.mul_(-1.5)
 
 
 def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -234,3 +243,40 @@ def test_the_state_dict_and_the_optimizer_state_are_taken_by_their_plans():
     assert all(torch.equal(snap["model"][k], v) for k, v in model.state_dict().items())
     assert torch.equal(snap["optimizer"]["state"][0]["exp_avg"], opt.state[model[0].weight]
                        ["exp_avg"])
+
+
+def test_small_tensors_of_one_shape_share_a_block_copied_by_one_stack():
+    """A plan gives its small tensors of one shape and dtype views of one block (copied by one
+    ``torch.stack``), a tensor alone of its kind or over `_BLOCKED` bytes a buffer of its own;
+    a later snapshot writes the loop's new values through them."""
+    big = snapshot._BLOCKED // 4 + 1  # float32 elements: just over the limit
+    sd = OrderedDict((f"w{i}", torch.randn(3, 2)) for i in range(N))
+    sd.update((f"b{i}", torch.randn(4)) for i in range(N))
+    sd["odd"], sd["big"] = torch.randn(5, dtype=torch.float64), torch.randn(big)
+    buffers = SnapshotBuffers()
+    buffers.take({"model": sd})
+    (plan,) = buffers._plans.values()
+    assert sorted(tuple(b.block.shape) for b in plan.blocks) == [(N, 3, 2), (N, 4)]
+    assert [list(sd)[i] for i in plan.loose] == ["odd", "big"]
+    with torch.no_grad():
+        for t in sd.values():
+            t.mul_(-2)
+    stacks = []
+    real = torch.stack
+
+    def stack(*a, **k):
+        stacks.append(len(a[0]))
+        return real(*a, **k)
+
+    torch.stack = stack
+    try:
+        snap = buffers.take({"model": sd})["model"]
+    finally:
+        torch.stack = real
+    assert sorted(stacks) == [N, N]
+    assert all(torch.equal(snap[k], v) for k, v in sd.items())
+    storages = {k: t.untyped_storage().data_ptr() for k, t in snap.items()}
+    assert len({storages[f"w{i}"] for i in range(N)}) == 1
+    assert len({storages[f"b{i}"] for i in range(N)}) == 1
+    assert len(set(storages.values())) == 4
+    assert snap["big"]._base is None and snap["big"].numel() == big

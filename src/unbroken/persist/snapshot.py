@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import operator
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import chain
 from typing import Any, NamedTuple
 
@@ -33,25 +33,45 @@ _NONE: dict[Any, _Entry] = {}  # the entries of a container that has none yet (n
 
 # A container holding this many tensors or more is taken by its `_Plan` when it can be.
 _PLANNED = 16
+# A plan's tensors of at most this many bytes share a buffer (a block) with the others of
+# their shape and dtype, copied into it by one ``torch.stack``: for small tensors the cost of
+# a copy is its call (~1 us a tensor in ``_foreach_copy_``, ~0.4 us in a stack), not bytes.
+_BLOCKED = 1 << 16
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # copied by the one _foreach_copy_
 _PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
 _DICT = frozenset({dict})
-_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
+_SHAPE, _DTYPE, _IS_CPU, _NBYTES = (operator.attrgetter(a)
+                                   for a in ("shape", "dtype", "is_cpu", "nbytes"))
 _DATA_PTR = torch.Tensor.data_ptr
+
+
+class _Block(NamedTuple):
+    """A plan's tensors of one shape (``shape``) and dtype, ``take`` of its tensors (the
+    first at index ``first``), each ``block[j]``'s source: copied by one ``torch.stack``."""
+
+    take: Callable[[list[torch.Tensor]], Any]
+    block: torch.Tensor
+    first: int
+    shape: torch.Size
 
 
 class _Plan(NamedTuple):
     """How the last snapshot took a container of many tensors: a model's state_dict (keys ->
     tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
     ``inner``, each one's keys). A later snapshot of a container with the same keys whose
-    tensors still fit ``bufs`` (same order: ``shapes``, ``dtypes``) is taken with a few
-    whole-list operations instead of a Python step per tensor (see `_Taking.planned`)."""
+    tensors still fit ``bufs`` (same order, ``dtypes``) is taken with a few whole-list
+    operations instead of a Python step per tensor (see `_Taking.planned`).
+
+    The small tensors of one shape and dtype have views of one ``block`` as their buffers
+    (`_Block`); the others (``loose``, their indices) a buffer each, of ``loose_shapes``."""
 
     keys: list[Any]
     inner: list[list[Any]] | None
     bufs: list[torch.Tensor]
-    shapes: list[torch.Size]
     dtypes: list[torch.dtype]
+    loose: list[int]
+    loose_shapes: list[torch.Size]
+    blocks: list[_Block]
 
 
 class SnapshotBuffers:
@@ -92,7 +112,10 @@ class _Taking:
         self.bufs: list[torch.Tensor] = []
         self.views: dict[int, int] = {}
         self.after: dict[int, int] = {}
-        self.copied: set[int] = set()  # (of src) copied already, not by the _foreach_copy_
+        # What the one _foreach_copy_ copies at the end: the CPU tensors met (in order) that
+        # neither were copied alone (another device, a subclass) nor by a plan's block.
+        self.to: list[torch.Tensor] = []
+        self.of: list[torch.Tensor] = []
         self.cuda = False
         # id(tensor) -> its buffer, for deepcopy. The views join it only when a deepcopy
         # needs it (``merged`` of them so far): most trees need none.
@@ -103,13 +126,9 @@ class _Taking:
         b, count = self.buffers, self.buffers._count
         b._count = -1  # (until this snapshot completes: a failed one may have added entries)
         out = self.fill({}, tree.items(), ())
-        dst, src = self.bufs, self.src
-        if self.copied:
-            dst = [x for i, x in enumerate(dst) if i not in self.copied]
-            src = [x for i, x in enumerate(src) if i not in self.copied]
-        if dst:
+        if self.to:
             with torch.no_grad():  # (a parameter's history is not the buffer's)
-                torch._foreach_copy_(dst, src)
+                torch._foreach_copy_(self.to, self.of)
         if self.cuda:
             torch.cuda.synchronize()  # the non-blocking copies have landed
         if self.created or len(self.bufs) != count:  # (each entry is used at most once)
@@ -130,14 +149,14 @@ class _Taking:
             raise UnsupportedValue(f"{_shown(path[:8])}...: nested deeper than {MAX_DEPTH} "
                                    "levels; make its state_dict() return a tree, not a cycle")
         entries = self.cache.get(path, _NONE)
-        views, src, bufs = self.views, self.src, self.bufs
+        views, src, bufs, to, of = self.views, self.src, self.bufs, self.to, self.of
         for k, v in items:
             key = k if type(k) in _IMMUTABLE else self.key(k, path)
             kind = type(v)
-            if kind is torch.Tensor:
+            if kind is torch.Tensor or kind is torch.nn.Parameter:
                 # The usual case, inline in its fewest torch calls: a CPU tensor met first,
                 # whose last buffer fits; anything else (a tie, a new shape, no address) in
-                # `tensor`.
+                # `tensor`. (A parameter: the async save's model, not detached.)
                 entry, buf = entries.get(k), None
                 try:
                     ptr = (v.data_ptr() if entry is not None and v.is_cpu
@@ -148,6 +167,8 @@ class _Taking:
                     views[ptr], buf = len(src), entry[0]
                     src.append(v)
                     bufs.append(buf)
+                    of.append(v)
+                    to.append(buf)
                 out[key] = buf if buf is not None else self.tensor(v, path, k)
             elif kind in _IMMUTABLE:
                 out[key] = v
@@ -170,10 +191,10 @@ class _Taking:
                 and self.planned(out, d, plan)):
             self.plans[path] = plan
             return out
-        start = len(self.bufs)
+        start, copies = len(self.bufs), len(self.to)
         self.fill(out, d.items(), path)
         if len(self.bufs) - start >= _PLANNED or plan is not None:
-            self.plan(out, d, path, start)
+            self.plan(out, d, path, start, copies)
         return out
 
     def planned(self, out: Any, d: Mapping[Any, Any], plan: _Plan) -> bool:
@@ -181,7 +202,9 @@ class _Taking:
         ``==`` runs no user code), the same number of tensors, each a plain CPU tensor of its
         buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
         address of another. What `fill` checks one tensor at a time, here in whole-list
-        operations (~0.3 us a tensor instead of ~1 us); False (nothing done) if not."""
+        operations; a block's shapes by its first tensor's and by ``torch.stack``, which
+        refuses tensors of unequal shapes. False (its buffers maybe written, nothing else done)
+        if not."""
         leaves = planned_leaves(d, plan.keys, plan.inner)
         if leaves is None:
             return False
@@ -189,8 +212,10 @@ class _Taking:
         try:
             if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
                     or list(map(_DTYPE, tensors)) != plan.dtypes
-                    or list(map(_SHAPE, tensors)) != plan.shapes
-                    or not all(map(_IS_CPU, tensors))):
+                    or not all(map(_IS_CPU, tensors))
+                    or [tensors[i].shape for i in plan.loose] != plan.loose_shapes
+                    or [tensors[b.first].shape for b in plan.blocks]
+                    != [b.shape for b in plan.blocks]):
                 return False
             ptrs = list(map(_DATA_PTR, tensors))  # (a sparse tensor has none: it raises)
         except (RuntimeError, NotImplementedError):  # (an exotic tensor: `fill` says what)
@@ -198,10 +223,19 @@ class _Taking:
         views = self.views
         if 0 in ptrs or len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):
             return False  # an empty tensor, or a tie: `fill` (it compares the views)
+        try:
+            with torch.no_grad():  # (a parameter's history is not the buffer's)
+                for b in plan.blocks:
+                    torch.stack(b.take(tensors), out=b.block)
+        except RuntimeError:  # a shape in a block changed: `fill` (into the same buffers)
+            return False
         base = len(self.src)
         views.update(zip(ptrs, range(base, base + len(ptrs))))
         self.src.extend(tensors)
         self.bufs.extend(plan.bufs)
+        for i in plan.loose:
+            self.of.append(tensors[i])
+            self.to.append(plan.bufs[i])
         if inner is None:
             out.update(zip(keys, plan.bufs))
         else:
@@ -209,14 +243,16 @@ class _Taking:
             out.update(zip(keys, [dict(zip(names, bufs)) for names in inner]))
         return True
 
-    def plan(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...], start: int) -> None:
+    def plan(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...], start: int,
+             copies: int) -> None:
         """After `fill` took ``d`` into ``out``: its plan, if every tensor it holds (directly,
         or in dicts one level down) got a buffer of its own, in order, copied by the one
-        _foreach_copy_ (``start``: the first one's index); else none."""
+        _foreach_copy_ (``start``: the first one's index in ``bufs``, ``copies`` in ``to``);
+        else none. Its small tensors' buffers are replaced by views of blocks (`blocked`)."""
         self.plans.pop(path, None)
         bufs = self.bufs[start:]
         if (type(out) is not dict and type(out) is not OrderedDict  # (Counter.update adds)
-                or any(i >= start for i in self.copied)
+                or len(self.to) - copies != len(bufs)
                 or not _PLAIN_KEYS.issuperset(map(type, d))):
             return
         values = list(out.values())
@@ -231,9 +267,50 @@ class _Taking:
             values = [t for v in values for t in v.values()]
             if len(values) != len(bufs):
                 return
-        if all(map(operator.is_, values, bufs)):
-            self.plans[path] = _Plan(list(d), inner, bufs, list(map(_SHAPE, bufs)),
-                                     list(map(_DTYPE, bufs)))
+        if not all(map(operator.is_, values, bufs)):
+            return
+        keys = list(d)
+        blocks, loose = self.blocked(out, keys, inner, path, bufs)
+        self.bufs[start:] = self.to[copies:] = bufs
+        self.plans[path] = _Plan(keys, inner, bufs, list(map(_DTYPE, bufs)), loose,
+                                 [bufs[i].shape for i in loose], blocks)
+
+    def blocked(self, out: Any, keys: list[Any], inner: list[list[Any]] | None,
+                path: tuple[Any, ...], bufs: list[torch.Tensor]
+                ) -> tuple[list[_Block], list[int]]:
+        """Give the small tensors among ``bufs`` (a plan's, in place) views of one block per
+        shape and dtype, in ``out`` and in their entries too, one block at a time (each
+        replaced buffer is freed as its block is made); return the blocks and the indices of
+        the others."""
+        groups: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
+        loose = []
+        for i, (shape, dtype, size) in enumerate(zip(map(_SHAPE, bufs), map(_DTYPE, bufs),
+                                                     map(_NBYTES, bufs))):
+            if size <= _BLOCKED:
+                groups.setdefault((shape, dtype), []).append(i)
+            else:
+                loose.append(i)
+        places = ([(out, k) for k in keys] if inner is None
+                  else [(out[k], name) for k, names in zip(keys, inner) for name in names])
+        entries = ([(self.cache[path], k) for k in keys] if inner is None
+                   else [(self.cache[(*path, k)], name) for k, names in zip(keys, inner)
+                         for name in names])
+        blocks = []
+        for (shape, dtype), idx in groups.items():
+            if len(idx) == 1:
+                loose.append(idx[0])
+                continue
+            block = torch.empty((len(idx), *shape), dtype=dtype)
+            for i, view in zip(idx, block.unbind()):
+                bufs[i] = view
+                container, key = places[i]
+                container[key] = view
+                held, name = entries[i]
+                held[name] = (view, shape, dtype, view.nbytes)
+            blocks.append(_Block(operator.itemgetter(*idx), block, idx[0], shape))
+        self.created = self.created or bool(blocks)  # (the replaced buffers are dropped)
+        loose.sort()
+        return blocks, loose
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], key: Any) -> torch.Tensor:
         """Any tensor, entry ``key`` of the container at ``path``: its view's buffer if met
@@ -273,13 +350,14 @@ class _Taking:
         self.src.append(t)
         self.bufs.append(buf)
         kind = type(t)
-        if not t.is_cpu or (kind is not torch.Tensor and kind is not torch.nn.Parameter):
-            self.copied.add(i)
-            if t.is_cpu:
-                buf.copy_(t.detach())  # (a DTensor: its own copy_)
-            else:
-                self.cuda = self.cuda or t.device.type == "cuda"
-                buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        if t.is_cpu and (kind is torch.Tensor or kind is torch.nn.Parameter):
+            self.of.append(t)
+            self.to.append(buf)
+        elif t.is_cpu:
+            buf.copy_(t.detach())  # (a DTensor: its own copy_)
+        else:
+            self.cuda = self.cuda or t.device.type == "cuda"
+            buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
         return buf
 
     def node(self, node: Any, path: tuple[Any, ...]) -> Any:

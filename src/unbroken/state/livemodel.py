@@ -104,10 +104,14 @@ class LiveModel:
                 stack.extend([(c, f"{prefix}{n}.", depth + 1)
                               for n, c in reversed(children.items()) if c is not None])
 
-    def state_dict(self) -> dict[str, Any]:
-        """``model.state_dict()``: from the walk where that is the same, else the model's."""
+    def state_dict(self, detach: bool = True) -> dict[str, Any]:
+        """``model.state_dict()``: from the walk where that is the same, else the model's.
+        ``detach=False``: the walk's tensors themselves, not detached (~1 us a tensor), for a
+        caller that copies them at once and keeps nothing (the async snapshot)."""
         if not self.lists:
             return self.model.state_dict()
+        if not detach:
+            return OrderedDict(self.tensors)
         return OrderedDict([(k, t.detach()) for k, t in self.tensors.items()])
 
     def live_tensors(self) -> dict[str, Any]:

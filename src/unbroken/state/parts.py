@@ -104,14 +104,16 @@ class Counters:
 # -- capture and restore of every part ---------------------------------------------------------
 
 
-def capture(parts: Mapping[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+def capture(parts: Mapping[str, Any], model: torch.nn.Module, detach: bool = True
+            ) -> dict[str, Any]:
     """One tree per part. ``parts`` maps part names to live objects (or, for counters and
-    rng, to already-captured trees)."""
+    rng, to already-captured trees). ``detach=False``: the model's parameters as they are,
+    for a caller that copies every tensor at once (`LiveModel.state_dict`)."""
     tree: dict[str, Any] = {}
     walked = LiveModel(model) if MODEL in parts or OPTIMIZER in parts else None
     for name, obj in parts.items():
         if name == MODEL and walked is not None and obj is model:
-            tree[name] = walked.state_dict()
+            tree[name] = walked.state_dict(detach)
         elif name == OPTIMIZER:
             tree[name] = optimizer_state(model, obj, walked.param_names() if walked else None)
         elif name == SCHEDULER and isinstance(obj, Stateful):
