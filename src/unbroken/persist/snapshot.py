@@ -85,11 +85,15 @@ class SnapshotBuffers:
         self._buffers: dict[tuple[Any, ...], dict[Any, _Entry]] = {}
         self._plans: dict[tuple[Any, ...], _Plan] = {}  # by the path of their container
         self._count = 0  # entries in _buffers; -1 after a snapshot that failed
+        self._dropped = False  # entries dropped by the last snapshot: maybe a block's views
         self.nbytes = 0  # bytes copied by the last snapshot: those of its entries
 
     def take(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         """A copy of ``tree`` that shares no mutable object with it."""
-        return _Taking(self).tree(tree)
+        # (Buffers made under inference_mode would be inference tensors, which a later
+        # snapshot outside it could not write: a save from an evaluation hook.)
+        with torch.inference_mode(False):
+            return _Taking(self).tree(tree)
 
 
 class _Taking:
@@ -124,6 +128,9 @@ class _Taking:
 
     def tree(self, tree: Mapping[str, Any]) -> dict[str, Any]:
         b, count = self.buffers, self.buffers._count
+        if b._dropped:
+            b._dropped = False
+            _unblock(b._buffers)
         b._count = -1  # (until this snapshot completes: a failed one may have added entries)
         out = self.fill({}, tree.items(), ())
         if self.to:
@@ -139,6 +146,7 @@ class _Taking:
             count, b.nbytes = len(sizes), sum(sizes)
             b._plans = {p: plan for p, plan in self.plans.items()
                         if all(id(x) in used for x in plan.bufs)}
+            b._dropped = True
         b._count = count
         return out
 
@@ -220,9 +228,11 @@ class _Taking:
             ptrs = list(map(_DATA_PTR, tensors))  # (a sparse tensor has none: it raises)
         except (RuntimeError, NotImplementedError):  # (an exotic tensor: `fill` says what)
             return False
+        if 0 in ptrs:  # an empty tensor has no address: known by its id, as in `tensor`
+            ptrs = [p or -id(t) for p, t in zip(ptrs, tensors)]
         views = self.views
-        if 0 in ptrs or len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):
-            return False  # an empty tensor, or a tie: `fill` (it compares the views)
+        if len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):
+            return False  # a tie, or views at one address: `fill` (it compares the views)
         try:
             with torch.no_grad():  # (a parameter's history is not the buffer's)
                 for b in plan.blocks:
@@ -253,6 +263,9 @@ class _Taking:
         bufs = self.bufs[start:]
         if (type(out) is not dict and type(out) is not OrderedDict  # (Counter.update adds)
                 or len(self.to) - copies != len(bufs)
+                # two views at one address (met before: `after`), which `planned` refuses:
+                # a plan made each time would make new blocks each time
+                or not self.after.keys().isdisjoint(range(start, len(self.src)))
                 or not _PLAIN_KEYS.issuperset(map(type, d))):
             return
         values = list(out.values())
@@ -286,7 +299,7 @@ class _Taking:
         loose = []
         for i, (shape, dtype, size) in enumerate(zip(map(_SHAPE, bufs), map(_DTYPE, bufs),
                                                      map(_NBYTES, bufs))):
-            if size <= _BLOCKED:
+            if 0 < size <= _BLOCKED:  # (an empty tensor: a buffer of its own, no address)
                 groups.setdefault((shape, dtype), []).append(i)
             else:
                 loose.append(i)
@@ -300,7 +313,7 @@ class _Taking:
             if len(idx) == 1:
                 loose.append(idx[0])
                 continue
-            block = torch.empty((len(idx), *shape), dtype=dtype)
+            block = torch.empty((len(idx), *shape), dtype=dtype, device="cpu")
             for i, view in zip(idx, block.unbind()):
                 bufs[i] = view
                 container, key = places[i]
@@ -406,12 +419,29 @@ def _fit(entry: _Entry | None, t: torch.Tensor) -> _Entry:
             and _same_layout(entry[0], t)):
         return entry
     if t.device.type == "cuda":
-        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
     elif plain:
-        buf = torch.empty(t.shape, dtype=t.dtype)
+        buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")  # (whatever the default)
     else:  # a DTensor: the same mesh and placements, this rank's chunk
         buf = torch.empty_like(t.detach())
     return buf, t.shape, t.dtype if plain else None, t.nbytes
+
+
+def _unblock(buffers: dict[tuple[Any, ...], dict[Any, _Entry]]) -> None:
+    """Give the entries that are views of a block some of whose views were dropped (their
+    container shrank, its plan is gone) buffers of their own: a view keeps its whole block
+    alive. (A plan's blocks are used whole while it lasts. Done as the next snapshot starts:
+    the last one's tree holds the views it was copied into.)"""
+    views = [(entries, k, e) for entries in buffers.values() for k, e in entries.items()
+             if e[0]._base is not None]
+    if not views:
+        return
+    used = Counter(id(e[0]._base) for _, _, e in views)
+    for entries, k, (view, shape, dtype, size) in views:
+        base = view._base
+        assert base is not None  # (for mypy: listed above)
+        if used[id(base)] < len(base):
+            entries[k] = (torch.empty(shape, dtype=dtype, device="cpu"), shape, dtype, size)
 
 
 def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:

@@ -40,7 +40,7 @@ class LiveModel:
     The walk describes the model as it was walked: it is made for one save or one restore,
     during which the model's structure does not change."""
 
-    __slots__ = ("model", "lists", "loads", "tensors", "names")
+    __slots__ = ("model", "lists", "loads", "plain", "tensors", "names")
     lists: bool
     loads: bool
 
@@ -48,6 +48,7 @@ class LiveModel:
         self.model = model
         self.tensors: dict[str, torch.Tensor] = {}
         self.names: dict[int, str] = {}
+        self.plain = True  # every tensor a plain tensor or parameter (no subclass)
         if not isinstance(model, _MODULE):  # (a Stateful of the user's: its own methods)
             self.lists = self.loads = False
             return
@@ -91,14 +92,14 @@ class LiveModel:
                     if id(p) not in names:
                         names[id(p)] = key
                     if type(p) not in _PLAIN:  # (a subclass may watch its copy_)
-                        self.loads = False
+                        self.loads = self.plain = False
             if m._buffers:
                 transient = m._non_persistent_buffers_set
                 for name, b in m._buffers.items():
                     if b is not None and name not in transient:
                         tensors[prefix + name] = b
                         if type(b) not in _PLAIN:
-                            self.loads = False
+                            self.loads = self.plain = False
             children = m._modules
             if children:  # (reversed onto the stack: the first child is walked next)
                 stack.extend([(c, f"{prefix}{n}.", depth + 1)
@@ -107,10 +108,11 @@ class LiveModel:
     def state_dict(self, detach: bool = True) -> dict[str, Any]:
         """``model.state_dict()``: from the walk where that is the same, else the model's.
         ``detach=False``: the walk's tensors themselves, not detached (~1 us a tensor), for a
-        caller that copies them at once and keeps nothing (the async snapshot)."""
+        caller that copies them at once and keeps nothing (the async snapshot); a subclass's
+        detached (as ``state_dict()`` gives it: a Parameter subclass, a plain tensor)."""
         if not self.lists:
             return self.model.state_dict()
-        if not detach:
+        if not detach and self.plain:
             return OrderedDict(self.tensors)
         return OrderedDict([(k, t.detach()) for k, t in self.tensors.items()])
 
