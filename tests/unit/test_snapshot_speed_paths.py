@@ -101,3 +101,33 @@ def test_a_snapshot_after_a_failed_one_is_whole():
     snap = buffers.take({"a": torch.full((2,), 2.0), "b": torch.ones(7)})
     assert torch.equal(snap["a"], torch.full((2,), 2.0)) and torch.equal(snap["b"], torch.ones(7))
     assert buffers.nbytes == 2 * 4 + 7 * 4  # this snapshot's, whatever the failed one left
+
+
+def test_numpy_arrays_are_copied_at_the_call_and_an_object_array_deeply():
+    """A NumPy array (the RNG part's state at every save) is copied without the deepcopy
+    memo: a copy of its values at the call, in its own memory, writable, of its dtype and
+    strides' order; an object array (which may hold anything) still goes through deepcopy."""
+    import numpy as np
+
+    frozen = np.arange(6, dtype=np.uint32)
+    frozen.flags.writeable = False
+    inner = [torch.ones(2)]
+    tree = {"rng": {"state": np.arange(624, dtype=np.uint32), "frozen": frozen,
+                    "fortran": np.asfortranarray(np.arange(6.0).reshape(2, 3)),
+                    "objects": np.array([inner, 3], dtype=object)}}
+    buffers = SnapshotBuffers()
+    for _ in range(2):
+        snap = buffers.take(tree)["rng"]
+        want = {k: v.copy() for k, v in tree["rng"].items() if k != "objects"}
+        tree["rng"]["state"] += 1  # the loop goes on after take() returned
+        tree["rng"]["fortran"] *= 2
+        for k, v in want.items():
+            assert type(snap[k]) is np.ndarray and snap[k].dtype == v.dtype
+            assert np.array_equal(snap[k], v) and not np.shares_memory(snap[k], tree["rng"][k])
+            assert snap[k].flags.writeable
+        assert snap["fortran"].flags.f_contiguous
+        objects = snap["objects"]
+        assert objects[0] is not inner and torch.equal(objects[0][0], torch.ones(2))
+        inner[0].add_(1)
+        assert torch.equal(objects[0][0], torch.ones(2))
+        inner[0].sub_(1)
