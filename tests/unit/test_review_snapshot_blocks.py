@@ -22,12 +22,12 @@ import torch
 
 import unbroken
 from unbroken.errors import UnsupportedValue
-from unbroken.persist import snapshot
+from unbroken.persist import plans, snapshot
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.state.codec import view_ident
 from unbroken.state.livemodel import LiveModel
 
-N = snapshot._PLANNED + 2  # tensors in a container: enough for a plan
+N = plans.PLANNED + 2  # tensors in a container: enough for a plan
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -163,12 +163,12 @@ def _model_sd(n: int = N) -> OrderedDict[str, torch.Tensor]:
     for i in range(n):
         sd[f"w{i}"] = torch.randn(3, 2)
         sd[f"b{i}"] = torch.randn(4)
-    sd["big"] = torch.randn(snapshot._BLOCKED // 4 + 1)
+    sd["big"] = torch.randn(plans.BLOCKED // 4 + 1)
     sd._metadata = OrderedDict({"": {"version": 1}})  # type: ignore[attr-defined]
     return sd
 
 
-def _plan(buffers: SnapshotBuffers, path: tuple[Any, ...]) -> snapshot._Plan:
+def _plan(buffers: SnapshotBuffers, path: tuple[Any, ...]) -> plans.Plan:
     plan = buffers._plans[path]
     assert plan.blocks, "the test needs a plan with blocks"
     return plan
@@ -377,7 +377,7 @@ def test_parameters_requiring_grad_under_grad_mode(monkeypatch):
 
 def test_the_block_size_limit_is_65536_bytes():
     torch.manual_seed(0)
-    at = snapshot._BLOCKED
+    at = plans.BLOCKED
     sd = {f"a{i}": torch.randn(at // 4) for i in range(N)}  # exactly 65536 bytes: blocked
     sd.update({f"o{i}": torch.randint(0, 255, (at + 1,), dtype=torch.uint8) for i in range(2)})
     sd.update({f"s{i}": torch.randn(3) for i in range(N)})

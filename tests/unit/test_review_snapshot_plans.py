@@ -19,11 +19,11 @@ from hypothesis import strategies as st
 from test_snapshot_plans import _tensors
 
 from unbroken.errors import UnsupportedValue
-from unbroken.persist import snapshot
+from unbroken.persist import plans, snapshot
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.state.codec import view_ident
 
-N = snapshot._PLANNED + 2  # tensors in a container: enough for a plan
+N = plans.PLANNED + 2  # tensors in a container: enough for a plan
 
 
 class Sub(torch.Tensor):

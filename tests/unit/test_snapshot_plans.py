@@ -17,11 +17,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from unbroken.errors import UnsupportedValue
-from unbroken.persist import snapshot
+from unbroken.persist import plans, snapshot
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.state.codec import view_ident
 
-N = snapshot._PLANNED + 4  # tensors in a container: enough for a plan
+N = plans.PLANNED + 4  # tensors in a container: enough for a plan
 
 CHANGES = st.sampled_from([
     "none", "values", "shape", "dtype", "rename", "tie_in", "tie_across", "empty", "sparse",
@@ -249,7 +249,7 @@ def test_small_tensors_of_one_shape_share_a_block_copied_by_one_stack():
     """A plan gives its small tensors of one shape and dtype views of one block (copied by one
     ``torch.stack``), a tensor alone of its kind or over `_BLOCKED` bytes a buffer of its own;
     a later snapshot writes the loop's new values through them."""
-    big = snapshot._BLOCKED // 4 + 1  # float32 elements: just over the limit
+    big = plans.BLOCKED // 4 + 1  # float32 elements: just over the limit
     sd = OrderedDict((f"w{i}", torch.randn(3, 2)) for i in range(N))
     sd.update((f"b{i}", torch.randn(4)) for i in range(N))
     sd["odd"], sd["big"] = torch.randn(5, dtype=torch.float64), torch.randn(big)

@@ -7,72 +7,23 @@ of live tensors that mixes two steps)."""
 from __future__ import annotations
 
 import copy
-import operator
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from itertools import chain
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import UnsupportedValue
-from ..state.codec import MAX_DEPTH, planned_leaves, view_ident
+from ..state.codec import MAX_DEPTH, view_ident
+from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
 _ATTRIBUTES, _KEY = object(), object()
 # Leaves taken as they are: immutable, they cannot change after ``save()`` returns.
 _IMMUTABLE = frozenset({int, float, bool, str, bytes, complex, type(None), torch.dtype,
                         torch.device, torch.Size})
-
-# A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
-# them from the buffer again costs ~0.1 us a torch call, for 10,000 small tensors each save.
-# The dtype is None for a buffer of another kind than a plain tensor (a DTensor's), which a
-# plain tensor's check then never takes.
-_Entry = tuple[torch.Tensor, torch.Size, torch.dtype | None, int]
-_NONE: dict[Any, _Entry] = {}  # the entries of a container that has none yet (never written)
-
-# A container holding this many tensors or more is taken by its `_Plan` when it can be.
-_PLANNED = 16
-# A plan's tensors of at most this many bytes share a buffer (a block) with the others of
-# their shape and dtype, copied into it by one ``torch.stack``: for small tensors the cost of
-# a copy is its call (~1 us a tensor in ``_foreach_copy_``, ~0.4 us in a stack), not bytes.
-_BLOCKED = 1 << 16
-_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # copied by the one _foreach_copy_
-_PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
-_DICT = frozenset({dict})
-_SHAPE, _DTYPE, _IS_CPU, _NBYTES = (operator.attrgetter(a)
-                                   for a in ("shape", "dtype", "is_cpu", "nbytes"))
-_DATA_PTR = torch.Tensor.data_ptr
-
-
-class _Block(NamedTuple):
-    """A plan's tensors of one shape (``shape``) and dtype, ``take`` of its tensors (the
-    first at index ``first``), each ``block[j]``'s source: copied by one ``torch.stack``."""
-
-    take: Callable[[list[torch.Tensor]], Any]
-    block: torch.Tensor
-    first: int
-    shape: torch.Size
-
-
-class _Plan(NamedTuple):
-    """How the last snapshot took a container of many tensors: a model's state_dict (keys ->
-    tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
-    ``inner``, each one's keys). A later snapshot of a container with the same keys whose
-    tensors still fit ``bufs`` (same order, ``dtypes``) is taken with a few whole-list
-    operations instead of a Python step per tensor (see `_Taking.planned`).
-
-    The small tensors of one shape and dtype have views of one ``block`` as their buffers
-    (`_Block`); the others (``loose``, their indices) a buffer each, of ``loose_shapes``."""
-
-    keys: list[Any]
-    inner: list[list[Any]] | None
-    bufs: list[torch.Tensor]
-    dtypes: list[torch.dtype]
-    loose: list[int]
-    loose_shapes: list[torch.Size]
-    blocks: list[_Block]
+_NONE: dict[Any, Entry] = {}  # the entries of a container that has none yet (never written)
 
 
 class SnapshotBuffers:
@@ -83,8 +34,8 @@ class SnapshotBuffers:
     def __init__(self) -> None:
         # Entries by the path of their container, then their key in it: no path tuple is
         # built per tensor, and the usual snapshot, which uses every entry, changes nothing.
-        self._buffers: dict[tuple[Any, ...], dict[Any, _Entry]] = {}
-        self._plans: dict[tuple[Any, ...], _Plan] = {}  # by the path of their container
+        self._buffers: dict[tuple[Any, ...], dict[Any, Entry]] = {}
+        self._plans: dict[tuple[Any, ...], Plan] = {}  # by the path of their container
         self._count = 0  # entries in _buffers; -1 after a snapshot that failed
         self._dropped = False  # entries dropped by the last snapshot: maybe a block's views
         self.nbytes = 0  # bytes copied by the last snapshot: those of its entries
@@ -97,7 +48,7 @@ class SnapshotBuffers:
             return _Taking(self).tree(tree)
 
 
-class _Taking:
+class _Taking(Planning):
     """One snapshot: the tree rebuilt (dicts, lists and tuples directly; any other container
     through ``copy.deepcopy``), every tensor replaced by its buffer. The CPU tensors' copies
     run at the end, in one ``_foreach_copy_`` call: 10,000 small tensors are common, and a
@@ -131,7 +82,7 @@ class _Taking:
         b, count = self.buffers, self.buffers._count
         if b._dropped:
             b._dropped = False
-            _unblock(b._buffers)
+            unblock(b._buffers)
         b._count = -1  # (until this snapshot completes: a failed one may have added entries)
         out = self.fill({}, tree.items(), ())
         if self.to:
@@ -188,143 +139,6 @@ class _Taking:
             else:
                 out[key] = self.node(v, (*path, k))
         return out
-
-    def mapping(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
-        """``out`` filled with the items of the dict ``d`` at ``path``: by the plan of the last
-        snapshot when it still fits, else by `fill` (then planned for the next snapshot)."""
-        # (Out of the plans while `fill` runs: a fill that raises may replace a buffer the
-        # plan holds, and a plan used after that would drop the new one as unused. A
-        # Counter's ``update`` counts: it never takes a plan.)
-        plan = self.plans.pop(path, None)
-        if (plan is not None and (type(out) is dict or type(out) is OrderedDict)
-                and self.planned(out, d, plan)):
-            self.plans[path] = plan
-            return out
-        start, copies = len(self.bufs), len(self.to)
-        self.fill(out, d.items(), path)
-        if len(self.bufs) - start >= _PLANNED or plan is not None:
-            self.plan(out, d, path, start, copies)
-        return out
-
-    def planned(self, out: Any, d: Mapping[Any, Any], plan: _Plan) -> bool:
-        """Take ``d`` by ``plan`` if it fits: the same keys (plain str and int keys, whose
-        ``==`` runs no user code), the same number of tensors, each a plain CPU tensor of its
-        buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
-        address of another. What `fill` checks one tensor at a time, here in whole-list
-        operations; a block's shapes by its first tensor's and by ``torch.stack``, which
-        refuses tensors of unequal shapes. False (its buffers maybe written, nothing else done)
-        if not."""
-        leaves = planned_leaves(d, plan.keys, plan.inner)
-        if leaves is None:
-            return False
-        keys, inner, tensors = leaves
-        try:
-            if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
-                    or list(map(_DTYPE, tensors)) != plan.dtypes
-                    or not all(map(_IS_CPU, tensors))
-                    or [tensors[i].shape for i in plan.loose] != plan.loose_shapes
-                    or [tensors[b.first].shape for b in plan.blocks]
-                    != [b.shape for b in plan.blocks]):
-                return False
-            ptrs = list(map(_DATA_PTR, tensors))  # (a sparse tensor has none: it raises)
-        except (RuntimeError, NotImplementedError):  # (an exotic tensor: `fill` says what)
-            return False
-        if 0 in ptrs:  # an empty tensor has no address: known by its id, as in `tensor`
-            ptrs = [p or -id(t) for p, t in zip(ptrs, tensors)]
-        views = self.views
-        if len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):
-            return False  # a tie, or views at one address: `fill` (it compares the views)
-        try:
-            with torch.no_grad():  # (a parameter's history is not the buffer's)
-                for b in plan.blocks:
-                    torch.stack(b.take(tensors), out=b.block)
-        except RuntimeError:  # a shape in a block changed: `fill` (into the same buffers)
-            return False
-        base = len(self.src)
-        views.update(zip(ptrs, range(base, base + len(ptrs))))
-        self.src.extend(tensors)
-        self.bufs.extend(plan.bufs)
-        for i in plan.loose:
-            self.of.append(tensors[i])
-            self.to.append(plan.bufs[i])
-        if inner is None:
-            out.update(zip(keys, plan.bufs))
-        else:
-            bufs = iter(plan.bufs)  # (each zip stops at its keys' end: takes only its own)
-            out.update(zip(keys, [dict(zip(names, bufs)) for names in inner]))
-        return True
-
-    def plan(self, out: Any, d: Mapping[Any, Any], path: tuple[Any, ...], start: int,
-             copies: int) -> None:
-        """After `fill` took ``d`` into ``out``: its plan, if every tensor it holds (directly,
-        or in dicts one level down) got a buffer of its own, in order, copied by the one
-        _foreach_copy_ (``start``: the first one's index in ``bufs``, ``copies`` in ``to``);
-        else none. Its small tensors' buffers are replaced by views of blocks (`blocked`)."""
-        self.plans.pop(path, None)
-        bufs = self.bufs[start:]
-        if (type(out) is not dict and type(out) is not OrderedDict  # (Counter.update adds)
-                or len(self.to) - copies != len(bufs)
-                # two views at one address (met before: `after`), which `planned` refuses:
-                # a plan made each time would make new blocks each time
-                or not self.after.keys().isdisjoint(range(start, len(self.src)))
-                or not _PLAIN_KEYS.issuperset(map(type, d))):
-            return
-        values = list(out.values())
-        inner = None
-        if len(values) != len(bufs):
-            if not (_DICT.issuperset(map(type, values))
-                    and _DICT.issuperset(map(type, d.values()))):
-                return
-            inner = list(map(list, values))
-            if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner))):
-                return
-            values = [t for v in values for t in v.values()]
-            if len(values) != len(bufs):
-                return
-        if not all(map(operator.is_, values, bufs)):
-            return
-        keys = list(d)
-        blocks, loose = self.blocked(out, keys, inner, path, bufs)
-        self.bufs[start:] = self.to[copies:] = bufs
-        self.plans[path] = _Plan(keys, inner, bufs, list(map(_DTYPE, bufs)), loose,
-                                 [bufs[i].shape for i in loose], blocks)
-
-    def blocked(self, out: Any, keys: list[Any], inner: list[list[Any]] | None,
-                path: tuple[Any, ...], bufs: list[torch.Tensor]
-                ) -> tuple[list[_Block], list[int]]:
-        """Give the small tensors among ``bufs`` (a plan's, in place) views of one block per
-        shape and dtype, in ``out`` and in their entries too, one block at a time (each
-        replaced buffer is freed as its block is made); return the blocks and the indices of
-        the others."""
-        groups: dict[tuple[torch.Size, torch.dtype], list[int]] = {}
-        loose = []
-        for i, (shape, dtype, size) in enumerate(zip(map(_SHAPE, bufs), map(_DTYPE, bufs),
-                                                     map(_NBYTES, bufs))):
-            if 0 < size <= _BLOCKED:  # (an empty tensor: a buffer of its own, no address)
-                groups.setdefault((shape, dtype), []).append(i)
-            else:
-                loose.append(i)
-        places = ([(out, k) for k in keys] if inner is None
-                  else [(out[k], name) for k, names in zip(keys, inner) for name in names])
-        entries = ([(self.cache[path], k) for k in keys] if inner is None
-                   else [(self.cache[(*path, k)], name) for k, names in zip(keys, inner)
-                         for name in names])
-        blocks = []
-        for (shape, dtype), idx in groups.items():
-            if len(idx) == 1:
-                loose.append(idx[0])
-                continue
-            block = torch.empty((len(idx), *shape), dtype=dtype, device="cpu")
-            for i, view in zip(idx, block.unbind()):
-                bufs[i] = view
-                container, key = places[i]
-                container[key] = view
-                held, name = entries[i]
-                held[name] = (view, shape, dtype, view.nbytes)
-            blocks.append(_Block(operator.itemgetter(*idx), block, idx[0], shape))
-        self.created = self.created or bool(blocks)  # (the replaced buffers are dropped)
-        loose.sort()
-        return blocks, loose
 
     def tensor(self, t: torch.Tensor, path: tuple[Any, ...], key: Any) -> torch.Tensor:
         """Any tensor, entry ``key`` of the container at ``path``: its view's buffer if met
@@ -415,7 +229,7 @@ class _Taking:
         return self.node(key, (*path, k))
 
 
-def _fit(entry: _Entry | None, t: torch.Tensor) -> _Entry:
+def _fit(entry: Entry | None, t: torch.Tensor) -> Entry:
     """``entry`` if its buffer fits ``t`` (shape, dtype, kind), else a new buffer's."""
     plain = type(t) is torch.Tensor or type(t) is torch.nn.Parameter
     if entry is not None and t.shape == entry[1] and (
@@ -430,23 +244,6 @@ def _fit(entry: _Entry | None, t: torch.Tensor) -> _Entry:
     else:  # a DTensor: the same mesh and placements, this rank's chunk
         buf = torch.empty_like(t.detach())
     return buf, t.shape, t.dtype if plain else None, t.nbytes
-
-
-def _unblock(buffers: dict[tuple[Any, ...], dict[Any, _Entry]]) -> None:
-    """Give the entries that are views of a block some of whose views were dropped (their
-    container shrank, its plan is gone) buffers of their own: a view keeps its whole block
-    alive. (A plan's blocks are used whole while it lasts. Done as the next snapshot starts:
-    the last one's tree holds the views it was copied into.)"""
-    views = [(entries, k, e) for entries in buffers.values() for k, e in entries.items()
-             if e[0]._base is not None]
-    if not views:
-        return
-    used = Counter(id(e[0]._base) for _, _, e in views)
-    for entries, k, (view, shape, dtype, size) in views:
-        base = view._base
-        assert base is not None  # (for mypy: listed above)
-        if used[id(base)] < len(base):
-            entries[k] = (torch.empty(shape, dtype=dtype, device="cpu"), shape, dtype, size)
 
 
 def _same_layout(buf: torch.Tensor, t: torch.Tensor) -> bool:
