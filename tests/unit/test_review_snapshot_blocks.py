@@ -12,13 +12,16 @@ The defects found are at the end, each marked ``# FIXED:`` with what was wrong."
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import weakref
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+from test_review_snapshot_plans import _same as _same_tree
 
 import unbroken
 from unbroken.errors import UnsupportedValue
@@ -59,22 +62,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _same(a: Any, b: Any) -> None:
     """Same containers (types, keys and their types, order, _metadata), tensors of the same
     dtype, shape and bits."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        assert _same_bits(a, b), (a, b)
-        return
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, dict):
-        assert [(type(k), k) for k in a] == [(type(k), k) for k in b]
-        for k in a:
-            _same(a[k], b[k])
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _same(x, y)
-    else:
-        assert a == b
+    _same_tree(a, b, _same_bits)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
@@ -631,15 +619,22 @@ def test_what_an_async_save_writes_is_the_state_at_save_whatever_the_loop_does(t
         _assert_bitwise(_restored(tmp_path / "run", step, tied), at[step])
 
 
+@contextlib.contextmanager
+def _saved_once(run: Any) -> Iterator[tuple[torch.nn.Module, torch.optim.Optimizer, Any]]:
+    """A trained net and its async Checkpointer in ``run``, generation 1 saved and waited
+    for; closed on leaving."""
+    model, opt = _net()
+    _train(model, opt)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt, async_save=True) as ckpt:
+        ckpt.save(1)
+        ckpt.wait()
+        yield model, opt, ckpt
+
+
 def test_a_tie_through_data_is_saved_and_restored(tmp_path):
     """``param.data = other.data`` before an async save: the two entries are one view in the
     snapshot (one buffer) and both restore to the value at save."""
-    model, opt = _net()
-    _train(model, opt)
-    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
-                               async_save=True) as ckpt:
-        ckpt.save(1)
-        ckpt.wait()
+    with _saved_once(tmp_path / "run") as (model, opt, ckpt):
         model[4].weight.data = model[5].weight.data
         tree = ckpt._buffers.take({"model": LiveModel(model).state_dict(detach=False)})
         assert tree["model"]["4.weight"] is tree["model"]["5.weight"]
@@ -673,12 +668,7 @@ def test_a_parameter_replaced_by_another_shape_between_snapshots():
 def test_a_failed_async_save_then_a_good_one(tmp_path):
     """A save that fails in the snapshot (an unstorable buffer, after the model's plan took
     its blocks) raises, and the next one writes the state at its call."""
-    model, opt = _net()
-    _train(model, opt)
-    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
-                               async_save=True) as ckpt:
-        ckpt.save(1)
-        ckpt.wait()
+    with _saved_once(tmp_path / "run") as (model, opt, ckpt):
         _train(model, opt)
         model[8].register_buffer("bad", torch.zeros(3).to_sparse())
         with pytest.raises(UnsupportedValue):

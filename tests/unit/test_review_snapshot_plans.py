@@ -10,6 +10,7 @@ import gc
 import warnings
 import weakref
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -30,25 +31,30 @@ class Sub(torch.Tensor):
     """A tensor subclass: never taken by a plan."""
 
 
-def _same(a: Any, b: Any) -> None:
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.resolve_conj().resolve_neg(), b.detach().resolve_conj().resolve_neg())
+
+
+def _same(a: Any, b: Any, tensors: Callable[[torch.Tensor, torch.Tensor], bool] = _equal
+          ) -> None:
     """``a`` (a snapshot) is ``b`` (a tree or another snapshot): container types, keys (and
-    their types) and order, OrderedDict _metadata, tensor dtypes, shapes and values."""
+    their types) and order, OrderedDict _metadata, tensor dtypes, shapes and values (by
+    ``tensors``)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.resolve_conj().resolve_neg(),
-                           b.detach().resolve_conj().resolve_neg())
+        assert tensors(a, b), (a, b)
         return
     assert type(a) is type(b), (type(a), type(b))
     if isinstance(a, dict):
         assert [(type(k), k) for k in a] == [(type(k), k) for k in b]
         for k in a:
-            _same(a[k], b[k])
+            _same(a[k], b[k], tensors)
         assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None)
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
         for x, y in zip(a, b):
-            _same(x, y)
+            _same(x, y, tensors)
     else:
         assert a == b
 
