@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from test_review_snapshot_plans import _same as _same_tree
+from test_snapshot_plans import _tensors
 
 import unbroken
 from unbroken.errors import UnsupportedValue
@@ -36,17 +37,8 @@ N = plans.PLANNED + 2  # tensors in a container: enough for a plan
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _leaves(obj: Any, out: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    out = [] if out is None else out
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _leaves(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _leaves(v, out)
-    return out
+def _leaves(obj: Any) -> list[torch.Tensor]:
+    return _tensors(obj, [])
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
