@@ -108,8 +108,9 @@ class LiveModel:
     def state_dict(self, detach: bool = True) -> dict[str, Any]:
         """``model.state_dict()``: from the walk where that is the same, else the model's.
         ``detach=False``: the walk's tensors themselves, not detached (~1 us a tensor), for a
-        caller that copies them at once and keeps nothing (the async snapshot); a subclass's
-        detached (as ``state_dict()`` gives it: a Parameter subclass, a plain tensor)."""
+        caller that copies them at once and keeps nothing (the async snapshot); all detached
+        when one is a subclass (``state_dict()`` gives a Parameter subclass as a plain
+        tensor, which a snapshot's buffer is reused for)."""
         if not self.lists:
             return self.model.state_dict()
         if not detach and self.plain:
