@@ -329,3 +329,26 @@ def test_unstorable_tensors_are_refused_typed(make):
              else torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8))
     with pytest.raises(UnsupportedValue):
         SnapshotBuffers().take({"m": {"w": t}})
+
+
+def test_a_plan_made_again_after_a_shrink_lets_go_of_the_block_it_kept_a_view_of():
+    """Found by the sequence test: 18 blocked tensors shrunk to 2, one resized, then a new
+    value. The plan made after the resize keeps the last view of a block as a loose buffer;
+    the next snapshot gives that entry a buffer of its own (the view held its whole block),
+    and the plan must go with the view: the snapshot used the plan's old view while the
+    buffers kept the new one (held, never written, and the block kept alive)."""
+    torch.manual_seed(0)
+    model = _model(N)
+    tree: dict[str, Any] = {"model": model}
+    buffers = SnapshotBuffers()
+    _check(buffers, tree)
+    for k in list(model)[2:]:
+        del model[k]  # a plan of 2 (a plan existed): w0's and w1's buffers views of a block
+    _check(buffers, tree)
+    model["w1"] = torch.randn(3, 2).resize_(2, 3)  # w0 alone in its block: a loose view
+    _check(buffers, tree)
+    model["w0"] = model["w0"] + 1
+    _check(buffers, tree)  # (held <= this snapshot's buffers, nbytes as fresh buffers count)
+    held = [e[0] for entries in buffers._buffers.values() for e in entries.values()]
+    assert all(x._base is None or len(x._base) == sum(y._base is x._base for y in held)
+               for x in held), "a block kept alive by fewer views than it has"

@@ -82,7 +82,7 @@ class _Taking(Planning):
         b, count = self.buffers, self.buffers._count
         if b._dropped:
             b._dropped = False
-            unblock(b._buffers)
+            unblock(b._buffers, b._plans)
         b._count = -1  # (until this snapshot completes: a failed one may have added entries)
         out = self.fill({}, tree.items(), ())
         if self.to:
