@@ -19,8 +19,13 @@ from .livemodel import LiveModel, param_names
 def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                       names: dict[int, str] | None = None) -> list[list[str]]:
     names = param_names(model) if names is None else names
-    return [[names.get(id(p), f"<not in model>.group{gi}.param{pi}")
-             for pi, p in enumerate(g["params"])] for gi, g in enumerate(optimizer.param_groups)]
+    # ("": not in the model, no parameter's name; the fallback is formatted only when
+    # needed: ~0.2 us a parameter, in every save)
+    out = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
+    for gi, group in enumerate(out):
+        if "" in group:
+            group[:] = [n or f"<not in model>.group{gi}.param{pi}" for pi, n in enumerate(group)]
+    return out
 
 
 def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -41,8 +46,11 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     names: dict[int, str] | None = None) -> dict[str, Any]:
     """The optimizer's state_dict with integer parameter ids replaced by parameter names
     (``names``: `param_names` of ``model``, when known already)."""
-    sd = optimizer.state_dict()
     group_names = _live_group_names(model, optimizer, names)
+    direct = _direct_state(optimizer, group_names)
+    if direct is not None:
+        return direct
+    sd = optimizer.state_dict()
     by_index: dict[int, str] = {}
     for saved_group, group in zip(sd["param_groups"], group_names):
         by_index.update(zip(saved_group["params"], group))
@@ -52,6 +60,36 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         "param_groups": [{**g, "params": group}
                          for g, group in zip(sd["param_groups"], group_names)],
     }
+
+
+def _direct_state(optimizer: torch.optim.Optimizer, group_names: list[list[str]]
+                  ) -> dict[str, Any] | None:
+    """What `optimizer_state` makes of ``optimizer.state_dict()``, made straight from the
+    optimizer's state and groups when ``state_dict`` would only index them (torch's own
+    method, no hooks, every state key a parameter of a group): the same dicts, in the same
+    order, without the index round trip (~1 ms at 2,500 parameters, in every save). None
+    otherwise."""
+    if (type(optimizer).state_dict is not _STATE_DICT
+            or optimizer._optimizer_state_dict_pre_hooks
+            or optimizer._optimizer_state_dict_post_hooks):
+        return None
+    by_id: dict[int, str] = {}
+    for group, names in zip(optimizer.param_groups, group_names):
+        for p, name in zip(group["params"], names):
+            by_id.setdefault(id(p), name)  # (torch indexes a parameter where first met)
+    try:
+        state = {by_id[id(p)]: s for p, s in optimizer.state.items()}
+    except KeyError:  # a state key in no group: torch's own method says what it makes of it
+        return None
+    return {
+        "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+        "state": state,
+        "param_groups": [{**{k: v for k, v in g.items() if k != "params"}, "params": names}
+                         for g, names in zip(optimizer.param_groups, group_names)],
+    }
+
+
+_STATE_DICT = torch.optim.Optimizer.state_dict
 
 
 def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
