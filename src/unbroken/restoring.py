@@ -23,7 +23,7 @@ from .picking import Pick, pick_generation
 from .state import parts as S
 from .state.identity import Identity
 from .state.incremental import HeldFile, held_files
-from .state.optim import param_group_changes
+from .state.settings import param_group_changes
 from .store.generations import GenerationInfo, GenerationStore
 from .store.objects import is_url, open_store
 from .store.runrecord import RunRecord

@@ -147,12 +147,6 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
             "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups]}
 
 
-# Param-group fields a learning-rate scheduler moves at every step: their live value in a
-# freshly built run is the schedule's start, not a choice of the user. The base values the
-# scheduler keeps (initial_lr, max_lr, base_momentum, ...) are compared instead.
-_SCHEDULED = frozenset({"lr", "momentum", "betas"})
-
-
 def _same_kind(saved: Any, live: Any) -> bool:
     """Whether a saved hyperparameter has the kind of value the live optimizer holds there
     (torch's load_state_dict takes anything: a None learning rate fails only at the step)."""
@@ -169,33 +163,6 @@ def _same_kind(saved: Any, live: Any) -> bool:
         return (isinstance(saved, (tuple, list)) and len(saved) == len(live)
                 and all(_same_kind(a, b) for a, b in zip(saved, live)))
     return True
-
-
-def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimizer,
-                        scheduled: bool = False) -> list[str]:
-    """Each hyperparameter (param-group field) whose live value differs from the saved one:
-    a continuation silently restores the saved value, so the change must at least be said.
-    ``scheduled``: a scheduler drives the rates (see ``_SCHEDULED``)."""
-    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
-    skip = {"params", *(_SCHEDULED if scheduled else ())}
-    out = []
-    for gi, (old, live) in enumerate(zip(groups or [], optimizer.param_groups)):
-        if not isinstance(old, Mapping):
-            continue
-        for key in sorted(k for k in live if k not in skip and k in old):
-            a, b = old[key], live[key]
-            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and
-                    isinstance(b, torch.Tensor) else _plain(a) == _plain(b))
-            if not same:
-                out.append(f"optimizer param group {gi} {key!r}: saved {shown(_plain(a))}, "
-                           f"live {shown(_plain(b))}")
-    return out
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    return list(value) if isinstance(value, tuple) else value
 
 
 def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
