@@ -23,7 +23,7 @@ from .picking import Pick, pick_generation
 from .state import parts as S
 from .state.identity import Identity
 from .state.incremental import HeldFile, held_files
-from .state.settings import param_group_changes
+from .state.settings import param_group_changes, scheduler_changes
 from .store.generations import GenerationInfo, GenerationStore
 from .store.objects import is_url, open_store
 from .store.runrecord import RunRecord
@@ -177,6 +177,12 @@ class Restoring:
                 warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
                               "(to change a hyperparameter, set it after restore(), or "
                               "warm_start a new run)", UnbrokenWarning, stacklevel=2)
+        if S.SCHEDULER in self._parts and S.SCHEDULER in ready:
+            for change in scheduler_changes(ready[S.SCHEDULER], self._parts[S.SCHEDULER]):
+                warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
+                              "schedule (to change it, set it on the scheduler after restore(), or "
+                              "warm_start a new run)", UnbrokenWarning,
+                              stacklevel=2)
         try:
             S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
                                self._group.rank), mapped=pick.mapped, walked=pick.walked)

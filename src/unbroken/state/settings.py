@@ -41,3 +41,51 @@ def _plain(value: Any) -> Any:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     return list(value) if isinstance(value, tuple) else value
+
+
+# The keys of torch's schedulers' state that move as the schedule runs (or that hold the
+# user's own objects): a freshly built scheduler differs there from any saved one by design.
+# Every other key is the schedule's configuration (gamma, T_max, milestones, total_steps...).
+# ``base_lrs`` is the groups' ``initial_lr``, which `param_group_changes` names already.
+_PROGRESS = frozenset({
+    "last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial",
+    "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter", "lr_lambdas",
+    "_scale_fn_ref", "_scale_fn_custom", "_schedulers", "base_lrs"})
+_TORCH_SCHEDULERS = "torch.optim.lr_scheduler"
+
+
+def scheduler_changes(saved: Any, scheduler: Any, name: str = "scheduler") -> list[str]:
+    """Each setting of a torch scheduler (and of those it chains) whose live value differs
+    from the saved one, which a continuation restores silently. Only torch's own schedulers
+    are compared: which keys of another scheduler's state are settings is not known."""
+    if type(scheduler).__module__ != _TORCH_SCHEDULERS or not isinstance(saved, Mapping):
+        return []
+    live = scheduler.state_dict()
+    out = []
+    for key in sorted(k for k in live if isinstance(k, str) and k not in _PROGRESS
+                      and k in saved):
+        a, b = saved[key], live[key]
+        if not _same(a, b):
+            out.append(f"{name} {key!r}: saved {shown(_plain(a))}, live {shown(_plain(b))}")
+    inner, got = getattr(scheduler, "_schedulers", None), saved.get("_schedulers")
+    if isinstance(inner, (list, tuple)) and isinstance(got, list) and len(got) == len(inner):
+        for i, (s, g) in enumerate(zip(inner, got)):
+            out += scheduler_changes(g, s, f"{name} {i} ({type(s).__name__})")
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal settings: tensors by value, tuples as lists, containers element by element."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = _plain(a), _plain(b)
+        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                    and a.shape == b.shape and bool(torch.equal(a, b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- an object whose == raises: not the same
+        return False
