@@ -6,6 +6,7 @@ kinds, addresses and safetensors bytes are those of an encoding without plans.""
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -29,9 +30,12 @@ def _bytes(encoded: codec.Encoded) -> bytes:
 
 
 def _same(planned: codec.Encoded, fresh: codec.Encoded) -> None:
-    assert planned.skeleton == fresh.skeleton
-    assert dumps_json(planned.skeleton, sort_keys=False) == dumps_json(fresh.skeleton,
-                                                                       sort_keys=False)
+    # (a planned mapping's place holds a string, its JSON text in ``texts``: put back, the
+    # document's bytes are those of the encoding without plans)
+    assert not fresh.texts
+    text = dumps_json(planned.skeleton, sort_keys=False, texts=planned.texts)
+    assert text == dumps_json(fresh.skeleton, sort_keys=False)
+    assert json.loads(text) == json.loads(dumps_json(fresh.skeleton, sort_keys=False))
     assert list(planned.tensors) == list(fresh.tensors)
     assert planned.kinds == fresh.kinds
     for (key, a), b in zip(planned.tensors.items(), fresh.tensors.values()):
@@ -100,5 +104,39 @@ def test_the_state_dict_and_the_optimizer_state_are_encoded_by_their_plans():
         for p in model.parameters():
             p.add_(1)
     again = encode_tree_for_file(tree(), plans)
-    assert again.skeleton["model"] is planned.skeleton["model"]  # (the plan's own skeleton)
+    # the plans' own JSON texts, made once, in the places of their mappings
+    assert again.texts[again.skeleton["model"]] is planned.texts[planned.skeleton["model"]]
+    assert set(again.texts) == {again.skeleton["model"], again.skeleton["optimizer"]["state"]}
     _same(again, encode_tree_for_file(tree()))
+
+
+def test_a_document_utf8_cannot_encode_is_written_as_without_plans():
+    """A lone surrogate (what ``os.fsdecode`` makes of an undecodable file name) anywhere in
+    the state switches the document to ASCII escapes: the planned mappings' texts, made as
+    UTF-8 (here with a non-ASCII key), must switch with it, the bytes those of the encoding
+    without plans."""
+    sd = {f"w\u00e9{i}": torch.randn(2) for i in range(N)}
+    tree: dict[str, Any] = {"model": sd, "files": ["data/\udc80.bin"], "note": "caf\u00e9"}
+    plans: dict[str, Any] = {}
+    encode_tree_for_file(tree, plans)
+    planned = encode_tree_for_file(tree, plans)
+    assert planned.texts  # (the plan was taken)
+    fresh = encode_tree_for_file(tree)
+    text = dumps_json(planned.skeleton, sort_keys=False, texts=planned.texts)
+    assert text == dumps_json(fresh.skeleton, sort_keys=False)
+    doc = json.loads(text)
+    assert text.isascii() and doc["note"] == "caf\u00e9" and doc["files"] == ["data/\udc80.bin"]
+    assert list(doc["model"]) == list(sd)
+
+
+def test_a_string_of_the_state_like_a_place_holder_stays_itself():
+    """The string a skeleton holds in a planned mapping's place is random, of this process:
+    a state's own strings (even of its form) are written as they are."""
+    plans: dict[str, Any] = {}
+    sd = {f"w{i}": torch.randn(2) for i in range(N)}
+    tree: dict[str, Any] = {"model": sd, "a": "unbroken.planned.0", "b": codec._HOLDER[:-1]}
+    encode_tree_for_file(tree, plans)
+    planned = encode_tree_for_file(tree, plans)
+    doc = json.loads(dumps_json(planned.skeleton, sort_keys=False, texts=planned.texts))
+    assert doc["a"] == "unbroken.planned.0" and doc["b"] == codec._HOLDER[:-1]
+    assert doc == json.loads(dumps_json(encode_tree_for_file(tree).skeleton, sort_keys=False))

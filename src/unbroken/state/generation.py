@@ -48,6 +48,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     files: dict[str, str] = {}
     more: dict[str, list[dict[str, str]]] = {}
     artifacts: dict[str, Any] = {}
+    texts: dict[str, str] = {}  # (the planned mappings' JSON text, see `codec.Encoded`)
     for part, value in tree.items():
         try:
             check_part_tree(part, value)
@@ -57,6 +58,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 value, None if layout is None else layout.setdefault("plans", {}))
             skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
+            texts.update(encoded.texts)
             if tensors and plan is not None:
                 out, extra = encode_part(plan, prefix, part, tensors, meta)
                 if f"{prefix}{part}.safetensors" in out:
@@ -74,9 +76,10 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
     if more:
         doc[MORE_FILES] = more
-    text = dumps_json(doc, sort_keys=False)
+    text = dumps_json(doc, sort_keys=False, texts=texts)
     if len(text) > MAX_STATE_BYTES:  # what decode_generation refuses is never written
-        sizes = sorted(((len(dumps_json(v, sort_keys=False)), k) for k, v in skeletons.items()),
+        sizes = sorted(((len(dumps_json(v, sort_keys=False, texts=texts)), k)
+                        for k, v in skeletons.items()),
                        reverse=True)
         raise UnsupportedValue(
             f"{STATE_FILE} would be {len(text)} bytes, over the {MAX_STATE_BYTES}-byte limit "

@@ -10,18 +10,26 @@ from typing import Any
 from ..errors import CorruptCheckpoint
 
 
-def dumps_json(obj: Any, sort_keys: bool = True) -> bytes:
+def dumps_json(obj: Any, sort_keys: bool = True, texts: dict[str, str] | None = None
+               ) -> bytes:
     """Compact JSON bytes, canonical by default (sorted keys; no NaN: the skeleton tags them).
     State documents pass ``sort_keys=False`` so that dicts keep their insertion order.
+    ``texts``: JSON text by the string ``obj`` holds in its place (a planned skeleton's, see
+    `codec.Encoded`), each put in place of that string: the same bytes as ``obj`` with the
+    texts' values in their places.
 
     UTF-8 text; a string that UTF-8 cannot encode (a lone surrogate, which ``os.fsdecode``
     makes of an undecodable file name) switches the whole document to ASCII with ``\\u``
     escapes, which JSON readers turn back into the same string: nothing is lost."""
     text = json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
                       ensure_ascii=False)
+    for holder, value in (texts or {}).items():
+        text = text.replace(f'"{holder}"', value, 1)
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:
+        if texts:  # (the texts in their places, as values again)
+            obj = json.loads(text)
         return json.dumps(obj, sort_keys=sort_keys, separators=(",", ":"), allow_nan=False,
                           ensure_ascii=True).encode("ascii")
 
