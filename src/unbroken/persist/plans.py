@@ -32,8 +32,7 @@ BLOCKED = 1 << 16
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})  # copied by the one _foreach_copy_
 _PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
 _DICT = frozenset({dict})
-_SHAPE, _DTYPE, _IS_CPU, _NBYTES = (operator.attrgetter(a)
-                                   for a in ("shape", "dtype", "is_cpu", "nbytes"))
+_SHAPE, _DTYPE, _NBYTES = (operator.attrgetter(a) for a in ("shape", "dtype", "nbytes"))
 _DATA_PTR = torch.Tensor.data_ptr
 
 
@@ -113,8 +112,8 @@ class Planning:
         buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
         address of another. What `fill` checks one tensor at a time, here in whole-list
         operations; a block's shapes by its first tensor's and by ``torch.stack``, which
-        refuses tensors of unequal shapes. False (its buffers maybe written, nothing else done)
-        if not."""
+        refuses tensors of unequal shapes or on another device than the CPU. False (its
+        buffers maybe written, nothing else done) if not."""
         leaves = planned_leaves(d, plan.keys, plan.inner)
         if leaves is None:
             return False
@@ -122,7 +121,8 @@ class Planning:
         try:
             if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
                     or list(map(_DTYPE, tensors)) != plan.dtypes
-                    or not all(map(_IS_CPU, tensors))
+                    # (a block's tensors on another device: its stack refuses them)
+                    or not all([tensors[i].is_cpu for i in plan.loose])
                     or [tensors[i].shape for i in plan.loose] != plan.loose_shapes
                     or [tensors[b.first].shape for b in plan.blocks]
                     != [b.shape for b in plan.blocks]):
