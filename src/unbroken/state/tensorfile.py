@@ -31,6 +31,7 @@ _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
 _ITEMSIZE_OF = {dt: _ITEMSIZE[name] for name, dt in _ST_BY_NAME.items()}
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
+_STACKED = 8  # this many small tensors of one dtype and shape in a row: copied by one stack
 _json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
 # The NumPy dtype a tensor of each safetensors dtype is read through (same item size; torch
 # views it as its own dtype where NumPy has none).
@@ -65,8 +66,9 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     bytes are those of a call without it)."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
-    # size first, which keeps every tensor aligned to its element size; then by key (the same
-    # tensors give the same bytes in any order).
+    # size first, which keeps every tensor aligned to its element size; then by shape (small
+    # tensors of one shape and dtype, side by side, are copied by one ``torch.stack``, see
+    # `_gather`); then by key (the same tensors give the same bytes in any order).
     # (Per-tensor costs matter: 10,000 small tensors are common, so each tensor's attributes
     # are read once, with the cheapest torch call that gives each.)
     if kinds is None:
@@ -89,14 +91,14 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         order, body, sizes = layout["order"], layout["body"], layout["sizes"]
     else:
         sizes = [t.nbytes for t in values]
-        rank = [((n % 64 != 0) << 8 | 16 - _ITEMSIZE_OF[d], k)
-                for (k, d, _), n in zip(kinds, sizes)]
+        rank = [((n % 64 != 0) << 8 | 16 - _ITEMSIZE_OF[d], tuple(shape), k)
+                for (k, d, shape), n in zip(kinds, sizes)]
         order = sorted(range(len(rank)), key=rank.__getitem__)
         body = _header_body([(kinds[i], sizes[i]) for i in order])
         if layout is not None:
             layout.update(sig=kinds, order=order, body=body, sizes=sizes)
     chunks: list[memoryview] = []
-    run: list[tuple[int, int]] = []  # consecutive small tensors: copied as one chunk
+    run: list[int] = []  # consecutive small tensors: copied as one chunk
 
     for i in order:
         nbytes = sizes[i]
@@ -104,13 +106,13 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
             continue
         if nbytes > _SMALL:
             if run:
-                chunks.append(_gather(run))
+                chunks.append(_gather(run, values, kinds, sizes, ptrs))
                 run = []
             chunks.append(tensor_bytes(values[i]))
         else:
-            run.append((values[i].data_ptr() if ptrs is None else ptrs[i], nbytes))
+            run.append(i)
     if run:
-        chunks.append(_gather(run))
+        chunks.append(_gather(run, values, kinds, sizes, ptrs))
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -146,16 +148,46 @@ def _header_body(items: list[tuple[tuple[str, torch.dtype, torch.Size], int]]) -
     return ",".join(entries)
 
 
-def _gather(run: list[tuple[int, int]]) -> memoryview:
-    """The bytes of small contiguous CPU tensors (by address and size; the caller holds
-    them), one after the other, in one buffer: a ``memmove`` each, twice as fast as torch's
-    ``flatten_dense_tensors`` (which makes a view of each) for 10,000 tensors."""
-    out = torch.empty(sum(n for _, n in run), dtype=torch.uint8)  # (not zeroed first)
-    at, move = out.data_ptr(), ctypes.memmove
-    for ptr, n in run:
-        move(at, ptr, n)
-        at += n
+def _gather(run: list[int], values: list[torch.Tensor],
+            kinds: list[tuple[str, torch.dtype, torch.Size]], sizes: list[int],
+            ptrs: list[int] | None) -> memoryview:
+    """The bytes of small contiguous CPU tensors (``values[i]`` for ``i`` in ``run``, each of
+    ``kinds[i]`` and ``sizes[i]`` bytes; the caller holds them), one after the other, in one
+    buffer: a run of ``_STACKED`` or more of one dtype and shape (the layout puts them side
+    by side) by one ``torch.stack`` into its place (~0.3 us a tensor), the others by a
+    ``memmove`` each (~1 us; twice as fast as torch's ``flatten_dense_tensors``, which makes
+    a view of each)."""
+    out = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)  # (not zeroed first)
+    base, move = out.data_ptr(), ctypes.memmove
+    at, j = 0, 0
+    while j < len(run):
+        i = run[j]
+        _, dtype, shape = kinds[i]
+        n = sizes[i]
+        k = j + 1
+        while k < len(run) and kinds[run[k]][1:] == (dtype, shape):
+            k += 1
+        if k - j >= _STACKED and _stacked([values[x] for x in run[j:k]],
+                                          out[at:at + (k - j) * n], dtype, shape):
+            at += (k - j) * n
+        else:
+            for x in run[j:k]:
+                move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
+                at += n
+        j = k
     return tensor_bytes(out)
+
+
+def _stacked(tensors: list[torch.Tensor], into: torch.Tensor, dtype: torch.dtype,
+             shape: torch.Size) -> bool:
+    """``tensors`` (of ``dtype`` and ``shape``) copied side by side into the bytes ``into``;
+    False (nothing copied) for a dtype torch cannot stack on the CPU (a float8)."""
+    try:
+        with torch.no_grad():  # (a parameter's history is not the file's)
+            torch.stack(tensors, out=into.view(dtype).view(len(tensors), *shape))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -1,0 +1,85 @@
+"""A tensor file's small tensors are gathered into one chunk; runs of one dtype and shape
+(the layout puts them side by side) are copied by one ``torch.stack``, the rest a memmove
+each. Both must give exactly the bytes of each tensor's memory, in the layout's order: for
+every dtype, odd bytes a stack could normalise (a bool byte of 2, NaN payloads, negative
+zeros), tensors requiring grad, runs shorter and longer than a stack's minimum; and the file
+must decode back to the same tensors, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from unbroken.state import tensorfile as T
+from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.uint16, torch.int32]
+
+
+def _raw(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """A tensor of ``dtype`` whose bytes are arbitrary (any bit pattern, as memory holds)."""
+    n = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+    raw = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+def _memory(t: torch.Tensor) -> bytes:
+    return bytes(t.detach().contiguous().view(-1).view(torch.uint8).numpy())
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES),
+                          st.sampled_from([(3,), (2, 5), (7,), (1,), (4, 4)]),
+                          st.integers(1, 12), st.booleans()), min_size=1, max_size=6),
+       st.integers(0, 2 ** 32 - 1))
+def test_gathered_small_tensors_are_their_memory_in_layout_order(groups, seed):
+    tensors: dict[str, torch.Tensor] = {}
+    for g, (dtype, shape, count, grad) in enumerate(groups):
+        for i in range(count):
+            t = _raw(dtype, shape, seed + 1000 * g + i)
+            if grad and dtype.is_floating_point and dtype.itemsize >= 2:
+                t = torch.nn.Parameter(t.clone())  # (a parameter: its bytes, not its history)
+            tensors[f"g{g}.t{i:02d}"] = t
+    chunks = encode_safetensors(tensors, {"m": "1"})
+    data = b"".join(bytes(c) for c in chunks)
+    header_len = int.from_bytes(data[:8], "little")
+    entries, _ = T.read_safetensors_header(data, "test")
+    body = data[8 + header_len:]
+    for key, e in entries.items():
+        begin, end = e["data_offsets"]
+        assert body[begin:end] == _memory(tensors[key]), key
+    decoded, meta = decode_safetensors(memoryview(bytearray(data)), "test")
+    assert meta == {"m": "1"}
+    for key, t in tensors.items():
+        assert decoded[key].dtype == t.dtype and decoded[key].shape == t.shape
+        assert _memory(decoded[key]) == _memory(t), key
+
+
+def test_a_long_run_of_one_shape_is_stacked_and_the_layout_groups_shapes():
+    """The layout orders by shape within a size class: 20 tensors of each of two shapes,
+    named so that key order would interleave them, come out as two runs (each stacked)."""
+    tensors = {f"{i}.{w}": torch.randn(4, 4) if w == "w" else torch.randn(16)
+               for i in range(20) for w in ("b", "w")}
+    stacks = []
+    real = T._stacked
+
+    def spy(ts, into, dtype, shape):
+        stacks.append((len(ts), tuple(shape)))
+        return real(ts, into, dtype, shape)
+
+    T._stacked = spy
+    try:
+        data = b"".join(bytes(c) for c in encode_safetensors(tensors))
+    finally:
+        T._stacked = real
+    assert sorted(stacks) == [(20, (4, 4)), (20, (16,))]
+    entries, _ = T.read_safetensors_header(data, "test")
+    shapes = [tuple(e["shape"]) for e in sorted(entries.values(),
+                                                key=lambda e: e["data_offsets"][0])]
+    assert shapes == sorted(shapes)  # one run per shape
+    decoded, _ = decode_safetensors(memoryview(bytearray(data)), "test")
+    assert all(torch.equal(decoded[k], v) for k, v in tensors.items())
