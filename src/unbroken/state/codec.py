@@ -344,9 +344,11 @@ class _Encoder:
             holder = f"{_HOLDER}{next(_HOLDERS)}"
             self.texts[holder] = plan.text[0]
             return holder
-        start = len(self.kinds)
+        start, holders = len(self.kinds), len(self.texts)
         skeleton = self.mapping(obj, path, depth)
-        if len(self.kinds) - start >= _PLANNED:
+        # (A mapping holding a planned one is not planned: its skeleton holds that one's
+        # place-holder, which only this save's ``texts`` fill in.)
+        if len(self.kinds) - start >= _PLANNED and len(self.texts) == holders:
             self.plan(obj, path, skeleton, start)
         return skeleton
 

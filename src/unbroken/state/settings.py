@@ -51,14 +51,14 @@ _PROGRESS = frozenset({
     "last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial",
     "T_cur", "T_i", "best", "num_bad_epochs", "cooldown_counter", "lr_lambdas",
     "_scale_fn_ref", "_scale_fn_custom", "_schedulers", "base_lrs"})
-_TORCH_SCHEDULERS = "torch.optim.lr_scheduler"
+_TORCH_SCHEDULERS = frozenset({"torch.optim.lr_scheduler", "torch.optim.swa_utils"})
 
 
 def scheduler_changes(saved: Any, scheduler: Any, name: str = "scheduler") -> list[str]:
     """Each setting of a torch scheduler (and of those it chains) whose live value differs
     from the saved one, which a continuation restores silently. Only torch's own schedulers
     are compared: which keys of another scheduler's state are settings is not known."""
-    if type(scheduler).__module__ != _TORCH_SCHEDULERS or not isinstance(saved, Mapping):
+    if type(scheduler).__module__ not in _TORCH_SCHEDULERS or not isinstance(saved, Mapping):
         return []
     live = scheduler.state_dict()
     out = []
