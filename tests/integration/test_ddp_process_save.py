@@ -172,10 +172,13 @@ def test_a_silent_persisting_process_fails_the_commit_within_the_timeout(tmp_pat
     store = GenerationStore(tmp_path / "run")
     store.lock()
     for silent in (True, False):
+        # (silent: the timeout is what ends the wait; gives up: it is said at once, which a
+        # timeout far above the bound below tells from the timeout on a loaded machine)
+        timeout = 0.5 if silent else 10.0
         staging = stage(store, 7, False)
-        group = FileGroup(store.fs, staging, 7, 0, 2, timeout=0.5)
+        group = FileGroup(store.fs, staging, 7, 0, 2, timeout=timeout)
         if not silent:
-            FileGroup(store.fs, staging, 7, 1, 2, timeout=0.5).close(
+            FileGroup(store.fs, staging, 7, 1, 2, timeout=timeout).close(
                 SaveFailed("rank 1's disk is full"))
         started = time.monotonic()
         with pytest.raises(SaveFailed) as e:
@@ -187,7 +190,7 @@ def test_a_silent_persisting_process_fails_the_commit_within_the_timeout(tmp_pat
         if silent:
             assert "rank(s) [1] posted nothing within 0.5 s" in str(e.value) and took < 3
         else:
-            assert "rank 1 gave up: rank 1's disk is full" in str(e.value) and took < 0.4
+            assert "rank 1 gave up: rank 1's disk is full" in str(e.value) and took < 3
         assert sorted(os.listdir(store.root)) == ["LOCK"]  # staging and job folder gone
     store.unlock()
     assert gens(tmp_path / "run") == []
