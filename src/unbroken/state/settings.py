@@ -29,9 +29,7 @@ def param_group_changes(saved: Mapping[str, Any], optimizer: torch.optim.Optimiz
             continue
         for key in sorted(k for k in live if k not in skip and k in old):
             a, b = old[key], live[key]
-            same = (torch.equal(a, b) if isinstance(a, torch.Tensor) and
-                    isinstance(b, torch.Tensor) else _plain(a) == _plain(b))
-            if not same:
+            if not _same(a, b):
                 out.append(f"optimizer param group {gi} {key!r}: saved {shown(_plain(a))}, "
                            f"live {shown(_plain(b))}")
     return out
