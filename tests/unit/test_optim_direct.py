@@ -6,11 +6,13 @@ and it must step aside for an optimizer whose ``state_dict`` is its own or has h
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
 import torch
 from test_review_optimizer_zoo import OPTIMIZERS, update
+from test_review_snapshot_plans import _same
 
 from unbroken.state import optim as O
 
@@ -27,19 +29,9 @@ def _through_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> d
 
 
 def _identical(a: Any, b: Any) -> None:
-    """The same tree: dict keys in the same order, lists alike, leaves the same objects (or
-    equal immutables: torch's packing copies the groups' dicts, not their values)."""
-    assert type(a) is type(b), (type(a), type(b))
-    if isinstance(a, dict):
-        assert list(a) == list(b)
-        for k in a:
-            _identical(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b):
-            _identical(x, y)
-    else:
-        assert a is b or a == b, (a, b)
+    """The same tree: containers, keys and their order alike, the tensors the same objects,
+    every other leaf equal (torch's packing copies the groups' dicts, not their values)."""
+    _same(a, b, tensors=operator.is_)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
