@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import shutil
 import statistics
 import sys
@@ -95,24 +96,33 @@ class UnbrokenSaver(Saver):
         self.ckpt = unbroken.Checkpointer(root, model=model, optimizer=opt,
                                           keep=unbroken.Keep(last=1), async_save=how,
                                           persist_share=share)
+        # One watcher for all saves, started here: a thread started per save made its
+        # save() wait until the new thread ran (``Thread.start``), up to a GIL switch interval
+        # (5 ms) behind the save's own background thread, which then counted as blocked.
+        self.watched: queue.SimpleQueue[tuple[int, threading.Thread] | None] = \
+            queue.SimpleQueue()
+        self.watcher = threading.Thread(target=self.watch, daemon=True)
+        self.watcher.start()
+
+    def watch(self) -> None:
+        while (item := self.watched.get()) is not None:
+            step, worker = item
+            worker.join()
+            self.durable(step)
 
     def save(self, step: int) -> None:
         self.ckpt.save(step)
         in_flight = self.ckpt._in_flight  # the background save; its thread ends when durable
         if in_flight is not None:
-            worker = in_flight._thread
-
-            def watch() -> None:
-                worker.join()
-                self.durable(step)
-
-            threading.Thread(target=watch, daemon=True).start()
+            self.watched.put((step, in_flight._thread))
 
     def finish(self) -> None:
         self.ckpt.wait()
 
     def close(self) -> None:
         self.ckpt.close()
+        self.watched.put(None)
+        self.watcher.join()
 
 
 class DCPSaver(Saver):
