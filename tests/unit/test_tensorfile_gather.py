@@ -83,3 +83,23 @@ def test_a_long_run_of_one_shape_is_stacked_and_the_layout_groups_shapes():
     assert shapes == sorted(shapes)  # one run per shape
     decoded, _ = decode_safetensors(memoryview(bytearray(data)), "test")
     assert all(torch.equal(decoded[k], v) for k, v in tensors.items())
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from([(3,), (2, 5), (1,)]),
+                          st.integers(1, 12)), min_size=1, max_size=5),
+       st.integers(1, 3), st.integers(0, 2 ** 32 - 1))
+def test_a_kept_layout_gathers_the_bytes_of_a_fresh_one_save_after_save(groups, saves, seed):
+    """The chunking (which tensors are stacked, which moved) is made with the layout and
+    kept with it: each later save of the same keys, dtypes and shapes, with new values (and
+    new tensors), must write exactly what an encoding without a kept layout writes."""
+    layout: dict = {}
+    for s in range(saves):
+        tensors = {f"g{g}.t{i:02d}": _raw(dtype, shape, seed + 7919 * s + 1000 * g + i)
+                   for g, (dtype, shape, count) in enumerate(groups) for i in range(count)}
+        tensors["big"] = _raw(torch.float32, (T._SMALL // 4 + 1,), seed + s)  # (its own chunk)
+        kept = b"".join(bytes(c) for c in encode_safetensors(tensors, {"s": str(s)},
+                                                               layout=layout))
+        fresh = b"".join(bytes(c) for c in encode_safetensors(tensors, {"s": str(s)}))
+        assert kept == fresh
+        assert "chunking" in layout

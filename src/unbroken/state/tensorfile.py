@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import operator
 import struct
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -88,31 +89,18 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     else:
         values = list(tensors.values())
     if layout is not None and layout.get("sig") == kinds:
-        order, body, sizes = layout["order"], layout["body"], layout["sizes"]
+        body, chunking = layout["body"], layout["chunking"]
     else:
         sizes = [t.nbytes for t in values]
         rank = [((n % 64 != 0) << 8 | 16 - _ITEMSIZE_OF[d], tuple(shape), k)
                 for (k, d, shape), n in zip(kinds, sizes)]
         order = sorted(range(len(rank)), key=rank.__getitem__)
         body = _header_body([(kinds[i], sizes[i]) for i in order])
+        chunking = _chunking(order, kinds, sizes)
         if layout is not None:
-            layout.update(sig=kinds, order=order, body=body, sizes=sizes)
-    chunks: list[memoryview] = []
-    run: list[int] = []  # consecutive small tensors: copied as one chunk
-
-    for i in order:
-        nbytes = sizes[i]
-        if not nbytes:
-            continue
-        if nbytes > _SMALL:
-            if run:
-                chunks.append(_gather(run, values, kinds, sizes, ptrs))
-                run = []
-            chunks.append(tensor_bytes(values[i]))
-        else:
-            run.append(i)
-    if run:
-        chunks.append(_gather(run, values, kinds, sizes, ptrs))
+            layout.update(sig=kinds, body=body, chunking=chunking)
+    chunks = [tensor_bytes(values[c]) if type(c) is int else _gather(c, values, ptrs)
+              for c in chunking]
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -148,38 +136,74 @@ def _header_body(items: list[tuple[tuple[str, torch.dtype, torch.Size], int]]) -
     return ",".join(entries)
 
 
-def _gather(run: list[int], values: list[torch.Tensor],
-            kinds: list[tuple[str, torch.dtype, torch.Size]], sizes: list[int],
-            ptrs: list[int] | None) -> memoryview:
-    """The bytes of small contiguous CPU tensors (``values[i]`` for ``i`` in ``run``, each of
-    ``kinds[i]`` and ``sizes[i]`` bytes; the caller holds them), one after the other, in one
-    buffer: a run of ``_STACKED`` or more of one dtype and shape (the layout puts them side
-    by side) by one ``torch.stack`` into its place (~0.3 us a tensor), the others by a
-    ``memmove`` each (~1 us; twice as fast as torch's ``flatten_dense_tensors``, which makes
-    a view of each)."""
-    out = torch.empty(sum(sizes[i] for i in run), dtype=torch.uint8)  # (not zeroed first)
+# (take, indices, dtype, shape, bytes each): see `_Run`
+_Stretch = tuple[Callable[[list[torch.Tensor]], Any] | None, list[int], torch.dtype, torch.Size,
+                 int]
+
+
+class _Run(NamedTuple):
+    """Consecutive small tensors of a layout, copied into one chunk of ``nbytes``: each part
+    ``(take, indices, dtype, shape, size)`` a stretch of tensors of one dtype and shape
+    (``size`` bytes each), by one ``torch.stack`` of ``take(values)`` when it holds
+    ``_STACKED`` or more (``take`` None: a ``memmove`` each)."""
+
+    nbytes: int
+    parts: list[_Stretch]
+
+
+def _chunking(order: list[int], kinds: list[tuple[str, torch.dtype, torch.Size]],
+              sizes: list[int]) -> list[int | _Run]:
+    """How a layout's tensors (``order``) become chunks: a tensor over ``_SMALL`` bytes its
+    own (its index), a run of smaller ones one gathered chunk (`_Run`); empty ones none.
+    Made with the layout and kept with it: a save of an unchanged layout only copies."""
+    chunking: list[int | _Run] = []
+    run: list[int] = []
+    for i in [*order, -1]:  # (-1: the end, which closes the last run)
+        if i >= 0 and not sizes[i]:
+            continue
+        if i >= 0 and sizes[i] <= _SMALL:
+            run.append(i)
+            continue
+        if run:
+            parts: list[_Stretch] = []
+            j = 0
+            while j < len(run):
+                _, dtype, shape = kinds[run[j]]
+                k = j + 1
+                while k < len(run) and kinds[run[k]][1:] == (dtype, shape):
+                    k += 1
+                stretch = run[j:k]
+                take = operator.itemgetter(*stretch) if len(stretch) >= _STACKED else None
+                parts.append((take, stretch, dtype, shape, sizes[run[j]]))
+                j = k
+            chunking.append(_Run(sum(sizes[x] for x in run), parts))
+            run = []
+        if i >= 0:
+            chunking.append(i)
+    return chunking
+
+
+def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None) -> memoryview:
+    """The bytes of a run of small contiguous CPU tensors (the caller holds them), one after
+    the other, in one buffer: a stretch of one dtype and shape by one ``torch.stack`` into
+    its place (~0.3 us a tensor), the others by a ``memmove`` each (~1 us; twice as fast as
+    torch's ``flatten_dense_tensors``, which makes a view of each)."""
+    out = torch.empty(run.nbytes, dtype=torch.uint8)  # (not zeroed first)
     base, move = out.data_ptr(), ctypes.memmove
-    at, j = 0, 0
-    while j < len(run):
-        i = run[j]
-        _, dtype, shape = kinds[i]
-        n = sizes[i]
-        k = j + 1
-        while k < len(run) and kinds[run[k]][1:] == (dtype, shape):
-            k += 1
-        if k - j >= _STACKED and _stacked([values[x] for x in run[j:k]],
-                                          out[at:at + (k - j) * n], dtype, shape):
-            at += (k - j) * n
-        else:
-            for x in run[j:k]:
-                move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
-                at += n
-        j = k
+    at = 0
+    for take, stretch, dtype, shape, n in run.parts:
+        if take is not None and _stacked(take(values), out[at:at + len(stretch) * n],
+                                         dtype, shape):
+            at += len(stretch) * n
+            continue
+        for x in stretch:
+            move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
+            at += n
     return tensor_bytes(out)
 
 
-def _stacked(tensors: list[torch.Tensor], into: torch.Tensor, dtype: torch.dtype,
-             shape: torch.Size) -> bool:
+def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch.Tensor,
+             dtype: torch.dtype, shape: torch.Size) -> bool:
     """``tensors`` (of ``dtype`` and ``shape``) copied side by side into the bytes ``into``;
     False (nothing copied) for a dtype torch cannot stack on the CPU (a float8)."""
     try:
