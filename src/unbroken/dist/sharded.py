@@ -27,7 +27,7 @@ import math
 import re
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ SHARDS_FILE = "shards.json"
 SHARDS_SCHEMA = "unbroken.shards/1"
 _MAX_INDEX_BYTES = 64 * 1024 * 1024
 _DTYPE_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
+_PLAIN = frozenset({torch.Tensor})  # (a plain tensor is no DTensor)
 _SHARD_FILE = re.compile(r"rank([0-9]{5})\.shards\.safetensors", re.ASCII)
 
 
@@ -74,8 +75,9 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         them."""
         out: Any = None
         for k, v in node.items():
-            if type(v) is plain:
-                continue
+            kind = type(v)
+            if kind is plain or kind is dict and _PLAIN.issuperset(map(type, v.values())):
+                continue  # (a tensor, or a dict of them: an optimizer's per-parameter state)
             if isinstance(v, dtensor):
                 inner = None
             elif isinstance(v, Mapping):
