@@ -159,9 +159,11 @@ class Restoring:
                         else f"counted {self._counters.step} completed updates")
                 raise NoCheckpoint(
                     f"{self.store.root}: no generation to restore, but this Checkpointer "
-                    f"{done} in this process and the live model holds them; the folder was "
-                    "emptied outside unbroken. Restore from a copy of the run, or begin a new "
-                    "run with a new Checkpointer and freshly built model and optimizer")
+                    f"{done} in this process and the live model holds them; its generations "
+                    "are gone (a save whose read-back failed goes to aside/, as the error "
+                    "raised then said; or the folder was emptied outside unbroken). Restore "
+                    "from a copy of the run, or begin a new run with a new Checkpointer and "
+                    "freshly built model and optimizer")
             self._restored = True
             self._after_restore(0, None)
             return 0

@@ -55,7 +55,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, rule
 
 import unbroken
 from unbroken.cli import main as cli_main
-from unbroken.errors import CorruptCheckpoint, RunNotRestored, SaveFailed, UnbrokenWarning
+from unbroken.errors import (
+    CorruptCheckpoint,
+    NoCheckpoint,
+    RunNotRestored,
+    SaveFailed,
+    UnbrokenWarning,
+)
 from unbroken.store.backends.local import FaultyFS, LocalFS
 from unbroken.store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 from unbroken.store.manifest import MANIFEST
@@ -577,6 +583,15 @@ class RunMachine(RuleBasedStateMachine):
             expected = None if before and not self.good else max(self.good, default=0)
         try:
             got = self.ckpt.restore(generation=generation)
+        except NoCheckpoint:
+            # An empty folder, while this Checkpointer counted updates in this process (its
+            # save failed its read-back and went aside: a race's drop landed first): 0 would
+            # mean "start fresh", and the live objects are not fresh. Nothing changes.
+            event("restore: refused, this process's saves are gone")
+            assert generation is None and not before and self.ckpt.step > 0, (before,
+                                                                              self.ckpt.step)
+            assert listing(self.root) == before and aside_names(self.root) == aside_before
+            return True
         except CorruptCheckpoint:
             event("restore: none verifies" if generation is None else "restore N: refused")
             assert expected is None, f"restore refused though {expected} verifies ({before})"
