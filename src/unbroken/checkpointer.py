@@ -375,8 +375,9 @@ class Checkpointer(Persisting, Restoring):
             self._prepare_write(step, again)
         self._counters.step = step
         started = time.monotonic()
-        # (The async snapshot copies the parameters at once: they need not be detached.)
-        tree = S.capture(self._parts, self.model, detach=not self._async or self._process)
+        # (An async save copies the parameters at once, into its snapshot or shared memory:
+        # they need not be detached.)
+        tree = S.capture(self._parts, self.model, detach=not self._async)
         plan = Plan(step, self._held, frozenset(
             n for n, p in self.model.named_parameters() if not p.requires_grad)
         ) if self._incremental else None

@@ -42,7 +42,8 @@ SHARDS_FILE = "shards.json"
 SHARDS_SCHEMA = "unbroken.shards/1"
 _MAX_INDEX_BYTES = 64 * 1024 * 1024
 _DTYPE_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
-_PLAIN = frozenset({torch.Tensor})  # (a plain tensor is no DTensor)
+# (No DTensor is of these types: a Parameter made of a DTensor is of the DTensor's type.)
+_PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _SHARD_FILE = re.compile(r"rank([0-9]{5})\.shards\.safetensors", re.ASCII)
 
 
@@ -67,7 +68,6 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is None:
         return dict(tree), shards  # no DTensor can exist (see is_sharded)
-    plain = torch.Tensor  # (a plain tensor is no DTensor: one check for most leaves)
 
     def walk(node: Mapping[Any, Any], path: tuple[Any, ...]) -> Any:
         """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own
@@ -76,7 +76,7 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         out: Any = None
         for k, v in node.items():
             kind = type(v)
-            if kind is plain or kind is dict and _PLAIN.issuperset(map(type, v.values())):
+            if kind in _PLAIN or kind is dict and _PLAIN.issuperset(map(type, v.values())):
                 continue  # (a tensor, or a dict of them: an optimizer's per-parameter state)
             if isinstance(v, dtensor):
                 inner = None

@@ -18,8 +18,8 @@ def _feed(h: Any, obj: Any) -> None:
     Tensors come first: a trace digests hundreds of them per update."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype, not requiring grad
-            arr = obj.numpy()
+        try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype
+            arr = (obj.detach() if obj.requires_grad else obj).numpy()
             h.update(arr)
             h.update(arr.dtype.char.encode())
             return

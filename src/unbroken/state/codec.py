@@ -95,7 +95,7 @@ _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
 _DICT = frozenset({dict})
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_IS_CPU, _GRAD = operator.attrgetter("is_cpu"), operator.attrgetter("requires_grad")
+_IS_CPU = operator.attrgetter("is_cpu")
 _T = torch.Tensor
 
 
@@ -186,19 +186,22 @@ class _Encoder:
             for other, same in held if type(held) is list else (held,):
                 if other is t or (ptr and view_ident(other) == view_ident(t)):
                     return same  # type: ignore[no-any-return]
-        data = t.detach() if t.requires_grad else t
+        # A parameter is stored as itself, not detached (~1 us a tensor): only its bytes are
+        # read, by address or under no_grad (`tensorfile`); a new tensor made from it is
+        # made from its detached view.
+        data = t
         dtype = data.dtype
         # (only complex tensors have a conjugate bit; the negative bit any view may have)
         if data.is_neg() or dtype in _COMPLEX and data.is_conj():
             # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
             # own values; raw copies of its memory would drop the sign
-            data = data.resolve_conj().resolve_neg()
+            data = data.detach().resolve_conj().resolve_neg()
             ptr = 0
         if not data.is_cpu:
             if data.is_meta:
                 raise UnsupportedValue(f"{path}: a meta tensor holds no data to store; "
                                        "materialize it (e.g. .to_empty()) before saving")
-            data = data.cpu()
+            data = data.detach().cpu()
             ptr = 0
         tensors = self.tensors
         # (`_key`'s common case inline)
@@ -208,12 +211,12 @@ class _Encoder:
         if dtype not in ST_DTYPES:  # (quantized dtypes are refused by _dtype_name)
             ref["dtype"] = _dtype_name(dtype, path)
             ref["shape"] = list(data.shape)
-            flat = data.contiguous().reshape(-1)
+            flat = data.detach().contiguous().reshape(-1)
             if flat.numel() <= 1:  # (dimensions of size 0 or 1 keep any stride: bytes need 1)
                 flat = flat.clone(memory_format=torch.contiguous_format)
             data, dtype, ptr = flat.view(torch.uint8), torch.uint8, 0
         elif not data.is_contiguous():
-            data, ptr = data.contiguous(), 0
+            data, ptr = data.detach().contiguous(), 0
         try:
             shape = data.shape
         except RuntimeError:  # (a nested tensor of strided layout: no shape; rare, so here)
@@ -365,7 +368,7 @@ class _Encoder:
                     or not _PLAIN_TENSORS.issuperset(map(type, tensors))
                     or list(map(_DTYPE, tensors)) != plan.dtypes
                     or list(map(_SHAPE, tensors)) != plan.shapes
-                    or not all(map(_IS_CPU, tensors)) or any(map(_GRAD, tensors))
+                    or not all(map(_IS_CPU, tensors))
                     or any(map(_T.is_neg, tensors))  # (no complex dtype: no conj bit)
                     or not all(map(_T.is_contiguous, tensors))):
                 return False
@@ -419,7 +422,8 @@ class _Encoder:
 
 
 def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Split ``tree`` into a JSON-able skeleton and the tensors it references by key."""
+    """Split ``tree`` into a JSON-able skeleton and the tensors it references by key (a
+    parameter as itself, not detached: read its bytes from ``.detach()``)."""
     enc = _Encoder()
     skeleton = enc.encode(tree, prefix)
     return skeleton, enc.tensors
@@ -440,8 +444,9 @@ class Encoded(NamedTuple):
 
 def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None) -> Encoded:
     """`encode_tree`, with what `encode_safetensors` needs of each tensor already read:
-    every tensor is contiguous, detached, on the CPU, without a lazy bit, of a dtype the
-    file format names. ``plans``: a dict kept from one call to the next (a Checkpointer's
+    every tensor is contiguous, on the CPU, without a lazy bit, of a dtype the file format
+    names (a parameter not detached: `encode_safetensors` reads bytes by address or under
+    no_grad). ``plans``: a dict kept from one call to the next (a Checkpointer's
     saves of one part) in which the encoding of mappings of many tensors is kept and used
     again while it fits (the skeleton, with ``texts`` put back, and the tensors are those of
     a call without it)."""

@@ -57,8 +57,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
-    (a single file that carries its own checksum). ``prepared``: the tensors are detached,
-    on the CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
+    (a single file that carries its own checksum). ``prepared``: the tensors are on the
+    CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
     them (only their contiguity is still checked). ``kinds`` and ``ptrs``: besides, each
     tensor's (key, dtype, shape) and data address, in order, and every tensor contiguous
     (`codec.encode_tree_for_file`). ``layout``: a dict kept from one call to the next (a
