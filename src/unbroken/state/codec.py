@@ -94,8 +94,7 @@ _PLANNED = 16
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
 _PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
 _DICT = frozenset({dict})
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
-_IS_CPU = operator.attrgetter("is_cpu")
+_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
 _T = torch.Tensor
 
 
@@ -186,9 +185,8 @@ class _Encoder:
             for other, same in held if type(held) is list else (held,):
                 if other is t or (ptr and view_ident(other) == view_ident(t)):
                     return same  # type: ignore[no-any-return]
-        # A parameter is stored as itself, not detached (~1 us a tensor): only its bytes are
-        # read, by address or under no_grad (`tensorfile`); a new tensor made from it is
-        # made from its detached view.
+        # A parameter is stored as itself (~1 us a tensor not spent detaching: `tensorfile`
+        # reads bytes by address or under no_grad); a tensor made from it, from its .detach().
         data = t
         dtype = data.dtype
         # (only complex tensors have a conjugate bit; the negative bit any view may have)
@@ -422,8 +420,7 @@ class _Encoder:
 
 
 def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
-    """Split ``tree`` into a JSON-able skeleton and the tensors it references by key (a
-    parameter as itself, not detached: read its bytes from ``.detach()``)."""
+    """Split ``tree`` into a JSON-able skeleton and its tensors by key (a parameter as is)."""
     enc = _Encoder()
     skeleton = enc.encode(tree, prefix)
     return skeleton, enc.tensors
@@ -445,11 +442,9 @@ class Encoded(NamedTuple):
 def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None) -> Encoded:
     """`encode_tree`, with what `encode_safetensors` needs of each tensor already read:
     every tensor is contiguous, on the CPU, without a lazy bit, of a dtype the file format
-    names (a parameter not detached: `encode_safetensors` reads bytes by address or under
-    no_grad). ``plans``: a dict kept from one call to the next (a Checkpointer's
-    saves of one part) in which the encoding of mappings of many tensors is kept and used
-    again while it fits (the skeleton, with ``texts`` put back, and the tensors are those of
-    a call without it)."""
+    names. ``plans``: a dict kept from one call to the next (a Checkpointer's saves of one
+    part) in which the encoding of mappings of many tensors is kept and used again while it
+    fits (the skeleton, with ``texts`` put back, and the tensors are a plain call's)."""
     enc = _Encoder(plans)
     skeleton = enc.encode(tree, "")
     return Encoded(skeleton, enc.tensors, enc.kinds, enc.ptrs, enc.texts)
