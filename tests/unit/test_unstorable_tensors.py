@@ -25,6 +25,9 @@ with warnings.catch_warnings():  # (prototype and deprecation notices of torch)
         "quantized": (torch.quantize_per_tensor(torch.ones(3), 0.1, 0, torch.qint8),
                       "dtype torch.qint8"),
         "meta": (torch.empty(3, 2, device="meta"), "meta tensor"),
+        # (torch has no negation of a float8: the lazy bit cannot be resolved)
+        "neg_float8": (torch._neg_view(torch.zeros(3, dtype=torch.float8_e4m3fn)),
+                       "lazily negated torch.float8_e4m3fn"),
     }
 
 

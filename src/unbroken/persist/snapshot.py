@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedValue
-from ..state.codec import MAX_DEPTH, view_ident
+from ..state.codec import MAX_DEPTH, encode_tree, view_ident
 from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
@@ -87,7 +87,11 @@ class _Taking(Planning):
         out = self.fill({}, tree.items(), ())
         if self.to:
             with torch.no_grad():  # (a parameter's history is not the buffer's)
-                torch._foreach_copy_(self.to, self.of)
+                try:
+                    torch._foreach_copy_(self.to, self.of)
+                except NotImplementedError:  # (a lazily negated float8: no negation in torch)
+                    encode_tree(tree)  # the encoder names the tensor it refuses
+                    raise
         if self.cuda:
             torch.cuda.synchronize()  # the non-blocking copies have landed
         if self.created or len(self.bufs) != count:  # (each entry is used at most once)

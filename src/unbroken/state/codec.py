@@ -187,14 +187,15 @@ class _Encoder:
                     return same  # type: ignore[no-any-return]
         # A parameter is stored as itself (~1 us a tensor not spent detaching: `tensorfile`
         # reads bytes by address or under no_grad); a tensor made from it, from its .detach().
-        data = t
-        dtype = data.dtype
-        # (only complex tensors have a conjugate bit; the negative bit any view may have)
+        data, dtype = t, t.dtype
+        # A lazy view of its base (``z.conj().imag`` is real, with the negative bit; only a
+        # complex tensor has a conjugate bit): its own values, not its memory's.
         if data.is_neg() or dtype in _COMPLEX and data.is_conj():
-            # a lazy view of its base (``z.conj().imag`` is real, with the negative bit): its
-            # own values; raw copies of its memory would drop the sign
-            data = data.detach().resolve_conj().resolve_neg()
-            ptr = 0
+            try:
+                data, ptr = data.detach().resolve_conj().resolve_neg(), 0
+            except (RuntimeError, NotImplementedError) as e:  # (torch negates no float8)
+                raise UnsupportedValue(f"{path}: a lazily negated {dtype} view cannot be "
+                                       f"resolved ({e}); store a negated copy instead") from None
         if not data.is_cpu:
             if data.is_meta:
                 raise UnsupportedValue(f"{path}: a meta tensor holds no data to store; "
@@ -422,8 +423,7 @@ class _Encoder:
 def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``tree`` into a JSON-able skeleton and its tensors by key (a parameter as is)."""
     enc = _Encoder()
-    skeleton = enc.encode(tree, prefix)
-    return skeleton, enc.tensors
+    return enc.encode(tree, prefix), enc.tensors  # (encoded first: it fills enc.tensors)
 
 
 class Encoded(NamedTuple):
