@@ -24,8 +24,8 @@ import torch
 
 import unbroken
 from unbroken._runview import open_run, verify_one
-from unbroken.state.optim import optimizer_state
 from unbroken.state.generation import decode_generation, encode_generation
+from unbroken.state.optim import optimizer_state
 from unbroken.store.manifest import Artifact, Manifest
 from unbroken.tools import deep
 from unbroken.tools.deep import deep_problems

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 import unbroken
 from unbroken.picking import _MAP_MIN
-from unbroken.state.optim import load_optimizer_state
 from unbroken.state.livemodel import LiveModel
+from unbroken.state.optim import load_optimizer_state
 from unbroken.store.backends.local import _coalesced
 
 

@@ -58,8 +58,8 @@ from unbroken.cli import main as cli_main
 from unbroken.errors import UnbrokenError
 from unbroken.state.codec import TAG
 from unbroken.state.decoding import decode_tree
-from unbroken.state.jsontext import loads_json
 from unbroken.state.generation import check_stamps, decode_generation
+from unbroken.state.jsontext import loads_json
 from unbroken.state.parts import STATE_FILE
 from unbroken.state.tensorfile import decode_safetensors, read_safetensors_header
 from unbroken.store.manifest import MANIFEST, parse_manifest, seal

@@ -5,9 +5,10 @@ After every save (every ``--every`` updates) each rank writes its model and opti
 to ``<out>/state.<step>.rank<r>.safetensors`` and the marker ``<out>/saved.<step>.rank<r>``.
 ``KILL_RANK`` and ``KILL_AT``: that rank SIGKILLs itself right after the save of update
 ``KILL_AT`` returned; ``DIE_RANK`` and ``DIE_AT``: inside it, once the generation's staging
-folder is agreed, before it hands its share over. ``FAIL_RANK`` and ``FAIL_AT``: that rank's persisting process cannot
-write its first file of generation ``FAIL_AT`` (a folder is in its way); every rank then
-waits for that save and writes what it raised to ``<out>/failed.rank<r>.json``."""
+folder is agreed, before it hands its share over. ``FAIL_RANK`` and ``FAIL_AT``: that rank's
+persisting process cannot write its first file of generation ``FAIL_AT`` (a folder is in its
+way); every rank then waits for that save and writes what it raised to
+``<out>/failed.rank<r>.json``."""
 
 from __future__ import annotations
 
