@@ -538,6 +538,7 @@ def same_state(a: Any, b: Any, path: str = "state") -> None:
         assert isinstance(b, torch.Tensor) and (a.dtype, a.shape) == (b.dtype, b.shape), path
         assert torch.equal(bits(a), bits(b)), path
     elif isinstance(a, dict):
+        assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
         assert list(a) == list(b), f"{path}: {list(a)} != {list(b)}"
         for k in a:
             same_state(a[k], b[k], f"{path}.{k}")

@@ -15,6 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from test_async_save import train
+from test_codec_differential import same_state
 
 import unbroken
 from unbroken.dist.sharded import split
@@ -56,26 +58,6 @@ def raw(t: torch.Tensor) -> bytes:
 
 def joined(artifacts: dict[str, Any]) -> dict[str, bytes]:
     return {name: b"".join(bytes(c) for c in chunks) for name, chunks in artifacts.items()}
-
-
-def same_values(original: Any, decoded: Any, path: str = "") -> None:
-    """``decoded`` holds ``original``'s structure and every tensor's dtype, shape and bytes."""
-    if isinstance(original, torch.Tensor):
-        assert isinstance(decoded, torch.Tensor), path
-        assert decoded.dtype == original.dtype, path
-        assert tuple(decoded.shape) == tuple(original.shape), path
-        assert raw(decoded) == raw(original), path
-    elif isinstance(original, dict):
-        assert type(decoded) is type(original), path
-        assert list(decoded) == list(original), path
-        for k in original:
-            same_values(original[k], decoded[k], f"{path}.{k}")
-    elif isinstance(original, (list, tuple)):
-        assert type(decoded) is type(original) and len(decoded) == len(original), path
-        for i, (a, b) in enumerate(zip(original, decoded)):
-            same_values(a, b, f"{path}.{i}")
-    else:
-        assert decoded == original, path
 
 
 def detached(tree: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
@@ -229,7 +211,7 @@ def test_live_parameters_encode_to_the_bytes_of_their_detached_views(specs, seed
             files = ({k: memoryview(bytearray(v)) for k, v in live.items()} if view else live)
             decoded, meta = decode_generation(files, "gen")
             assert meta == META
-            same_values(tree, decoded)
+            same_state(tree, decoded)
     for t in roots.params.values():
         if isinstance(t, torch.nn.Parameter):
             assert t.is_leaf and t.requires_grad and t.grad_fn is None
@@ -249,7 +231,7 @@ def test_a_state_dict_of_live_parameters_is_planned_and_stays_the_detached_bytes
         plans_seen.append(bool(layouts["model.safetensors"].get("plans")))
         assert out == joined(encode_generation({"model": model.state_dict()}, META))
         decoded, _ = decode_generation(out, "gen")
-        same_values(model.state_dict(), decoded["model"])
+        same_state(model.state_dict(), decoded["model"])
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(-1.5).add_(0.25)
@@ -462,13 +444,7 @@ def _tensor_file(path) -> tuple[dict[str, Any], bytes]:
 def _run(folder, mode) -> tuple[dict[str, bytes], Any]:
     model, opt = _net()
     with unbroken.Checkpointer(folder, model=model, optimizer=opt, async_save=mode) as ckpt:
-        for step in range(1, 4):
-            x = torch.randn(16, 4)
-            loss = model(x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            ckpt.step_done(step, loss=loss)
+        train(model, opt, ckpt, 0, 3)
         before = _state(model, opt)
         info = ckpt.save()
         with torch.no_grad():  # the loop goes on at once, in place, grads and all
