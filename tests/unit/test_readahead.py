@@ -1,15 +1,13 @@
-"""`read_ahead`: a read in flight while the consumer hashes, pieces delivered in order, exactly
-the file's bytes, no reader left running once the consumer stops (it closes the file next).
-
-(Three reads in flight were tried on 2026-12-02: 1.47 against 0.85 GiB/s on files written by
-``head -c``, but no gain on the generations `benchmarks/save_load.py` writes, which one reader
-already read at ~2 GB/s: kept at one.)"""
+"""`read_ahead`: several reads in flight while the consumer hashes, pieces delivered in order,
+exactly the file's bytes from its offset, no reader left running once the consumer stops (it
+closes the file next), a buffer never refilled while the consumer holds it."""
 
 from __future__ import annotations
 
 import errno
 import os
 import threading
+import time
 
 import pytest
 import xxhash
@@ -27,16 +25,16 @@ def _readers() -> list[threading.Thread]:
 
 @settings(max_examples=60, deadline=None)
 @given(size=st.integers(0, 5000), chunk=st.integers(1, 700), offset=st.integers(0, 50),
-       seed=st.binary(min_size=1, max_size=16))
+       seed=st.binary(min_size=1, max_size=16), depth=st.integers(1, 5))
 def test_the_pieces_are_the_file_from_its_offset_in_order(tmp_path_factory, size, chunk, offset,
-                                                          seed):
+                                                          seed, depth):
     data = (seed * (size // len(seed) + 1))[:size]
     path = tmp_path_factory.mktemp("ra") / "f"
     path.write_bytes(data)
     fd = os.open(path, os.O_RDONLY)
     try:
         os.lseek(fd, min(offset, size), os.SEEK_SET)
-        pieces = [bytes(p) for p in read_ahead(fd, chunk)]
+        pieces = [bytes(p) for p in read_ahead(fd, chunk, depth)]
         assert b"".join(pieces) == data[min(offset, size):]
         assert all(0 < len(p) <= chunk for p in pieces)
     finally:
@@ -49,16 +47,34 @@ def test_a_short_read_in_the_middle_is_not_the_end_of_the_file(tmp_path, monkeyp
     completed, not taken for the file's end (which would fail a good file as truncated)."""
     data = os.urandom(10_000)
     (tmp_path / "f").write_bytes(data)
-    real = os.readv
+    real = os.preadv
 
-    def short(fd, buffers):
+    def short(fd, buffers, offset):
         [buf] = buffers
-        return real(fd, [buf[:max(1, len(buf) // 3)]])
+        return real(fd, [buf[:max(1, len(buf) // 3)]], offset)
 
-    monkeypatch.setattr(_readahead.os, "readv", short)
+    monkeypatch.setattr(_readahead.os, "preadv", short)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         assert b"".join(bytes(p) for p in read_ahead(fd, 1024)) == data
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("depth", [1, 2, 4])
+def test_a_piece_held_by_the_consumer_is_not_overwritten_by_the_reads_ahead(tmp_path, depth):
+    """The reads in flight finish while the consumer still holds its piece (it sleeps): the
+    piece must still be the file's bytes when the consumer is done with it."""
+    data = os.urandom(64 * 1024 + 5)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        at = 0
+        for piece in read_ahead(fd, 4096, depth):
+            time.sleep(0.002)
+            assert bytes(piece) == data[at:at + len(piece)]
+            at += len(piece)
+        assert at == len(data)
     finally:
         os.close(fd)
 
@@ -77,15 +93,15 @@ def test_a_consumer_that_stops_early_leaves_no_read_running(tmp_path):
 
 def test_a_failing_read_is_raised_to_the_consumer(tmp_path, monkeypatch):
     (tmp_path / "f").write_bytes(os.urandom(100_000))
-    real, calls = os.readv, []
+    real, calls = os.preadv, []
 
-    def failing(fd, buffers):
+    def failing(fd, buffers, offset):
         calls.append(fd)
         if len(calls) > 3:
             raise OSError(errno.EIO, "Input/output error")
-        return real(fd, buffers)
+        return real(fd, buffers, offset)
 
-    monkeypatch.setattr(_readahead.os, "readv", failing)
+    monkeypatch.setattr(_readahead.os, "preadv", failing)
     fd = os.open(tmp_path / "f", os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="Input/output"):

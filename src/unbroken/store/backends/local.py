@@ -247,8 +247,9 @@ class LocalFS:
 
     def hash_file(self, path: str, limit: int, drop_cache: bool = False,
                   chunk: int = 8 << 20) -> tuple[int, str]:
-        """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through two
-        small buffers (no copy of the file is held; `_readahead`). ``drop_cache`` first evicts the
+        """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through a
+        few small buffers with several reads in flight (no copy of the file is held;
+        `_readahead`). ``drop_cache`` first evicts the
         file's pages (clean once fsynced) so that the bytes come from the disk, not from the
         page cache that the write just filled."""
         self._op(READ, path)
