@@ -16,6 +16,8 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from ._buffers import borrowed
+
 DEPTH = 4  # reads in flight; the memory held is this many pieces
 
 
@@ -36,7 +38,15 @@ def read_ahead(fd: int, chunk: int, depth: int = DEPTH) -> Iterator[memoryview]:
     last one shorter); a piece is valid until the next one is asked for. The offset of ``fd``
     itself is not moved (pieces are read with ``preadv``)."""
     start = os.lseek(fd, 0, os.SEEK_CUR)
-    bufs = [memoryview(bytearray(chunk)) for _ in range(depth)]
+    # no more reads in flight than the file has pieces (a file that grows meanwhile is still
+    # read to its end, with fewer reads ahead)
+    depth = max(1, min(depth, -(-(os.fstat(fd).st_size - start) // chunk)))
+    with borrowed(depth, chunk) as bufs:
+        yield from _pieces(fd, chunk, depth, start, bufs)
+
+
+def _pieces(fd: int, chunk: int, depth: int, start: int, bufs: list[memoryview]
+            ) -> Iterator[memoryview]:
     pool = ThreadPoolExecutor(depth, thread_name_prefix="unbroken-read-ahead")
     inflight: list[Future[int]] = []
     try:
