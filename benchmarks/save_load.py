@@ -406,6 +406,9 @@ class Method:
         self.slot ^= 1
         remove(self.where)
 
+    def before_load(self) -> None:
+        """Untimed, before each timed load (and before the files' pages are dropped)."""
+
     def save(self) -> None:
         raise NotImplementedError
 
@@ -563,6 +566,7 @@ class Unbroken(Method):
         self.ckpt = unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
                                           keep=unbroken.Keep(last=1), **self.options)
         self.step = 0
+        self._reopen = False
         # a timed save's phase timer, until `settle` waited for its background part
         self._saving: tuple[contextlib.ExitStack, PhaseTimer, float, dict[str, float]] | None \
             = None
@@ -590,7 +594,9 @@ class Unbroken(Method):
         self._saving = (es, pt, time.perf_counter() - t, dict(pt.acc))
 
     def settle(self) -> None:
-        """Untimed: the read-back and retention beside the loop (phases of the save)."""
+        """Untimed: the read-back and retention beside the loop (phases of the save); after a
+        load, a saving Checkpointer again."""
+        self._reopened()
         if self._saving is None:
             return
         es, pt, total, inside = self._saving
@@ -611,10 +617,14 @@ class Unbroken(Method):
         ph["total"] = total
         self.phases["save"].append(ph)
 
+    def before_load(self) -> None:
+        """The saving Checkpointer lets go of the run (a load opens a Checkpointer of its own,
+        as a resumed job does); closing it is no part of the load."""
+        self.ckpt.close()
+
     def load(self) -> None:
         import unbroken.state.parts as S
         G = _generation_module(S)
-        self.ckpt.close()
         r = self._unbroken.Checkpointer(self.base, model=self.model, optimizer=self.opt,
                                         keep=self._unbroken.Keep(last=1), **self.options)
         pt = PhaseTimer()
@@ -641,9 +651,16 @@ class Unbroken(Method):
                                                   "apply"))
         ph["total"] = total
         self.phases["load"].append(ph)
-        self.ckpt = self._unbroken.Checkpointer(self.base, model=self.model,
-                                                optimizer=self.opt,
-                                                keep=self._unbroken.Keep(last=1), **self.options)
+        self._reopen = True
+
+    def _reopened(self) -> None:
+        """After a load (untimed, in `settle`): a saving Checkpointer again."""
+        if self._reopen:
+            self._reopen = False
+            self.ckpt = self._unbroken.Checkpointer(self.base, model=self.model,
+                                                    optimizer=self.opt,
+                                                    keep=self._unbroken.Keep(last=1),
+                                                    **self.options)
 
     def files(self) -> str:
         return self.base
@@ -868,7 +885,9 @@ def run_case(case: dict[str, Any], root: str, methods: list[str], repeats: int, 
                     if op == "save":
                         m.before_save()
                         existing = tree_files(m.files()) if os.path.exists(m.files()) else {}
-                    elif cold:
+                    else:
+                        m.before_load()
+                    if op == "load" and cold:
                         drop_cache(m.files())
                         pct = resident_pct(m.files())
                         if pct is not None and rep >= warmup:
