@@ -27,7 +27,9 @@ def borrowed(count: int, size: int) -> Iterator[list[memoryview]]:
     with _lock:
         spare = _free.get(size, [])
         got = [spare.pop() for _ in range(min(count, len(spare)))]
-    got += [memoryview(mmap.mmap(-1, size)) for _ in range(count - len(got))]
+    # (private: a child forked meanwhile gets copies, never a view of what this process reads)
+    got += [memoryview(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS))
+            for _ in range(count - len(got))]
     try:
         yield got
     finally:

@@ -13,8 +13,9 @@ recent writes from its own cache, as it does a restore right after a save."""
 from __future__ import annotations
 
 import os
+import queue
+import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from ._buffers import borrowed
 
@@ -47,23 +48,45 @@ def read_ahead(fd: int, chunk: int, depth: int = DEPTH) -> Iterator[memoryview]:
 
 def _pieces(fd: int, chunk: int, depth: int, start: int, bufs: list[memoryview]
             ) -> Iterator[memoryview]:
-    pool = ThreadPoolExecutor(depth, thread_name_prefix="unbroken-read-ahead")
-    inflight: list[Future[int]] = []
+    # Plain threads, not a ThreadPoolExecutor: its pool refuses work once the main thread has
+    # ended, and an async save left to finish at the interpreter's exit reads back then.
+    jobs: queue.SimpleQueue[tuple[int, int] | None] = queue.SimpleQueue()
+    done: list[queue.SimpleQueue[int | BaseException]] = [queue.SimpleQueue()
+                                                          for _ in range(depth)]
+    stopped = threading.Event()  # the consumer is gone: reads not begun are skipped
+
+    def reader() -> None:
+        while (job := jobs.get()) is not None:
+            slot, offset = job
+            try:
+                done[slot].put(0 if stopped.is_set() else _read_piece(fd, bufs[slot], offset))
+            except BaseException as e:  # noqa: BLE001 -- raised again by the consumer
+                done[slot].put(e)
+
+    threads = [threading.Thread(target=reader, name=f"unbroken-read-ahead-{i}", daemon=True)
+               for i in range(depth)]
+    for thread in threads:
+        thread.start()
     try:
         for k in range(depth):
-            inflight.append(pool.submit(_read_piece, fd, bufs[k], start + k * chunk))
+            jobs.put((k, start + k * chunk))
         k = 0
         while True:
-            n = inflight.pop(0).result()
+            # (a buffer has one read at a time: its results come in the order asked for)
+            n = done[k % depth].get()
+            if isinstance(n, BaseException):
+                raise n
             if n:
                 yield bufs[k % depth][:n]
             if n < chunk:
                 return
             # The consumer asked for the next piece: the one it was given is done with, and
             # its buffer takes the read ``depth`` pieces ahead.
-            ahead = k + depth
-            inflight.append(pool.submit(_read_piece, fd, bufs[k % depth],
-                                        start + ahead * chunk))
+            jobs.put((k % depth, start + (k + depth) * chunk))
             k += 1
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        stopped.set()
+        for _ in threads:
+            jobs.put(None)
+        for thread in threads:
+            thread.join()
