@@ -1,10 +1,13 @@
 """`_buffers.borrowed`: page-aligned buffers lent to one borrower at a time, reused by later
 borrowers on any thread (an async save writes and reads back from a new thread each time),
-at most a few kept, and a forked child that never waits on its parent's lock."""
+at most a few kept, and a forked child that never waits on its parent's lock; a restore in a
+thread that outlives the main thread (where a ThreadPoolExecutor refuses work)."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -127,3 +130,35 @@ def test_a_child_forked_while_another_thread_holds_the_lock_can_borrow():
     finally:
         release.set()
         thread.join()
+
+
+RESTORE_AT_EXIT = """
+import sys, threading, torch, unbroken
+torch.manual_seed(0)
+model = torch.nn.Linear(4096, 2048)  # 32 MiB of weights: a mapped file, read by the pool
+with unbroken.Checkpointer(sys.argv[1], model=model) as ckpt:
+    ckpt.step_done(1)
+    ckpt.save()
+expected = model.weight.detach().clone()
+with torch.no_grad():
+    model.weight.zero_()
+
+def late():
+    main = threading.main_thread()
+    main.join()  # the main thread has ended: the interpreter is exiting
+    with unbroken.Checkpointer(sys.argv[1], model=model) as again:
+        print("restored", again.restore(), torch.equal(model.weight, expected), flush=True)
+
+threading.Thread(target=late).start()
+"""
+
+
+def test_a_restore_in_a_thread_that_outlives_the_main_thread_reads_its_large_tensors(tmp_path):
+    """A ``ThreadPoolExecutor`` refuses work once the main thread has ended: the restore's
+    readers of large tensors then read in the restoring thread instead of raising."""
+    script = tmp_path / "late.py"
+    script.write_text(RESTORE_AT_EXIT)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "run")], timeout=120,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "restored 1 True" in out.stdout, out.stdout + out.stderr

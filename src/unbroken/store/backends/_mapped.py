@@ -115,8 +115,11 @@ class MappedFiles:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="unbroken-restore")
         for at in range(0, into.nbytes, _PIECE):
-            self._pending.append(self._pool.submit(
-                _read_into, fd, into[at:at + _PIECE], offset + at))
+            try:
+                self._pending.append(self._pool.submit(
+                    _read_into, fd, into[at:at + _PIECE], offset + at))
+            except RuntimeError:  # (the pool refuses work once the main thread has ended: a
+                _read_into(fd, into[at:at + _PIECE], offset + at)  # restore in a thread then)
         return dst
 
     def finish(self) -> None:
