@@ -555,8 +555,9 @@ class Unbroken(Method):
     options: dict[str, Any] = {}
     note = ("Checkpointer.save() by default: returns once committed and durable (capture, "
             "encode, write+hash+fsync, manifest, rename); the read-back verify and retention run "
-            "beside the loop, waited for (untimed) before the next save / restore (read+hash, "
-            "decode, validate, load into live objects)")
+            "beside the loop, waited for (untimed) before the next save / a load: a new "
+            "Checkpointer's restore() (read+hash, decode, validate, load into live objects) and "
+            "close(); the saving Checkpointer closes before it and reopens after, untimed)")
 
     def __init__(self, *a: Any) -> None:
         super().__init__(*a)
