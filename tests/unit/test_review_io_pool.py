@@ -117,21 +117,7 @@ def test_read_ahead_from_a_nonzero_offset_reads_to_the_end_and_leaves_the_offset
     assert _no_threads_left("unbroken-read-ahead")
 
 
-def test_read_ahead_pieces_are_valid_until_the_next_one_even_with_a_slow_consumer(tmp_path):
-    """Each piece, checked only after the reads ahead of it have had time to land."""
-    data = _data(50 * 4096 + 123, 3)
-    (tmp_path / "f").write_bytes(data)
-    fd = os.open(tmp_path / "f", os.O_RDONLY)
-    try:
-        at = 0
-        for i, piece in enumerate(read_ahead(fd, 4096, 4)):
-            if i % 10 == 0:
-                time.sleep(0.01)
-            assert bytes(piece) == data[at:at + len(piece)]
-            at += len(piece)
-        assert at == len(data)
-    finally:
-        os.close(fd)
+# (A slow consumer's pieces: test_readahead.py, at depths 1, 2 and 4.)
 
 
 # -- files that change while hashed -------------------------------------------------------------
