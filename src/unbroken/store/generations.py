@@ -40,7 +40,7 @@ from .manifest import (
     parse_manifest,
     valid_artifact_name,
 )
-from .verifying import GenerationInfo, Verifying
+from .verifying import GenerationInfo, Verifying, stat_identity
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"
 STAGING_PREFIX = ".staging-"
@@ -257,20 +257,20 @@ class GenerationStore(AsideFolder, Verifying):
         or changed since it was verified): the caller writes it anew. The source folder's
         verdict stays remembered (a link changes its file's ctime, not its content)."""
         try:
+            was = stat_identity(os.lstat(linked.source))
             self.fs.link(linked.source, path)
         except OSError:
             return False
-        if os.lstat(path).st_size != linked.size:
+        now = stat_identity(os.lstat(path))
+        if now[2] != linked.size or now[:2] != was[:2]:
             self.fs.unlink(path)
             return False
-        # The link changed the shared file's ctime in every generation that holds it; their
-        # verdicts stand (content, size and mtime are the same).
+        # The link changed the shared file's ctime in every generation that holds it: a
+        # verdict that knew the file as it was just before the link stands. One that knew it
+        # otherwise does not: the file changed since (rot that kept its size and mtime
+        # changes its ctime, and only that), and the generation is hashed again.
         for folder, before in list(self._verified.items()):
-            info = self.scan_one(_number(folder))
-            after = self.file_identity(info) if info.manifest is not None else None
-            if after is not None and after != before and len(after) == len(before) and all(
-                    a[:4] == b[:4] for a, b in zip(after, before, strict=True)):
-                self._verified[folder] = after
+            self._verified[folder] = tuple(now if entry == was else entry for entry in before)
         return True
 
     def publish(self, staging: str, generation: int, manifest: Manifest,

@@ -55,6 +55,11 @@ class GenerationInfo:
         return f"gen-{self.generation:09d}"
 
 
+def stat_identity(st: os.stat_result) -> tuple[int, ...]:
+    """A file's device, inode, size, mtime and ctime: what a remembered verdict is bound to."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 class Verifying:
     """Verification of the generations of a run folder (see module doc)."""
 
@@ -66,9 +71,8 @@ class Verifying:
         replacement or truncation of a file changes it. ``None`` if a file is missing."""
         assert info.manifest is not None
         try:
-            return tuple((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-                         for st in (os.lstat(os.path.join(info.path, n)) for n in
-                                    (MANIFEST, *(a.name for a in info.manifest.artifacts))))
+            return tuple(stat_identity(os.lstat(os.path.join(info.path, n)))
+                         for n in (MANIFEST, *(a.name for a in info.manifest.artifacts)))
         except OSError:
             return None
 
@@ -114,24 +118,33 @@ class Verifying:
         for a in info.manifest.artifacts:
             if wanted is not None and a.name not in wanted:
                 continue
-            if mapped is not None and map_if(a):
-                path = os.path.join(info.path, a.name)
-                self._check_loadable(path, a)
-                try:
-                    before = os.lstat(path)
-                    self._check_artifact(info.path, a)
-                    out[a.name] = mapped.add(self.fs.map_file(path, a.size), path, before)
-                except OSError as e:
-                    raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
-                if len(out[a.name]) != a.size:
-                    raise CorruptCheckpoint(f"{path}: changed size while being read")
-            else:
-                out[a.name] = self._read_artifact(info.path, a)
+            try:
+                out[a.name] = self._read_one(info.path, a, mapped if map_if(a) else None)
+            except CorruptCheckpoint:
+                self._forget_sharing(info.path, a.name)
+                raise
             if advance is not None:
                 advance(a.size)
         if ident is not None:
             self._verified[info.path] = ident
         return out
+
+    def _read_one(self, folder: str, a: Artifact, mapped: MappedFiles | None) -> Any:
+        """One artifact's verified contents: read into memory, or (``mapped``) hashed
+        streaming and then mapped."""
+        if mapped is None:
+            return self._read_artifact(folder, a)
+        path = os.path.join(folder, a.name)
+        self._check_loadable(path, a)
+        try:
+            before = os.lstat(path)
+            self._check_artifact(folder, a)
+            view = mapped.add(self.fs.map_file(path, a.size), path, before)
+        except OSError as e:
+            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+        if len(view) != a.size:
+            raise CorruptCheckpoint(f"{path}: changed size while being read")
+        return view
 
     @staticmethod
     def _check_loadable(path: str, a: Artifact) -> None:
@@ -170,11 +183,28 @@ class Verifying:
         for a in chosen:
             self._check_loadable(os.path.join(info.path, a.name), a)
         for a in chosen:
-            self._check_artifact(info.path, a, from_disk)
+            try:
+                self._check_artifact(info.path, a, from_disk)
+            except CorruptCheckpoint:
+                self._forget_sharing(info.path, a.name)
+                raise
             if advance is not None:
                 advance(a.size)
         if ident is not None:
             self._verified[info.path] = ident
+
+    def _forget_sharing(self, folder: str, name: str) -> None:
+        """``folder/name`` failed its hash: forget the verdict of every generation that holds
+        the same file (a hard link of an incremental save). Rot that changed no metadata
+        leaves their file identities as they were verified, and retention would go on
+        counting them as kept copies."""
+        try:
+            st = os.lstat(os.path.join(folder, name))
+        except OSError:
+            return
+        for other, ident in list(self._verified.items()):
+            if any(entry[:2] == (st.st_dev, st.st_ino) for entry in ident):
+                del self._verified[other]
 
     def _check_artifact(self, folder: str, a: Artifact, from_disk: bool = False) -> None:
         """Hash one artifact streaming (no copy of it is held); `CorruptCheckpoint` unless it
