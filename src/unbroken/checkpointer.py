@@ -225,6 +225,7 @@ class Checkpointer(Persisting, Restoring):
         self._origin: dict[str, Any] | None = None
         self._last_saved: int | None = None
         self._restored = False  # restore() ran: saving into a used folder is then a continuation
+        self._restore_tried = False  # restore() was called (it may have raised)
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
         trace = os.environ.get(TRACE_ENV) or trace
         if trace and self._group.active:  # one trace per rank, compared rank by rank

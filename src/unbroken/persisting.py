@@ -54,6 +54,7 @@ class Persisting:
     _run: RunRecord
     _run_written: bool
     _restored: bool
+    _restore_tried: bool
     _origin: dict[str, Any] | None
     _parent: dict[str, Any] | None
     _last_saved: int | None
@@ -238,7 +239,7 @@ class Persisting:
     def _prepare_write(self, step: int, again: bool) -> None:
         """(The writer: the leader of a job.) See `RunWriter.prepare`."""
         self._writer.prepare(step, again, not self._restored and self._last_saved is None,
-                             self._run, self._run_written)
+                             self._run, self._run_written, self._restore_tried)
         self._run_written = True
 
     # -- lifetime ------------------------------------------------------------------------------

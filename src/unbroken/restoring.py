@@ -104,6 +104,7 @@ class Restoring:
     _run_written: bool
     _ambiguous: str | None
     _restored: bool
+    _restore_tried: bool
     _origin: dict[str, Any] | None
     _storage_options: Mapping[str, Any] | None
     _parent: dict[str, Any] | None
@@ -142,6 +143,7 @@ class Restoring:
         changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
+        self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":
             return self._warm_start(source, generation, allow)

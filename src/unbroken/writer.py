@@ -77,19 +77,19 @@ class RunWriter:
             self.set_aside(info, why)
 
     def prepare(self, step: int, again: bool, first_save: bool, run: RunRecord,
-                run_written: bool) -> None:
+                run_written: bool, restore_tried: bool = False) -> None:
         """Before a save: become the writer, apply the first-save rule, clear a leftover out
         of the way (unless ``again``: the same step superseded), and record the run before
-        its first generation."""
+        its first generation. ``restore_tried``: restore() was called, and raised."""
         self.become_writer()
         if first_save:
-            self.check_first_save()
+            self.check_first_save(restore_tried)
         if not again:
             self.clear_the_way(step)
         if not run_written:
             write_run_record(self.store.root, self.store.fs, run)
 
-    def check_first_save(self) -> None:
+    def check_first_save(self, restore_tried: bool = False) -> None:
         """The first save of a Checkpointer that never restored must start a new run: into a
         folder that holds generations it would branch from, or be pruned against, a history
         it never loaded."""
@@ -99,6 +99,12 @@ class RunWriter:
         good = [g.manifest for g in found if g.ok and g.manifest is not None]
         newest = (f"the newest complete one is step {good[-1].step} of run {good[-1].run_id}"
                   if good else "none of them is complete")
+        if restore_tried:
+            raise RunNotRestored(
+                f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer's "
+                f"restore() raised, so nothing was restored; {newest}. Deal with what restore() "
+                "said (its error names the files) and call it again, or point this run at "
+                "another (empty) folder")
         raise RunNotRestored(
             f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer did not "
             f"call restore(); {newest}. Call ckpt.restore() before training to continue that "

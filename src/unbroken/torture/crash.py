@@ -420,7 +420,7 @@ def _first_save_unchecked() -> Callable[[], None]:
     from ..writer import RunWriter
 
     original = RunWriter.check_first_save
-    RunWriter.check_first_save = lambda self: None  # type: ignore[method-assign]
+    RunWriter.check_first_save = lambda self, restore_tried=False: None  # type: ignore[method-assign]
     return lambda: setattr(RunWriter, "check_first_save", original)
 
 
