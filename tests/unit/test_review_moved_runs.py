@@ -17,6 +17,7 @@ import textwrap
 
 import pytest
 import torch
+from test_incremental import train
 
 import unbroken
 from unbroken.cli import main as cli_main
@@ -34,15 +35,6 @@ def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     for p in (*model[0].parameters(), *model[1].parameters()):
         p.requires_grad_(False)
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-
-
-def train(model, opt, ckpt, start: int, stop: int) -> None:
-    for step in range(start + 1, stop + 1):
-        loss = model(torch.randn(4, WIDTH)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        ckpt.step_done(step, loss=loss)
 
 
 def state(model, opt) -> dict[str, torch.Tensor]:
