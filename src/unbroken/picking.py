@@ -130,9 +130,10 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         [a.name for a in manifest.artifacts  # the model's files (its main and stable ones)
          if a.name in (S.STATE_FILE, SHARDS_FILE) or a.name.startswith(f"{S.MODEL}.")])
     progress = Progress(f"loading {info.name}", manifest.total_bytes)
+    copied = _copied_parts(parts if intent == "continue" else {})
     try:  # the model's and optimizer's files are copied from into live tensors (`apply`)
         files = store.read_verified(info, names, advance=progress.advance, mapped=pick.mapped,
-                                    map_if=_copied_from)
+                                    map_if=lambda a: _copied_from(a, copied))
     finally:
         progress.close()
     tree, meta = G.decode_generation(files, info.path,
@@ -167,14 +168,28 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
     return ready, tree
 
 
-def _copied_from(a: Artifact) -> bool:
-    """The files a restore maps and copies from (rather than reads whole): a model's or
-    optimizer's tensors of 32 MiB or more (the optimizer state is copied into the live state
+def _copied_parts(parts: Mapping[str, Any]) -> tuple[str, ...]:
+    """The parts whose saved tensors a restore copies into live tensors: the model's, and the
+    optimizer's unless it holds no state tensor yet (a resumed job's fresh optimizer), whose
+    saved tensors then become its state as they are read (views of the file read whole, as
+    a small file's are): copying them would fault in fresh memory after the read, instead of
+    while the disk reads."""
+    optimizer = parts.get(S.OPTIMIZER)
+    state = getattr(optimizer, "state", None)
+    fresh = isinstance(state, Mapping) and not any(
+        isinstance(v, torch.Tensor) for values in state.values()
+        if isinstance(values, Mapping) for v in values.values())
+    return (S.MODEL,) if fresh else (S.MODEL, S.OPTIMIZER)
+
+
+def _copied_from(a: Artifact, parts: tuple[str, ...]) -> bool:
+    """The files a restore maps and copies from (rather than reads whole): tensors of 32 MiB
+    or more of ``parts`` (`_copied_parts`; the optimizer state is copied into the live state
     tensors, see `optim.load_optimizer_state`). Smaller ones are read whole and decoded as
     views, which is faster for many small tensors; the two parts' small files together stay
     under the 64 MiB a restore may add beyond its largest tensor."""
     return (a.size >= _MAP_MIN and a.name.endswith(".safetensors")
-            and a.name.split(".", 1)[0] in (S.MODEL, S.OPTIMIZER))
+            and a.name.split(".", 1)[0] in parts)
 
 
 def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],

@@ -383,3 +383,41 @@ def test_a_local_cache_serves_the_next_restore_and_never_a_wrong_byte(url, tmp_p
         f.write_bytes(bytes(data))
     third, again = restore()
     assert len(third) == 4 and same(state, again)
+
+
+def test_a_restore_downloads_each_large_artifact_once(url, monkeypatch):
+    """Even a file a local restore maps and copies from (hashed, then read again from the
+    page cache) is downloaded once from an object store: read whole, hashed as it arrives,
+    never hashed streaming and then downloaded again."""
+    from unbroken.picking import _MAP_MIN
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2048, 2048)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 2048)).sum().backward()
+    opt.step()
+    with unbroken.Checkpointer(url, model=model, optimizer=opt) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    fs = memfs()
+    sizes = {k.rsplit("/", 1)[1]: fs.info(k)["size"] for k in fs.find(url)
+             if "/gen-" in k}
+    assert sizes["optimizer.safetensors"] >= _MAP_MIN  # (a file a restore copies from)
+    fetched: dict[str, int] = {}
+    real = ObjectFS._pieces
+
+    def counted(self, path, size):
+        for start, data in real(self, path, size):
+            name = path.rsplit("/", 1)[1]
+            fetched[name] = fetched.get(name, 0) + len(data)
+            yield start, data
+
+    monkeypatch.setattr(ObjectFS, "_pieces", counted)
+    expected = [t.clone() for t in opt.state[model.weight].values()]
+    with unbroken.Checkpointer(url, model=model, optimizer=opt) as ckpt:  # live state: copied
+        with torch.no_grad():
+            model.weight.zero_()
+        assert ckpt.restore() == 1
+    artifacts = {n: s for n, s in sizes.items() if n != "MANIFEST.json"}  # (read by scans)
+    assert {n: fetched.get(n) for n in artifacts} == artifacts
+    assert all(torch.equal(a, b) for a, b in zip(opt.state[model.weight].values(), expected))

@@ -119,3 +119,31 @@ def test_hash_file_of_a_file_larger_than_its_chunk_is_the_whole_files_hash(tmp_p
         size, digest = LocalFS().hash_file(str(tmp_path / "f"), len(data), drop_cache=drop,
                                            chunk=4096)
         assert (size, digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 5000), chunk=st.integers(1, 700), room=st.integers(-40, 40),
+       depth=st.integers(1, 5))
+def test_pieces_read_into_a_buffer_are_its_slices_and_stay_valid(tmp_path_factory, size, chunk,
+                                                                  room, depth):
+    """With ``into`` every piece is read straight into its place in that buffer (no pool
+    buffer, no copy), so each stays valid after the next one is asked for; a buffer shorter
+    than the file ends the pieces at its end."""
+    data = os.urandom(size)
+    path = tmp_path_factory.mktemp("ra") / "f"
+    path.write_bytes(data)
+    into = memoryview(bytearray(max(0, size + room)))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pieces = list(read_ahead(fd, chunk, depth, into=into))
+    finally:
+        os.close(fd)
+    assert not _readers()
+    got = b"".join(bytes(p) for p in pieces)
+    assert got == data[:len(into)]
+    assert bytes(into[:len(got)]) == got  # the pieces were the buffer itself
+    at = 0
+    for p in pieces:
+        assert p.obj is into.obj and 0 < len(p) <= chunk
+        assert bytes(p) == data[at:at + len(p)]
+        at += len(p)

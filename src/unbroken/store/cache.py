@@ -16,8 +16,6 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import xxhash
-
 from ..errors import CorruptCheckpoint
 from .backends.local import LocalFS
 from .manifest import Artifact
@@ -40,11 +38,11 @@ class ReadCache:
     def get(self, a: Artifact) -> Any | None:
         """The cached bytes of ``a`` if present and hashing to its listed hash, else None."""
         try:
-            data = self._fs.read_file(self._path(a), a.size,
-                                      aligned=a.name.endswith(".safetensors"))
+            data, digest = self._fs.read_hashed(self._path(a), a.size,
+                                                aligned=a.name.endswith(".safetensors"))
         except (OSError, CorruptCheckpoint):
             return None
-        if len(data) != a.size or xxhash.xxh3_128(data).hexdigest() != a.xxh3_128:
+        if len(data) != a.size or digest != a.xxh3_128:
             return None
         return data
 

@@ -9,8 +9,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import xxhash
-
 from ..errors import CorruptCheckpoint
 from .backends._mapped import MappedFiles
 from .backends.local import LocalFS
@@ -158,12 +156,12 @@ class Verifying:
         path = os.path.join(folder, a.name)
         self._check_loadable(path, a)
         try:
-            data = self.fs.read_file(path, a.size, aligned=a.name.endswith(".safetensors"))
+            data, digest = self.fs.read_hashed(path, a.size,
+                                               aligned=a.name.endswith(".safetensors"))
         except OSError as e:
             raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
         if len(data) != a.size:
             raise CorruptCheckpoint(f"{path}: {len(data)} bytes, the manifest lists {a.size}")
-        digest = xxhash.xxh3_128(data).hexdigest()
         if digest != a.xxh3_128:
             raise CorruptCheckpoint(f"{path}: content hash {digest}, the manifest lists "
                                     f"{a.xxh3_128} (the file changed after commit)")

@@ -46,6 +46,7 @@ KILL_NOTE_ENV = "UNBROKEN_KILL_NOTE"
 # Operations that change the disk, in the order a commit typically performs them.
 MUTATING = ("mkdir", "create", "write", "fsync", "fsync_dir", "rename", "unlink", "rmdir")
 READ = "read"
+_PIECE = 8 << 20  # what a read in flight reads (`_readahead`)
 
 
 def fault_point(name: str, step: int | None = None) -> None:
@@ -207,6 +208,20 @@ def _coalesced(chunks: Iterable[memoryview | bytes]) -> Iterator[memoryview]:
         yield memoryview(pending)
 
 
+def whole_buffer(size: int, aligned: bool, path: str) -> memoryview:
+    """A writable buffer for the ``size`` bytes of the file at ``path``, not zero-filled: a
+    ``bytearray``'s view, or with ``aligned`` a view whose first byte is 64-byte aligned
+    (`CorruptCheckpoint` naming the file when it cannot fit in memory)."""
+    try:
+        if aligned:
+            raw = np.empty(size + ALIGN, dtype=np.uint8)
+            skip = -raw.ctypes.data % ALIGN
+            return raw[skip:skip + size].data
+        return memoryview(bytearray(size))
+    except (MemoryError, OverflowError, ValueError):
+        raise CorruptCheckpoint(f"{path}: {size} bytes do not fit in memory") from None
+
+
 class LocalFS:
     """POSIX file operations with the durability steps the commit protocol needs.
 
@@ -246,7 +261,7 @@ class LocalFS:
         return size, h.hexdigest()
 
     def hash_file(self, path: str, limit: int, drop_cache: bool = False,
-                  chunk: int = 8 << 20) -> tuple[int, str]:
+                  chunk: int = _PIECE) -> tuple[int, str]:
         """Size and xxh3-128 of a regular file of at most ``limit`` bytes, read through a
         few small buffers with several reads in flight (no copy of the file is held;
         `_readahead`). ``drop_cache`` first evicts the
@@ -281,25 +296,36 @@ class LocalFS:
         writable memoryview whose first byte is 64-byte aligned (tensors are then decoded as
         views into it, aligned as torch aligns a fresh tensor: no copy). Only a regular file
         is read (see `_open_regular`)."""
+        return self._read(path, limit, aligned, None)
+
+    def read_hashed(self, path: str, limit: int, aligned: bool = False) -> tuple[Any, str]:
+        """`read_file`'s result and the xxh3-128 of its bytes, hashed as they arrive: a file
+        larger than a piece is read with several reads in flight straight into its buffer
+        (`_readahead`), so the hash, and the page faults of a fresh buffer, happen while
+        the disk works, not in a pass after it."""
+        h = xxhash.xxh3_128()
+        return self._read(path, limit, aligned, h), h.hexdigest()
+
+    def _read(self, path: str, limit: int, aligned: bool, h: Any) -> Any:
         self._op(READ, path)
         fd, st = _open_regular(path, limit)
         try:
-            try:
-                if aligned:
-                    raw = np.empty(st.st_size + ALIGN, dtype=np.uint8)  # not zero-filled
-                    skip = -raw.ctypes.data % ALIGN
-                    view = raw[skip:skip + st.st_size].data
-                else:
-                    view = memoryview(bytearray(st.st_size))
-            except (MemoryError, OverflowError, ValueError):
-                raise CorruptCheckpoint(
-                    f"{path}: {st.st_size} bytes do not fit in memory") from None
+            view = whole_buffer(st.st_size, aligned, path)
             got = 0
-            while got < st.st_size:
-                n = os.readv(fd, [view[got:]])
-                if n == 0:
-                    break
-                got += n
+            if st.st_size > _PIECE:
+                for piece in read_ahead(fd, _PIECE, into=view):
+                    if h is not None:
+                        h.update(piece)
+                    got += len(piece)
+                    tick()
+            else:
+                while got < st.st_size:
+                    n = os.readv(fd, [view[got:]])
+                    if n == 0:
+                        break
+                    got += n
+                if h is not None:
+                    h.update(view[:got])
             if got != st.st_size:
                 raise CorruptCheckpoint(f"{path}: shrank while being read ({got} of {st.st_size})")
             return view if aligned else view.obj

@@ -22,11 +22,10 @@ import functools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-import numpy as np
 import xxhash
 
 from ...errors import CorruptCheckpoint
-from .local import ALIGN, READ, io_fault_point
+from .local import READ, io_fault_point, whole_buffer
 
 # Stores whose conditional create is atomic on the server (or, for memory://, in-process).
 ATOMIC_CREATE = ("s3", "s3a", "gs", "gcs", "memory")
@@ -141,18 +140,15 @@ class ObjectFS:
         read in parallel ranges (`_pieces`)."""
         self._op(READ, path)
         size = self._size(path, limit)
-        try:
-            if aligned:
-                raw = np.empty(size + ALIGN, dtype=np.uint8)
-                skip = -raw.ctypes.data % ALIGN
-                view = raw[skip:skip + size].data
-            else:
-                view = memoryview(bytearray(size))
-        except (MemoryError, OverflowError, ValueError):
-            raise CorruptCheckpoint(f"{path}: {size} bytes do not fit in memory") from None
+        view = whole_buffer(size, aligned, path)
         for start, data in self._pieces(path, size):
             view[start:start + len(data)] = data
         return view if aligned else view.obj
+
+    def read_hashed(self, path: str, limit: int, aligned: bool = False) -> tuple[Any, str]:
+        """`read_file`'s result and the xxh3-128 of its bytes (as `LocalFS.read_hashed`)."""
+        data = self.read_file(path, limit, aligned)
+        return data, xxhash.xxh3_128(data).hexdigest()
 
     def map_file(self, path: str, limit: int) -> memoryview:
         """An object store maps nothing: the object read whole, aligned."""
