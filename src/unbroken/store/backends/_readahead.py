@@ -8,33 +8,18 @@ its bandwidth. On 2026-12-02, 3 GiB written by `LocalFS.write_file` and hashed c
 rounds: one read of 8 MiB at a time 0.41-1.32 GB/s, four in flight 2.10-2.57 GB/s (O_DIRECT
 reads of 64 MiB, one at a time: 0.94-1.95). Generations read right after they were written
 (`benchmarks/save_load.py`) hashed at ~2 GB/s either way: this VM's host seems to serve
-recent writes from its own cache, as it does a restore right after a save.
-
-A file read whole into a fresh buffer (`LocalFS.read_hashed`: a resumed job's optimizer state)
-also has that buffer's pages faulted in ahead of the readers, a step at a time
-(``MADV_POPULATE_WRITE``, Linux 5.14+): a reader faulting fresh pages one at a time inside its
-copy costs far more than the kernel populating them in bulk. 2 GiB read cold into a fresh
-buffer, six rounds here: 2.51 s median with the readers faulting, 1.63 s populated ahead,
-1.37 s into memory faulted in before (not timed), 1.82 s only hashed through the pool."""
+recent writes from its own cache, as it does a restore right after a save."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable, Iterator
-
-import numpy as np
 
 from ._buffers import borrowed
 
 DEPTH = 4  # reads in flight; the memory held is this many pieces
-_POPULATE_STEP = 64 << 20  # bytes of a buffer faulted in by one call, ahead of the readers
-_MADV_POPULATE_WRITE = 23  # (Linux's value; not in Python's mmap module before 3.12)
-_libc: ctypes.CDLL | None = None
 
 
 def _read_piece(fd: int, buf: memoryview, offset: int) -> int:
@@ -60,37 +45,11 @@ def read_ahead(fd: int, chunk: int, depth: int = DEPTH, into: memoryview | None 
     # read to its end, with fewer reads ahead)
     depth = max(1, min(depth, -(-(os.fstat(fd).st_size - start) // chunk)))
     if into is not None:
-        stop = threading.Event()
-        ahead = threading.Thread(target=_populate, args=(into, stop), daemon=True,
-                                 name="unbroken-read-ahead-populate")
-        ahead.start()
-        try:
-            yield from _pieces(fd, chunk, depth, start, lambda slot, at: into[at:at + chunk])
-        finally:
-            stop.set()
-            ahead.join()
+        # (the pages of a fresh buffer are faulted in by the readers, beside the disk's wait)
+        yield from _pieces(fd, chunk, depth, start, lambda slot, at: into[at:at + chunk])
         return
     with borrowed(depth, chunk) as bufs:
         yield from _pieces(fd, chunk, depth, start, lambda slot, at: bufs[slot])
-
-
-def _populate(into: memoryview, stop: threading.Event) -> None:
-    """Fault in the whole pages of ``into`` from its start, a step at a time, until done or
-    ``stop``: the readers then copy into present pages. Best effort: where the kernel has no
-    ``MADV_POPULATE_WRITE`` (or this is not Linux) the readers fault the pages in, as before.
-    (Racing a reader is harmless: a page already present is left as it is.)"""
-    global _libc
-    if not sys.platform.startswith("linux") or len(into) < 2 * _POPULATE_STEP:
-        return
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)  # (its calls release the GIL)
-    base = np.frombuffer(into, dtype=np.uint8).ctypes.data
-    page = mmap.PAGESIZE
-    first, end = -(-base // page) * page, (base + len(into)) // page * page
-    for at in range(first, end, _POPULATE_STEP):
-        if stop.is_set() or _libc.madvise(ctypes.c_void_p(at), ctypes.c_size_t(
-                min(_POPULATE_STEP, end - at)), _MADV_POPULATE_WRITE) != 0:
-            return
 
 
 def _pieces(fd: int, chunk: int, depth: int, start: int,
