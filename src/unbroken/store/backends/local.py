@@ -442,30 +442,3 @@ class FaultyFS(LocalFS):
         self.failed.append((kind, path))
         raise OSError(self.err, os.strerror(self.err), path)
 
-
-def filesystem_type(path: str) -> str:
-    """The mount type holding ``path`` (from /proc/mounts), or "unknown"."""
-    best, fstype = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        with open("/proc/mounts", encoding="utf-8") as f:
-            for line in f:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mount = parts[1].replace("\\040", " ")
-                inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-                if inside and len(mount) >= len(best):
-                    best, fstype = mount, parts[2]
-    except OSError:
-        pass
-    return fstype
-
-
-# Directory rename is not guaranteed atomic (or durable on fsync) on these.
-NON_ATOMIC_RENAME = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "fuse", "sshfs", "glusterfs",
-                     "ceph", "lustre", "virtiofs")
-
-
-def rename_is_atomic(fstype: str) -> bool:
-    return not any(fstype == t or fstype.startswith(t + ".") for t in NON_ATOMIC_RENAME)
