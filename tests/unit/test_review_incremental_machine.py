@@ -130,14 +130,15 @@ def verify_cli(root: str) -> tuple[int, dict[int, str]]:
 
 
 def flip(path: str, offset: int, keep_time: bool = False) -> None:
-    """Flip one byte in place (the inode, and every hard link to it, changes content).
-    ``keep_time``: set the mtime back, as rot that keeps a file's size and time would."""
+    """Change one byte in place (the inode, and every hard link to it, changes content).
+    Adding one, not XOR with a constant: a second flip of the same byte must not undo the
+    first. ``keep_time``: set the mtime back, as rot that keeps a file's size and time would."""
     before = os.stat(path)
     with open(path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
-        f.write(bytes([byte[0] ^ 0x5A]))
+        f.write(bytes([(byte[0] + 1) & 0xFF]))
     if keep_time:
         os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
 
@@ -241,10 +242,14 @@ class IncrementalMachine(RuleBasedStateMachine):
         assert self.good() == want, (f"retention kept {self.good()} of the undamaged, "
                                      f"expected {want} (Keep(last={self.keep.last}))")
 
-    @precondition(lambda self: bool(generations(self.root)))
+    def with_files(self) -> dict[int, str]:
+        """The generations that still hold a file to damage."""
+        return {g: p for g, p in generations(self.root).items() if os.listdir(p)}
+
+    @precondition(lambda self: bool(self.with_files()))
     @rule(data=st.data(), how=st.sampled_from(["flip", "flip", "truncate", "delete"]))
     def corrupt(self, data: st.DataObject, how: str) -> None:
-        gens = generations(self.root)
+        gens = self.with_files()
         g = data.draw(st.sampled_from(sorted(gens)), label="generation")
         folder = gens[g]
         names = sorted(os.listdir(folder))
@@ -270,7 +275,7 @@ class IncrementalMachine(RuleBasedStateMachine):
         else:
             os.truncate(path, at)
 
-    @precondition(lambda self: bool(generations(self.root)))
+    @precondition(lambda self: bool(self.with_files()))
     @rule(data=st.data(), how=st.sampled_from(["flip", "truncate", "delete"]))
     def corrupt_then_restore(self, data: st.DataObject, how: str) -> None:
         self.corrupt(data, how)
