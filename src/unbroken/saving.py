@@ -22,6 +22,7 @@ from .state import parts as S
 from .state.codec import encode_tree
 from .state.incremental import Linked, Plan, tensor_digest
 from .state.jsontext import dumps_json, loads_json
+from .state.tensorfile import Room
 from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.lock import errno_text
 
@@ -34,15 +35,16 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
 
 
 def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
-                 plan: Plan | None = None, layouts: dict[str, Any] | None = None
-                 ) -> dict[str, Any]:
+                 plan: Plan | None = None, layouts: dict[str, Any] | None = None,
+                 room: Room | None = None) -> dict[str, Any]:
     """This process's files of a generation (see module doc); sharded tensors (DTensors)
     go through DCP, each rank writing its own chunks (`dist.sharded`). With ``plan``, the
     shared parts are saved incrementally (`state.incremental`). ``layouts``: the
-    Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`)."""
+    Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`).
+    ``room``: where gathered small tensors are built (`state.tensorfile.encode_safetensors`)."""
     tree, shards = split(tree)
     if not group.active:
-        out = G.encode_generation(tree, meta, plan=plan, layouts=layouts)
+        out = G.encode_generation(tree, meta, plan=plan, layouts=layouts, room=room)
         if shards:
             out.update(encode_shards(group, shards, meta))
         return out
@@ -52,11 +54,12 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     out, failure = {}, None
     try:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = G.encode_generation(shared, meta, plan=plan, layouts=layouts
+        out = G.encode_generation(shared, meta, plan=plan, layouts=layouts, room=room
                                   ) if group.leader else {}
         out.update(G.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
-                                       prefix=rank_prefix(group.rank), layouts=layouts))
+                                       prefix=rank_prefix(group.rank), layouts=layouts,
+                                       room=room))
     except UnbrokenError as e:
         failure = describe(e)
     out.update(encode_shards(group, shards, meta))

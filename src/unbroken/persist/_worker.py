@@ -81,7 +81,7 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, gr
                 artifacts[a["name"]] = Linked(source, size, digest,
                                               functools.partial(_copy, source))
             else:
-                artifacts[a["name"]] = [view[a["offset"]:a["offset"] + a["size"]]]
+                artifacts[a["name"]] = [_piece(view, at, n) for at, n in a["pieces"]]
         fields = request["manifest"]
 
         def make_manifest(written: list[Artifact]) -> Manifest:
@@ -108,6 +108,14 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, gr
         writer.retain(step)
     # (its mutating I/O so far: the crash torture spreads numbered I/O kills over it)
     return {"ok": True, "warnings": [str(w.message) for w in caught], "ops": io_count()}
+
+
+def _piece(view: memoryview, at: int, n: int) -> memoryview:
+    """Bytes of the snapshot, where the writer says they lie in the segment."""
+    if not (0 <= at and 0 <= n and at + n <= len(view)):
+        raise ValueError(f"a piece of {n} bytes at {at}, outside the {len(view)}-byte "
+                         "snapshot segment")
+    return view[at:at + n]
 
 
 def _typed(store: GenerationStore, request: dict[str, Any], e: Exception) -> Exception:

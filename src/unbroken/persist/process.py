@@ -38,12 +38,14 @@ from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
 from ..errors import SaveFailed
 from ..state.incremental import Linked, Source
+from ..state.tensorfile import Room
 from ..store.generations import GenerationStore
 from . import _wire
 
 _HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
 _TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
 _HEAD = 64  # the segment's first bytes: the newest save to hurry (`hurry`), then the snapshot
+_SLACK = 1 << 20  # a new segment's size is a multiple of this
 
 
 def hurried(segment: mmap.mmap) -> int:
@@ -71,7 +73,12 @@ class ProcessPersister:
         self._shm_fd: int | None = None
         self._shm_id = 0
         self._shm_sent = False  # the running persisting process has the segment
-        self.nbytes = 0  # bytes copied by the last snapshot
+        # chunks built in the segment by the save being encoded (`room`): id -> (the view
+        # given, its offset), and where the room's next chunk goes
+        self._placed: dict[int, tuple[memoryview, int]] = {}
+        self._room_end = _HEAD
+        self.nbytes = 0  # bytes of the last snapshot
+        self.built = 0  # of which built in the segment by the encoder (`room`), not copied
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
         self.died = False  # the persisting process ended before replying to the last save
         me = weakref.ref(self)
@@ -142,11 +149,33 @@ class ProcessPersister:
 
     def _drop_segment(self) -> None:
         if self._shm is not None:
-            self._shm.close()
+            try:
+                self._shm.close()
+            except BufferError:  # a chunk built in it is still viewed: unmapped with the view
+                pass
             self._shm = None
         if self._shm_fd is not None:
             os.close(self._shm_fd)
             self._shm_fd = None
+
+    def room(self) -> Room:
+        """Room in the segment for the chunks of the next snapshot that the encoder builds
+        itself (`state.tensorfile.Room`: gathered small tensors), which `submit` then lists
+        instead of copying: the segment of the last save, from its start (none before the
+        first save). Only while no save is in flight (the persisting process reads the
+        segment until it replies)."""
+        self._placed, self._room_end = {}, _HEAD
+        shm = self._shm
+
+        def give(n: int) -> memoryview | None:
+            if shm is None or shm is not self._shm or self._room_end + n > len(shm):
+                return None
+            view = memoryview(shm)[self._room_end:self._room_end + n]
+            self._placed[id(view)] = (view, self._room_end)
+            self._room_end += -(-n // 64) * 64  # (each chunk 64-byte aligned)
+            return view
+
+        return give
 
     def announce(self, step: int, job: Mapping[str, Any]) -> None:
         """Tell the persisting process which save of a job (``job``: staging folder, rank,
@@ -162,35 +191,62 @@ class ProcessPersister:
     def submit(self, request: Mapping[str, Any], artifacts: Mapping[str, Source]) -> None:
         """Copy ``artifacts`` into shared memory (the snapshot: when this returns, nothing
         the training loop does changes what is written) and hand the save over to a
-        persisting process that holds the run."""
-        chunked = {n: [memoryview(c).cast("B") for c in chunks]
-                   for n, chunks in artifacts.items() if not isinstance(chunks, Linked)}
-        total = sum(c.nbytes for chunks in chunked.values() for c in chunks)
+        persisting process that holds the run. A chunk built in this save's `room` is there
+        already: it is only listed."""
+        placed, self._placed = self._placed, {}
+        start, self._room_end = self._room_end, _HEAD
+        # each artifact's chunks in order, with their offset where built in the segment
+        pieces: dict[str, list[tuple[memoryview, int | None]]] = {}
+        total = copied = 0
+        for name, chunks in artifacts.items():
+            if isinstance(chunks, Linked):
+                continue
+            mine = pieces[name] = []
+            for c in chunks:
+                built = placed.get(id(c))
+                if built is not None and built[0] is c:
+                    mine.append((c, built[1]))
+                else:
+                    mine.append((memoryview(c).cast("B"), None))
+                    copied += mine[-1][0].nbytes
+                total += mine[-1][0].nbytes
+        size = start + copied
+        if self._shm is None or len(self._shm) < size:
+            # a new segment (the old one stays mapped while its chunks are viewed: they are
+            # copied too), with room to spare: a header grows with the step's digits, and
+            # the room aligns each chunk it gives
+            start, copied = _HEAD, total
+            size = -(-(_HEAD + total + 64 * sum(map(len, pieces.values()))) // _SLACK) * _SLACK
+            pieces = {n: [(c, None) for c, _ in mine] for n, mine in pieces.items()}
         try:
-            view = memoryview(self._segment(_HEAD + total))
+            view = memoryview(self._segment(size))
         except OSError as e:
             raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
         listed: list[dict[str, Any]] = []
-        offset = _HEAD
+        offset = start
         struct.pack_into("<Q", view, 0, 0)  # (not hurried: see `hurry`)
-        into = torch.frombuffer(view, dtype=torch.uint8) if total else None
+        into = torch.frombuffer(view, dtype=torch.uint8)
         for name, chunks in artifacts.items():
             if isinstance(chunks, Linked):
                 listed.append({"name": name, "link": [chunks.source, chunks.size,
                                                       chunks.xxh3_128]})
                 continue
-            start = offset
-            for c in chunked[name]:
-                if c.nbytes >= _TORCH_COPY and not c.readonly and into is not None:
+            spans: list[list[int]] = []
+            for c, at in pieces[name]:
+                if at is not None:
+                    spans.append([at, c.nbytes])
+                    continue
+                if c.nbytes >= _TORCH_COPY and not c.readonly:
                     # torch copies with its intra-op threads, as the thread mode's snapshot
                     into[offset:offset + c.nbytes].copy_(torch.frombuffer(c, dtype=torch.uint8))
                 else:
                     view[offset:offset + c.nbytes] = c
+                spans.append([offset, c.nbytes])
                 offset += c.nbytes
-            listed.append({"name": name, "offset": start, "size": offset - start})
-        del into
+            listed.append({"name": name, "pieces": spans})
+        del into, pieces, placed
         view.release()
-        self.nbytes = total
+        self.nbytes, self.built = total, total - copied
         assert self._shm is not None
         self._seq += 1
         message = {**request, "seq": self._seq, "segment": self._shm_id,

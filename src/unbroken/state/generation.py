@@ -22,7 +22,7 @@ from .parts import (
     STATE_SCHEMA,
     Counters,
 )
-from .tensorfile import decode_safetensors, encode_safetensors
+from .tensorfile import Room, decode_safetensors, encode_safetensors
 
 
 def check_part_tree(name: str, tree: Any) -> None:
@@ -34,8 +34,8 @@ def check_part_tree(name: str, tree: Any) -> None:
 
 
 def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = "",
-                      plan: Plan | None = None, layouts: dict[str, Any] | None = None
-                      ) -> dict[str, Any]:
+                      plan: Plan | None = None, layouts: dict[str, Any] | None = None,
+                      room: Room | None = None) -> dict[str, Any]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
     ``state.json`` with every part's skeleton. ``meta`` (run id, generation, incarnation) is
     stamped into every tensor file so a file moved between generations is recognised.
@@ -43,7 +43,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     (incremental saves, see `incremental`), a part's unchanged tensors go to stable files,
     and a stable file of the previous generation is a `Linked` artifact. ``layouts``: kept
     from one save to the next, each tensor file's layout (`encode_safetensors`) and the
-    encoding plans of its part (`encode_tree_for_file`)."""
+    encoding plans of its part (`encode_tree_for_file`). ``room``: where gathered small
+    tensors are built (`encode_safetensors`)."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
     more: dict[str, list[dict[str, str]]] = {}
@@ -60,7 +61,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             skeletons[part] = skeleton
             texts.update(encoded.texts)
             if tensors and plan is not None:
-                out, extra = encode_part(plan, prefix, part, tensors, meta)
+                out, extra = encode_part(plan, prefix, part, tensors, meta, room)
                 if f"{prefix}{part}.safetensors" in out:
                     files[part] = f"{prefix}{part}.safetensors"
                 if extra:
@@ -70,7 +71,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 files[part] = f"{prefix}{part}.safetensors"
                 artifacts[files[part]] = encode_safetensors(
                     tensors, {**meta, "unbroken.part": part}, prepared=True, layout=layout,
-                    kinds=encoded.kinds, ptrs=encoded.ptrs)
+                    kinds=encoded.kinds, ptrs=encoded.ptrs, room=room)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}

@@ -25,7 +25,7 @@ import xxhash
 
 from ..errors import CorruptCheckpoint
 from .jsontext import dumps_json, loads_json
-from .tensorfile import encode_safetensors, tensor_bytes
+from .tensorfile import Room, encode_safetensors, tensor_bytes
 
 DIGESTS_KEY = "unbroken.digests"  # in a stable file's metadata: {key: xxh3-128 of the tensor}
 MIN_STABLE_BYTES = 1 << 20  # a split into a stable file costs a file: not for a few scalars
@@ -149,9 +149,12 @@ def read_digests(meta: Mapping[str, str], where: str) -> dict[str, str]:
 
 
 def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.Tensor],
-                meta: Mapping[str, str]) -> tuple[dict[str, object], list[dict[str, str]]]:
+                meta: Mapping[str, str], room: Room | None = None
+                ) -> tuple[dict[str, object], list[dict[str, str]]]:
     """The files of one part (name -> chunks, or `Linked`) and the extra files ``state.json``
-    names for it (`stable_entry`); records the layout in ``plan``."""
+    names for it (`stable_entry`); records the layout in ``plan``. ``room``: where the files
+    written now build their gathered small tensors (`encode_safetensors`; not a `Linked`
+    file's rewrite, which runs later)."""
     main, stable, linked, digests = split_part(plan, part, tensors)
     incarnation = int(meta["unbroken.incarnation"])
     layout = plan.layout.setdefault(part, [])
@@ -165,7 +168,8 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
 
     if main:
         name = f"{prefix}{part}.safetensors"
-        out[name] = encode_safetensors(main, stamped(plan.generation, incarnation, main))
+        out[name] = encode_safetensors(main, stamped(plan.generation, incarnation, main),
+                                       room=room)
         layout.append((name, plan.generation, incarnation, {k: digests[k] for k in main}, False))
     if stable:
         # unique among the part's files: a save of the same step again may link a stable
@@ -176,7 +180,8 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
             name = stable_name(prefix, part, plan.generation).replace(
                 ".safetensors", f".{n}.safetensors")
             n += 1
-        out[name] = encode_safetensors(stable, stamped(plan.generation, incarnation, stable))
+        out[name] = encode_safetensors(stable, stamped(plan.generation, incarnation, stable),
+                                       room=room)
         extra.append(stable_entry(name, plan.generation, incarnation))
         layout.append((name, plan.generation, incarnation, {k: digests[k] for k in stable},
                        True))

@@ -43,6 +43,9 @@ _AS_NUMPY = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np
 # Read through another NumPy dtype of the same size, then viewed as their own.
 _VIEWED = frozenset(name for name, dt in _ST_BY_NAME.items()
                     if torch.from_numpy(np.empty(0, dtype=_AS_NUMPY[name])).dtype != dt)
+# Room for a chunk of ``n`` bytes the encoder builds itself (a run of gathered small tensors):
+# a writable buffer of exactly ``n`` bytes, or None for memory of its own (`encode_safetensors`).
+Room = Callable[[int], memoryview | None]
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
@@ -53,7 +56,8 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        data_hash_key: str | None = None, prepared: bool = False,
                        layout: dict[str, Any] | None = None,
                        kinds: list[tuple[str, torch.dtype, torch.Size]] | None = None,
-                       ptrs: list[int] | None = None) -> list[memoryview]:
+                       ptrs: list[int] | None = None, room: Room | None = None
+                       ) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
@@ -61,10 +65,12 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     CPU and without a lazy negative or conjugate bit, as `codec.encode_tree` returns
     them (only their contiguity is still checked). ``kinds`` and ``ptrs``: besides, each
     tensor's (key, dtype, shape) and data address, in order, and every tensor contiguous
-    (`codec.encode_tree_for_file`). ``layout``: a dict kept from one call to the next (a
-    Checkpointer's saves of one file) in which the order and header of the last call's
-    tensors are kept, and used again while their keys, dtypes and shapes stay the same (the
-    bytes are those of a call without it)."""
+    (`codec.encode_tree_for_file`). ``room``: where the chunks of gathered small tensors are
+    built (a process-mode save builds them in its shared memory: no copy at the hand-over);
+    the chunks it gave are returned as the very buffers it gave. ``layout``: a dict kept
+    from one call to the next (a Checkpointer's saves of one file) in which the order and
+    header of the last call's tensors are kept, and used again while their keys, dtypes and
+    shapes stay the same (the bytes are those of a call without it)."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by shape (small
@@ -99,7 +105,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
         chunking = _chunking(order, kinds, sizes)
         if layout is not None:
             layout.update(sig=kinds, body=body, chunking=chunking)
-    chunks = [tensor_bytes(values[c]) if type(c) is int else _gather(c, values, ptrs)
+    chunks = [tensor_bytes(values[c]) if type(c) is int else _gather(c, values, ptrs, room)
               for c in chunking]
     meta = dict(metadata or {})
     if data_hash_key:
@@ -183,12 +189,17 @@ def _chunking(order: list[int], kinds: list[tuple[str, torch.dtype, torch.Size]]
     return chunking
 
 
-def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None) -> memoryview:
+def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
+            room: Room | None = None) -> memoryview:
     """The bytes of a run of small contiguous CPU tensors (the caller holds them), one after
-    the other, in one buffer: a stretch of one dtype and shape by one ``torch.stack`` into
-    its place (~0.3 us a tensor), the others by a ``memmove`` each (~1 us; twice as fast as
-    torch's ``flatten_dense_tensors``, which makes a view of each)."""
-    out = torch.empty(run.nbytes, dtype=torch.uint8)  # (not zeroed first)
+    the other, in one buffer (``room``'s, when it gives one): a stretch of one dtype and
+    shape by one ``torch.stack`` into its place (~0.3 us a tensor), the others by a
+    ``memmove`` each (~1 us; twice as fast as torch's ``flatten_dense_tensors``, which makes
+    a view of each)."""
+    given = None if room is None else room(run.nbytes)
+    # (not zeroed first)
+    out = (torch.empty(run.nbytes, dtype=torch.uint8) if given is None
+           else torch.frombuffer(given, dtype=torch.uint8))
     base, move = out.data_ptr(), ctypes.memmove
     at = 0
     for take, stretch, dtype, shape, n in run.parts:
@@ -199,7 +210,7 @@ def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None) -> me
         for x in stretch:
             move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
             at += n
-    return tensor_bytes(out)
+    return tensor_bytes(out) if given is None else given
 
 
 def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch.Tensor,
