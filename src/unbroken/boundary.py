@@ -100,7 +100,8 @@ class UpdateWatch:
             moved.append("the data loader handed out batches")
         if moved:
             raise UpdateBoundaryError(
-                f"save() after step_done({step}), but since then {' and '.join(moved)}: the "
+                f"save() at the boundary of update {step} (step_done, a restore, or a save that "
+                f"declared it), but since then {' and '.join(moved)}: the "
                 "generation would mix this update's weights with the previous update's "
                 "counters, scheduler or data position. Save from step_done (every=N), or at "
                 "an update boundary; to stop on a signal, pass signals= to the Checkpointer "

@@ -375,7 +375,12 @@ class Checkpointer(Persisting, Restoring):
         again = step == self._last_saved
         if not self._group.active:
             self._prepare_write(step, again)
-        self._counters.step = step
+        if step > self._counters.step:
+            # A step beyond the last step_done declares those updates completed: from here
+            # on this is their boundary (saving this step again, or retrying a save that
+            # failed, is a save at a boundary, not one after updates it did not see)
+            self._counters.step = step
+            self._watch.boundary(step, self._counters.epoch)
         started = time.monotonic()
         # (An async save copies the parameters at once, into its snapshot or shared memory:
         # they need not be detached.)

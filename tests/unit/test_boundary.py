@@ -63,6 +63,78 @@ def test_save_with_an_explicit_later_step_declares_the_boundary(tmp_path):
     ckpt.close()
 
 
+class _Flaky:
+    """An extra whose state cannot be stored while ``bad`` (a set is neither JSON nor a
+    tensor): that save fails in encoding, after the step was declared."""
+
+    def __init__(self) -> None:
+        self.bad = False
+
+    def state_dict(self) -> dict:
+        return {"seen": {1, 2}} if self.bad else {"seen": [1, 2]}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_save", [False, True, "process"])
+def test_a_step_declared_by_save_is_a_boundary_for_the_saves_that_follow(tmp_path,
+                                                                         async_save):
+    """A loop without step_done: save(N) declares N updates. Saving N again (a no-op, or a
+    superseding save after an end-of-epoch scheduler step), save() without a step, and a
+    retry of a save that failed are all at that boundary; an update after it is not."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    flaky = _Flaky()
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 scheduler=sched, extras={"flaky": flaky},
+                                 async_save=async_save)
+    ckpt.restore()
+
+    def update() -> None:
+        model(torch.randn(8, 4)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(3):
+        update()
+    ckpt.save(3)
+    first = ckpt.wait()
+    assert first is not None and first.generation == 3
+    assert ckpt.save(3) is None and ckpt.save() is None  # nothing changed: no-ops
+    ckpt.wait()
+    sched.step()  # end of epoch: the same step, another rate
+    ckpt.save(3)
+    again = ckpt.wait()
+    assert again is not None and again.generation == 3  # supersedes
+    update()
+    flaky.bad = True
+    with pytest.raises(unbroken.UnbrokenError, match="flaky"):
+        ckpt.save(4)
+        ckpt.wait()
+    flaky.bad = False
+    ckpt.save(4)  # the retry: update 4 was declared by the save that failed
+    retried = ckpt.wait()
+    assert retried is not None and retried.generation == 4
+    update()  # not declared: a save of the same count is after an update it did not see
+    with pytest.raises(UpdateBoundaryError, match=r"optimizer.step\(\) ran 1 time"):
+        ckpt.save()
+    ckpt.save(5)
+    assert ckpt.wait().generation == 5
+    ckpt.close()
+    restored = torch.nn.Linear(4, 1)
+    ropt = torch.optim.SGD(restored.parameters(), lr=0.1)
+    rsched = torch.optim.lr_scheduler.StepLR(ropt, step_size=1, gamma=0.5)
+    with unbroken.Checkpointer(tmp_path / "run", model=restored, optimizer=ropt,
+                               scheduler=rsched, extras={"flaky": _Flaky()}) as reader:
+        assert reader.restore() == 5
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 restored.state_dict().values()))
+    assert rsched.state_dict() == sched.state_dict()
+
+
 def test_the_trace_records_the_rate_the_optimizer_applied_and_the_metrics(tmp_path):
     trace = tmp_path / "t.jsonl"
     model, opt, sched, loader, ckpt = setup(tmp_path / "run", trace=trace)
