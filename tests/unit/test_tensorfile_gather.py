@@ -103,3 +103,47 @@ def test_a_kept_layout_gathers_the_bytes_of_a_fresh_one_save_after_save(groups, 
         fresh = b"".join(bytes(c) for c in encode_safetensors(tensors, {"s": str(s)}))
         assert kept == fresh
         assert "chunking" in layout
+
+
+def _gathered(chunks: list[memoryview]) -> list[int]:
+    """The addresses of the gathered chunks (all but the header and the large tensor)."""
+    return [np.frombuffer(c, dtype=np.uint8).ctypes.data for c in chunks[1:]
+            if c.nbytes != T._SMALL + 4]
+
+
+def test_a_kept_layout_gathers_into_the_same_buffers_until_it_changes():
+    """Without a room, the gathered chunks of a kept layout are built in the buffers of the
+    last call (fresh memory is faulted in at every save otherwise): each call's chunks hold
+    its own values; a layout that changed gets new buffers; a room is used instead of them."""
+    def tensors(seed: int, n: int = 40) -> dict[str, torch.Tensor]:
+        out = {f"w{i:02d}": _raw(torch.float32, (6,), seed + i) for i in range(n)}
+        out["c"] = _raw(torch.int8, (3,), seed)
+        out["big"] = _raw(torch.float32, (T._SMALL // 4 + 1,), seed)
+        return out
+
+    layout: dict = {}
+    first = encode_safetensors(tensors(1), {}, layout=layout)
+    where = _gathered(first)
+    assert where
+    for seed in (2, 3):
+        state = tensors(seed)
+        chunks = encode_safetensors(state, {}, layout=layout)
+        assert _gathered(chunks) == where  # the same buffers again
+        decoded, _ = decode_safetensors(bytes(b"".join(bytes(c) for c in chunks)), "f")
+        assert all(_raw_bytes(decoded[k]) == _raw_bytes(v) for k, v in state.items())
+    changed = encode_safetensors(tensors(4, n=41), {}, layout=layout)
+    assert not set(_gathered(changed)) & set(where)  # (41 tensors: a new layout)
+    room_bytes = bytearray(1 << 16)
+    view = memoryview(room_bytes)
+    given: list[memoryview] = []
+
+    def room(n: int) -> memoryview:
+        given.append(view[:n])
+        return given[-1]
+
+    in_room = encode_safetensors(tensors(5, n=41), {}, layout=layout, room=room)
+    assert in_room[1:] and any(c is given[0] for c in in_room)  # the room's, not the kept
+
+
+def _raw_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
