@@ -208,10 +208,10 @@ def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
         out = torch.frombuffer(given, dtype=torch.uint8)
     elif reused is None:
         out = torch.empty(run.nbytes, dtype=torch.uint8)  # (not zeroed first)
+    elif index in reused:  # (made for this run of this layout: its size)
+        out = reused[index]
     else:
-        out = reused.get(index)  # (made for this run of this layout: its size)
-        if out is None:
-            out = reused[index] = torch.empty(run.nbytes, dtype=torch.uint8)
+        out = reused[index] = torch.empty(run.nbytes, dtype=torch.uint8)
     base, move = out.data_ptr(), ctypes.memmove
     at = 0
     for take, stretch, dtype, shape, n in run.parts:
