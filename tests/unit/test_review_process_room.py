@@ -306,7 +306,7 @@ ops_st = st.lists(st.one_of(
     st.tuples(st.just("again"))), min_size=2, max_size=6)
 
 
-@settings(max_examples=8, deadline=None, database=None)
+@settings(max_examples=5, deadline=None, database=None)
 @given(ops_st, st.booleans(), st.booleans(), st.integers(0, 1000))
 def test_every_save_holds_its_state_bitwise_whatever_grows_or_shrinks(tmp_path_factory, ops,
                                                                       incremental, tied, seed):
