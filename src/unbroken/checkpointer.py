@@ -397,5 +397,6 @@ class Checkpointer(Persisting, Restoring):
         log.info("snapshot of step %d (%d tensor bytes) in %.3f s; persisting in the "
                  "background", step, self._buffers.nbytes, time.monotonic() - started)
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
-                                                               started, plan), self._pacer())
+                                                               started, plan, snapshot=True),
+                                   self._pacer())
         return None

@@ -90,9 +90,11 @@ class Persisting:
 
     @gc_paused
     def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
-                 started: float, plan: Plan | None = None) -> GenerationInfo | None:
+                 started: float, plan: Plan | None = None, snapshot: bool = False
+                 ) -> GenerationInfo | None:
         """Write, commit, read back and verify generation ``step`` of ``tree``, then apply
-        retention (an async save runs this in the background, on a snapshot)."""
+        retention (an async save runs this in the background, on a snapshot: ``snapshot``,
+        its tensors the snapshot's own buffers)."""
         group = self._save_group
         if again and saved_unchanged(self.store, group, step, tree, values, plan):
             return None  # the same state saved twice
@@ -100,7 +102,7 @@ class Persisting:
             check_replicas(group, replicated(tree))
         meta = stamps(step, self.incarnation, self.run_id)
         # (refuses what restore could not read)
-        encoded = encode_share(group, tree, meta, plan, self._layouts)
+        encoded = encode_share(group, tree, meta, plan, self._layouts, owned=snapshot)
         total = sum(memoryview(c).nbytes for chunks in encoded.values()
                     if not isinstance(chunks, Linked) for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)

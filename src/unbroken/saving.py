@@ -36,15 +36,17 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
 
 def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
                  plan: Plan | None = None, layouts: dict[str, Any] | None = None,
-                 room: Room | None = None) -> dict[str, Any]:
+                 room: Room | None = None, owned: bool = False) -> dict[str, Any]:
     """This process's files of a generation (see module doc); sharded tensors (DTensors)
     go through DCP, each rank writing its own chunks (`dist.sharded`). With ``plan``, the
     shared parts are saved incrementally (`state.incremental`). ``layouts``: the
     Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`).
-    ``room``: where gathered small tensors are built (`state.tensorfile.encode_safetensors`)."""
+    ``room``: where gathered small tensors are built (`state.tensorfile.encode_safetensors`).
+    ``owned``: the tree's tensors are an async snapshot's buffers (`encode_generation`)."""
     tree, shards = split(tree)
     if not group.active:
-        out = G.encode_generation(tree, meta, plan=plan, layouts=layouts, room=room)
+        out = G.encode_generation(tree, meta, plan=plan, layouts=layouts, room=room,
+                                  owned=owned)
         if shards:
             out.update(encode_shards(group, shards, meta))
         return out
@@ -54,12 +56,12 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     out, failure = {}, None
     try:
         shared = {k: v for k, v in tree.items() if k != S.RNG}
-        out = G.encode_generation(shared, meta, plan=plan, layouts=layouts, room=room
-                                  ) if group.leader else {}
+        out = G.encode_generation(shared, meta, plan=plan, layouts=layouts, room=room,
+                                  owned=owned) if group.leader else {}
         out.update(G.encode_generation({S.RNG: tree[S.RNG]},
                                        {**meta, "unbroken.rank": str(group.rank)},
                                        prefix=rank_prefix(group.rank), layouts=layouts,
-                                       room=room))
+                                       room=room, owned=owned))
     except UnbrokenError as e:
         failure = describe(e)
     out.update(encode_shards(group, shards, meta))

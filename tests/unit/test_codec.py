@@ -13,6 +13,8 @@ import safetensors
 import safetensors.torch
 import torch
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from unbroken.errors import CorruptCheckpoint, UnsupportedValue
 from unbroken.state.codec import MAX_DEPTH, TAG, encode_tree
@@ -339,6 +341,17 @@ def test_unsupported_tensor_layouts_and_depth():
         node = node[0]
     with pytest.raises(UnsupportedValue, match="deeper"):
         encode_tree(deep)
+
+
+@settings(max_examples=200, deadline=None)
+@given(values=st.lists(st.one_of(st.integers(), st.booleans(),
+                                 st.sampled_from([1 << 1024, -(1 << 1024), (1 << 1024) - 1,
+                                                  1 - (1 << 1024), 10**400]))))
+def test_lists_of_ints_keep_every_value_and_type(values):
+    """A list of plain ints (an optimizer group's parameter ids) is taken whole, in range;
+    ints past the JSON range, bools among them: each element its own way."""
+    out, _ = full_roundtrip({"ids": values, "nested": [values, (values,)]})
+    assert_same(out, {"ids": values, "nested": [values, (values,)]})
 
 
 def test_int_beyond_str_digit_limit_round_trips_or_is_refused_up_front():

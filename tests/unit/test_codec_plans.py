@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from test_snapshot_plans import CHANGES, N, _change, _model, _state
 
 from unbroken.errors import UnsupportedValue
+from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.state import codec
 from unbroken.state import generation as G
 from unbroken.state.codec import encode_tree_for_file
@@ -57,20 +58,71 @@ def test_each_change_after_a_planned_save_is_encoded_as_without_plans(change):
     _encode_after([(change, 1), ("none", 0), (change, 2)])
 
 
-def _encode_after(changes: list[tuple[str, int]]) -> None:
+@settings(max_examples=40, deadline=None)
+@given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6))
+def test_an_owned_encoding_of_snapshots_is_the_encoding_without_plans(changes):
+    """An async save encodes its snapshot's buffers as their owner (``owned``): a plan that
+    meets the same buffer objects again skips their checks. Whatever changed in the live
+    tree, the snapshot's encoding is the one without plans."""
+    _encode_after(changes, SnapshotBuffers())
+
+
+@pytest.mark.parametrize("change", CHANGES.elements)
+def test_each_change_to_a_snapshotted_tree_is_encoded_as_without_plans(change):
+    _encode_after([(change, 1), ("none", 0), (change, 2), ("all_values", 0)],
+                  SnapshotBuffers())
+
+
+def _encode_after(changes: list[tuple[str, int]], buffers: SnapshotBuffers | None = None
+                  ) -> None:
+    """Each change, then a save: its encoding by plans (of a snapshot of the tree, by its
+    owner, with ``buffers``) is the one without plans."""
     torch.manual_seed(0)
     tree: dict[str, Any] = {"model": _model(N), "optimizer": {"state": _state(N), "lr": 0.1}}
     plans: dict[str, Any] = {}
-    encode_tree_for_file(tree, plans)
+    taken = (lambda t: t) if buffers is None else buffers.take
+    owned = buffers is not None
+    encode_tree_for_file(taken(tree), plans, owned)
     for change, i in [("none", 0), *changes]:
-        _change(tree, change, i, lambda t: encode_tree_for_file(t, plans))
+        _change(tree, change, i, lambda t: encode_tree_for_file(taken(t), plans, owned))
+        saved = taken(tree)
         try:
-            fresh = encode_tree_for_file(tree)
+            fresh = encode_tree_for_file(saved)
         except UnsupportedValue as e:  # (a custom key type): refused the same with a plan,
             with pytest.raises(UnsupportedValue, match=re.escape(str(e))):
-                encode_tree_for_file(tree, plans)
+                encode_tree_for_file(saved, plans, owned)
             break  # and so is every later save of this tree
-        _same(encode_tree_for_file(tree, plans), fresh)
+        _same(encode_tree_for_file(saved, plans, owned), fresh)
+
+
+def test_an_owners_buffers_met_again_are_not_checked_again(monkeypatch):
+    """The owned plan really skips the per-tensor checks for the same buffers (the tests
+    above would pass without it), and checks anew once a buffer is another object."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(N)])
+    buffers, plans = SnapshotBuffers(), {}
+    encode_tree_for_file(buffers.take({"model": model.state_dict()}), plans, True)
+    encode_tree_for_file(buffers.take({"model": model.state_dict()}), plans, True)
+
+    def refused(t: torch.Tensor) -> torch.dtype:
+        raise AssertionError("a buffer checked again")
+
+    monkeypatch.setattr(codec, "_DTYPE", refused)
+    with torch.no_grad():
+        model[0].weight.add_(1)
+    saved = buffers.take({"model": model.state_dict()})
+    _same(encode_tree_for_file(saved, plans, True), encode_tree_for_file(saved))
+    assert plans["model"].mine[0][0] is saved["model"]["0.weight"]
+    model[0].weight = torch.nn.Parameter(torch.ones(3, 2))  # a new shape: a new buffer
+    with pytest.raises(AssertionError, match="checked again"):
+        encode_tree_for_file(buffers.take({"model": model.state_dict()}), plans, True)
+    monkeypatch.undo()
+    saved = buffers.take({"model": model.state_dict()})
+    _same(encode_tree_for_file(saved, plans, True), encode_tree_for_file(saved))
+    # not owned (the user's own tensors): every save checks them
+    plans = {}
+    encode_tree_for_file({"model": model.state_dict()}, plans)
+    encode_tree_for_file({"model": model.state_dict()}, plans)
+    assert plans["model"].mine == []
 
 
 def test_the_state_dict_and_the_optimizer_state_are_encoded_by_their_plans():

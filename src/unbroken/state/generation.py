@@ -35,7 +35,7 @@ def check_part_tree(name: str, tree: Any) -> None:
 
 def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = "",
                       plan: Plan | None = None, layouts: dict[str, Any] | None = None,
-                      room: Room | None = None) -> dict[str, Any]:
+                      room: Room | None = None, owned: bool = False) -> dict[str, Any]:
     """Artifacts of one generation: ``<part>.safetensors`` per part holding tensors and
     ``state.json`` with every part's skeleton. ``meta`` (run id, generation, incarnation) is
     stamped into every tensor file so a file moved between generations is recognised.
@@ -44,7 +44,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     and a stable file of the previous generation is a `Linked` artifact. ``layouts``: kept
     from one save to the next, each tensor file's layout (`encode_safetensors`) and the
     encoding plans of its part (`encode_tree_for_file`). ``room``: where gathered small
-    tensors are built (`encode_safetensors`)."""
+    tensors are built (`encode_safetensors`). ``owned``: the tree's tensors are an async
+    snapshot's buffers (`codec.encode_tree_for_file`)."""
     skeletons: dict[str, Any] = {}
     files: dict[str, str] = {}
     more: dict[str, list[dict[str, str]]] = {}
@@ -56,7 +57,7 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             layout = None if layouts is None else layouts.setdefault(
                 f"{prefix}{part}.safetensors", {})
             encoded = encode_tree_for_file(
-                value, None if layout is None else layout.setdefault("plans", {}))
+                value, None if layout is None else layout.setdefault("plans", {}), owned)
             skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
             texts.update(encoded.texts)
