@@ -172,6 +172,7 @@ class _Encoder:
         # address, which is rare. (One view per address is a ``(tensor, ref)`` pair; a list
         # only for the rare second one.)
         self._views: dict[int, Any] = {}
+        self.met: set[str] = set()  # the paths of the mappings this encoding met by plan
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
@@ -291,7 +292,9 @@ class _Encoder:
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is list:
-            if _INT.issuperset(map(type, obj)) and (  # (an optimizer group's parameter ids)
+            # (An optimizer group's parameter ids; its elements' depth is checked as theirs
+            # would be, one level down.)
+            if depth < MAX_DEPTH and _INT.issuperset(map(type, obj)) and (
                     not obj or -_BIG_INT < min(obj) and max(obj) < _BIG_INT):
                 return list(obj)
             return [self.encode(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
@@ -349,6 +352,7 @@ class _Encoder:
         next save, if it holds enough tensors). A plan is out of ``plans`` while `mapping`
         runs: one that raises may have stored what the plan would not know of."""
         plan = plans.pop(path, None)
+        self.met.add(path)
         if plan is not None and self.planned(obj, plan):
             plans[path] = plan
             if not plan.text:
@@ -483,4 +487,9 @@ def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None, owned: 
     again skips their checks. (Any other tensors, the user's, may have changed in place.)"""
     enc = _Encoder(plans, owned)
     skeleton = enc.encode(tree, "")
+    if owned and plans:
+        # A plan whose mapping this save did not hold lets go of the buffers it took (the
+        # snapshot dropped them): it is used again only if its mapping comes back.
+        for path in plans.keys() - enc.met:
+            plans[path].mine.clear()
     return Encoded(skeleton, enc.tensors, enc.kinds, enc.ptrs, enc.texts)
