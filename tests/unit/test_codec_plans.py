@@ -18,7 +18,7 @@ from test_snapshot_plans import CHANGES, N, _change, _model, _state
 
 from unbroken.errors import UnsupportedValue
 from unbroken.persist.snapshot import SnapshotBuffers
-from unbroken.state import codec
+from unbroken.state import codec, encodeplans
 from unbroken.state import generation as G
 from unbroken.state.codec import encode_tree_for_file
 from unbroken.state.jsontext import dumps_json
@@ -106,7 +106,7 @@ def test_an_owners_buffers_met_again_are_not_checked_again(monkeypatch):
     def refused(t: torch.Tensor) -> torch.dtype:
         raise AssertionError("a buffer checked again")
 
-    monkeypatch.setattr(codec, "_DTYPE", refused)
+    monkeypatch.setattr(encodeplans, "_DTYPE", refused)
     with torch.no_grad():
         model[0].weight.add_(1)
     saved = buffers.take({"model": model.state_dict()})
@@ -187,11 +187,11 @@ def test_a_string_of_the_state_like_a_place_holder_stays_itself():
     a state's own strings (even of its form) are written as they are."""
     plans: dict[str, Any] = {}
     sd = {f"w{i}": torch.randn(2) for i in range(N)}
-    tree: dict[str, Any] = {"model": sd, "a": "unbroken.planned.0", "b": codec._HOLDER[:-1]}
+    tree: dict[str, Any] = {"model": sd, "a": "unbroken.planned.0", "b": encodeplans._HOLDER[:-1]}
     encode_tree_for_file(tree, plans)
     planned = encode_tree_for_file(tree, plans)
     doc = json.loads(dumps_json(planned.skeleton, sort_keys=False, texts=planned.texts))
-    assert doc["a"] == "unbroken.planned.0" and doc["b"] == codec._HOLDER[:-1]
+    assert doc["a"] == "unbroken.planned.0" and doc["b"] == encodeplans._HOLDER[:-1]
     assert doc == json.loads(dumps_json(encode_tree_for_file(tree).skeleton, sort_keys=False))
 
 
@@ -203,7 +203,7 @@ def _tree_of(spec: Any, at: str = "") -> Any:
     return {f"k{i}": _tree_of(s, f"{at}{i}.") for i, s in enumerate(spec)}
 
 
-_SPECS = st.recursive(st.sampled_from([0, 3, codec._PLANNED, codec._PLANNED + 5]),
+_SPECS = st.recursive(st.sampled_from([0, 3, encodeplans._PLANNED, encodeplans._PLANNED + 5]),
                       lambda inner: st.lists(inner, min_size=1, max_size=3), max_leaves=6)
 
 
@@ -231,5 +231,5 @@ def test_nested_planned_mappings_write_what_an_unplanned_save_writes(base, ops):
         tree = {"part": _tree_of(spec)}
         planned = bytes(G.encode_generation(tree, meta, layouts=layouts)["state.json"][0])
         plain = bytes(G.encode_generation(tree, meta)["state.json"][0])
-        assert codec._HOLDER.encode() not in planned, (base, ops, op)
+        assert encodeplans._HOLDER.encode() not in planned, (base, ops, op)
         assert planned == plain, (base, ops, op)

@@ -22,14 +22,14 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken.errors import UnsupportedValue
 from unbroken.persist.snapshot import SnapshotBuffers
-from unbroken.state import codec
+from unbroken.state import codec, encodeplans
 from unbroken.state import generation as G
 from unbroken.state.codec import MAX_DEPTH, encode_tree, encode_tree_for_file
 from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json
 from unbroken.state.tensorfile import encode_safetensors
 
-N = codec._PLANNED + 4  # tensors in a mapping: enough for a plan (and a snapshot's blocks)
+N = encodeplans._PLANNED + 4  # tensors in a mapping: enough for a plan (and a snapshot's blocks)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,7 +544,7 @@ def _count_shortcuts(monkeypatch):
 
 
 def planned_values(obj: Any, plan: Any) -> list[Any]:
-    leaves = codec.planned_leaves(obj, plan.keys, plan.inner)
+    leaves = encodeplans.planned_leaves(obj, plan.keys, plan.inner)
     return [] if leaves is None else leaves[2]
 
 

@@ -23,13 +23,13 @@ from test_scheduler_changes import _built, _resume
 import unbroken
 from unbroken.persist import plans
 from unbroken.persist.snapshot import SnapshotBuffers
-from unbroken.state import codec
+from unbroken.state import encodeplans
 from unbroken.state.generation import encode_generation
 from unbroken.state.optim import _direct_state, _live_group_names, optimizer_state
 
 L = torch.optim.lr_scheduler
 META = {"unbroken.run": "r", "unbroken.generation": "1"}
-N = codec._PLANNED + 4  # tensors in a mapping: enough for a plan
+N = encodeplans._PLANNED + 4  # tensors in a mapping: enough for a plan
 
 
 def _state_json(tree: dict[str, Any], layouts: dict[str, Any] | None) -> bytes:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ..state.codec import planned_leaves
+from ..state.encodeplans import planned_leaves
 
 # A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
 # them from the buffer again costs ~0.1 us a torch call, for 10,000 small tensors each save.

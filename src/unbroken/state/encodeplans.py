@@ -1,0 +1,209 @@
+"""The encoder's plans: how the last save encoded a mapping of many tensors (a model's
+state_dict, an optimizer's per-parameter state), so that a later save encodes it by a few
+whole-list checks instead of a Python step per tensor (`Planning`, mixed into
+`codec._Encoder`), and writes its JSON text made once. A plan is used only while the mapping
+still fits it; anything else goes the per-tensor way (`_Encoder.mapping`), whose result a
+plan must equal exactly. (The async snapshot's plans, `persist.plans`, share
+`planned_leaves`.)"""
+
+from __future__ import annotations
+
+import json
+import operator
+import uuid
+from collections.abc import Mapping
+from itertools import chain, count
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+# A mapping holding this many tensors or more is encoded by its `_Plan` when it can be.
+_PLANNED = 16
+_PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
+_PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything else is code)
+_DICT = frozenset({dict})
+_SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "is_cpu"))
+_T = torch.Tensor
+
+
+def planned_leaves(obj: Mapping[Any, Any], keys: list[Any], inner: list[list[Any]] | None
+                   ) -> tuple[list[Any], list[list[Any]] | None, list[Any]] | None:
+    """A mapping's keys, its dicts' keys (``inner`` not None: its values are dicts) and their
+    values in order, when they are a plan's ``keys`` and ``inner`` (plain str and int keys,
+    whose ``==`` runs no user code); None if not. What a plan (the encoder's, the async
+    snapshot's) checks first, in whole-list operations."""
+    got = list(obj)
+    if not _PLAIN_KEYS.issuperset(map(type, got)) or got != keys:
+        return None
+    values = list(obj.values())
+    if inner is None:
+        return got, None, values
+    if not _DICT.issuperset(map(type, values)):
+        return None
+    names = list(map(list, values))
+    if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(names))) or names != inner:
+        return None
+    return got, names, [v for d in values for v in d.values()]
+
+
+class _Plan(NamedTuple):
+    """How the last save encoded a mapping of many tensors: a model's state_dict (keys ->
+    tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
+    ``inner``, each one's keys). Every tensor was stored as itself under its path (``kinds``,
+    in order) and referenced by a plain ``{"$t": "tensor", "key": path}`` (``refs``). A later
+    save of a mapping of the same type and keys whose tensors are still plain, contiguous CPU
+    tensors of the same dtypes and shapes, none of them met before in the part, gets the same
+    ``skeleton`` (the same object, never changed) from a few whole-list checks instead of a
+    Python step per tensor (`_Encoder.planned`), and its JSON text, made once (``text``: empty
+    until then), instead of the ~1 us a tensor reference costs ``json.dumps`` each save.
+
+    ``mine``: for an encoder of buffers its caller owns (`encode_tree_for_file`), the tensors
+    the plan last took and their addresses: the same objects again are taken without their
+    checks (empty for any other encoder)."""
+
+    kind: type
+    keys: list[Any]
+    inner: list[list[Any]] | None
+    kinds: list[tuple[str, torch.dtype, torch.Size]]
+    paths: list[str]
+    shapes: list[torch.Size]
+    dtypes: list[torch.dtype]
+    refs: list[dict[str, Any]]
+    skeleton: Any
+    text: list[str]
+    mine: list[Any]
+
+
+# What a skeleton holds in place of a planned mapping's skeleton, followed by a number (one
+# count for every encoder: the parts of a document are encoded apart): a string no state
+# holds (random, of this process), replaced by the plan's JSON text when the document is
+# written (`jsontext.dumps_json` with ``texts``).
+_HOLDER = f"unbroken.planned.{uuid.uuid4().hex}."
+_HOLDERS = count()
+
+
+
+class Planning:
+    """The plan-taking part of an encoder (`codec._Encoder`, whose state it shares): a
+    mapping encoded by its plan (`by_plan`, `planned`), and planned after the per-tensor way
+    encoded it (`plan`)."""
+
+    if TYPE_CHECKING:  # (what `_Encoder` holds and does)
+        plans: dict[str, _Plan] | None
+        owned: bool
+        texts: dict[str, str]
+        tensors: dict[str, torch.Tensor]
+        kinds: list[tuple[str, torch.dtype, torch.Size]]
+        ptrs: list[int]
+        _views: dict[int, Any]
+        met: set[str]
+
+        def mapping(self, obj: Any, path: str, depth: int) -> Any: ...
+
+    def by_plan(self, obj: Any, path: str, depth: int, plans: dict[str, _Plan]) -> Any:
+        """`mapping`, by the plan of the last save when it still fits (then planned for the
+        next save, if it holds enough tensors). A plan is out of ``plans`` while `mapping`
+        runs: one that raises may have stored what the plan would not know of."""
+        plan = plans.pop(path, None)
+        self.met.add(path)
+        if plan is not None and self.planned(obj, plan):
+            plans[path] = plan
+            if not plan.text:
+                plan.text.append(json.dumps(plan.skeleton, separators=(",", ":"),
+                                            allow_nan=False, ensure_ascii=False))
+            holder = f"{_HOLDER}{next(_HOLDERS)}"
+            self.texts[holder] = plan.text[0]
+            return holder
+        start, holders = len(self.kinds), len(self.texts)
+        skeleton = self.mapping(obj, path, depth)
+        # (A mapping holding a planned one is not planned: its skeleton holds that one's
+        # place-holder, which only this save's ``texts`` fill in.)
+        if len(self.kinds) - start >= _PLANNED and len(self.texts) == holders:
+            self.plan(obj, path, skeleton, start)
+        return skeleton
+
+    def planned(self, obj: Mapping[Any, Any], plan: _Plan) -> bool:
+        """Take ``obj`` by ``plan`` if it fits (see `_Plan`): its tensors stored, their
+        kinds and addresses recorded, as `tensor` would; False (nothing done) if not."""
+        leaves = (planned_leaves(obj, plan.keys, plan.inner) if type(obj) is plan.kind
+                  else None)
+        if leaves is None:
+            return False
+        tensors = leaves[2]
+        mine = plan.mine
+        if mine and len(tensors) == len(mine[0]) and all(map(operator.is_, tensors, mine[0])):
+            # The owner's own buffers, the objects checked last time: a buffer is never
+            # reshaped, retyped or moved (a new shape gets a new one), so nothing below
+            # can have changed (~0.5 us a tensor, half of it reading cold tensors).
+            _, ptrs, named, viewed = mine
+        else:
+            try:
+                if (len(tensors) != len(plan.kinds)
+                        or not _PLAIN_TENSORS.issuperset(map(type, tensors))
+                        or list(map(_DTYPE, tensors)) != plan.dtypes
+                        or list(map(_SHAPE, tensors)) != plan.shapes
+                        or not all(map(_IS_CPU, tensors))
+                        or any(map(_T.is_neg, tensors))  # (no complex dtype: no conj bit)
+                        or not all(map(_T.is_contiguous, tensors))):
+                    return False
+                ptrs = list(map(_T.data_ptr, tensors))  # (a sparse tensor has none: raises)
+            except (RuntimeError, NotImplementedError):  # (exotic: `tensor` says what)
+                return False
+            if 0 in ptrs or len(set(ptrs)) != len(ptrs):
+                return False  # an empty tensor, a tie: `tensor` (it tells them apart)
+            if self.owned:  # (kept for the next save, which meets these buffers again)
+                mine[:] = _mine(tensors, ptrs, plan.paths, plan.refs)
+                _, _, named, viewed = mine
+            else:
+                named, viewed = zip(plan.paths, tensors), zip(ptrs, zip(tensors, plan.refs))
+        views, stored = self._views, self.tensors
+        if not views.keys().isdisjoint(ptrs) or not stored.keys().isdisjoint(plan.paths):
+            return False  # a view met before, a key taken: `tensor` (it tells them apart)
+        stored.update(named)
+        self.kinds.extend(plan.kinds)
+        self.ptrs.extend(ptrs)
+        views.update(viewed)
+        return True
+
+    def plan(self, obj: Mapping[Any, Any], path: str, skeleton: Any, start: int) -> None:
+        """After ``obj`` was encoded into ``skeleton`` (its tensors from ``start`` on in
+        ``kinds``): its plan, if every tensor it holds (directly, or in dicts one level down)
+        was stored as itself under its own path and referenced plainly."""
+        assert self.plans is not None
+        kinds = self.kinds[start:]
+        if not _PLAIN_KEYS.issuperset(map(type, obj)):
+            return
+        dot = f"{path}." if path else ""
+        values = list(obj.values())
+        inner = None
+        if _PLAIN_TENSORS.issuperset(map(type, values)):
+            tensors, want = values, [f"{dot}{k}" for k in obj]
+        elif _DICT.issuperset(map(type, values)):
+            inner = list(map(list, values))
+            if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(inner))):
+                return
+            tensors = [v for d in values for v in d.values()]
+            want = [f"{dot}{k}.{i}" for k, names in zip(obj, inner) for i in names]
+        else:
+            return
+        if (len(tensors) != len(kinds) or [k for k, _, _ in kinds] != want
+                or not all(map(operator.is_, map(self.tensors.__getitem__, want), tensors))
+                or any(d.is_complex for _, d, _ in kinds)):
+            return  # a tie, a copy (detached, resolved, made contiguous), a renamed key
+        refs: list[dict[str, Any]] = []
+        for ptr in self.ptrs[start:]:
+            held = self._views.get(ptr)
+            if type(held) is not tuple or len(held[1]) != 2:  # (not one plain reference)
+                return
+            refs.append(held[1])
+        self.plans[path] = _Plan(type(obj), list(obj), inner, kinds, want,
+                                 [s for _, _, s in kinds], [d for _, d, _ in kinds], refs,
+                                 skeleton, [], _mine(tensors, self.ptrs[start:], want, refs)
+                                 if self.owned else [])
+
+
+def _mine(tensors: list[Any], ptrs: list[int], paths: list[str], refs: list[dict[str, Any]]
+          ) -> list[Any]:
+    """A plan's tensors and what `_Encoder.planned` adds of them: their addresses, the
+    tensors by key, and their views by address (kept for an owner's buffers, `_Plan.mine`)."""
+    return [tensors, ptrs, dict(zip(paths, tensors)), dict(zip(ptrs, zip(tensors, refs)))]
