@@ -7,10 +7,30 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
+import time
 
 PERSISTER_OF_ENV = "UNBROKEN_PERSISTER_OF"  # set in a persisting process: its writer's pid
 Process = tuple[int, int]  # (pid, start time in clock ticks): a pid is reused, the pair not
+
+
+def _started(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks; None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[19]) if len(fields) > 19 else None
+
+
+# The parent this process started under (torchrun's agent, for a rank), taken at import: once
+# the launcher dies its ranks are handed to a reaper (init, a container's), and killing the tree
+# of whatever ``getppid()`` says then would kill the whole machine's processes.
+_LAUNCHER: Process = (os.getppid(), _started(os.getppid()) or -1)
+_held: list[socket.socket] = []  # the job's killer name, held until this process dies
 
 
 def _table() -> dict[int, tuple[int, int, str, int]]:
@@ -122,10 +142,35 @@ def _kill_job() -> None:
         # the persisting process of a writer (`persist.process`): the machine dies, the
         # writer with it (this process is among its descendants)
         kill_tree(int(owner))
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        kill_tree(os.getppid())
+    launcher, started = _LAUNCHER
+    if os.environ.get("TORCHELASTIC_RUN_ID") and _started(launcher) == started:
+        if _be_the_killer(_LAUNCHER):
+            kill_tree(launcher)
     # Not the whole tree here: a persisting process (its own session) outlives its writer,
     # as it would a crash of the writer alone.
     if os.getpgid(0) == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _be_the_killer(launcher: Process) -> bool:
+    """Wait until this process is the job's only killer (True), or until another killer has
+    killed the launcher (False: only this process and its workers are left to kill).
+
+    Two ranks that kill each other at the same moment die before either reaches the launcher
+    (it was left alive so, in a test); one killer at a time kills everything. The name is an
+    abstract socket, released by the kernel when its holder dies, so a killer killed from
+    outside halfway hands over to the next."""
+    name = f"\0unbroken-kill-job-{launcher[0]}-{launcher[1]}"
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+        except OSError:  # another rank holds it and kills this one soon
+            sock.close()
+            if _started(launcher[0]) != launcher[1]:
+                return False
+            time.sleep(0.001)
+            continue
+        _held.append(sock)
+        return True

@@ -56,3 +56,80 @@ def test_two_ranks_killing_the_job_at_once_leave_nothing_alive(tmp_path):
             os.kill(pid, 9)
         launcher.wait(timeout=10)
         assert not left, f"trial {trial}: left alive {left}"
+
+
+KILLER = textwrap.dedent('''
+    import os, sys, time
+    from unbroken import _procs
+    launcher = (int(sys.argv[1]), _procs._started(int(sys.argv[1])))
+    assert _procs._be_the_killer(launcher)
+    open(sys.argv[2] + f".{os.getpid()}", "w").close()  # this one holds the name
+    time.sleep(float(sys.argv[3]))
+''')
+
+
+def test_ranks_killing_the_job_take_turns(tmp_path):
+    """One killer at a time: a second rank waits while the first holds the job's name, and
+    takes it when the first dies (two killers that killed each other once left the launcher
+    alive)."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    mark = str(tmp_path / "held")
+    try:
+        first = subprocess.Popen([sys.executable, "-c", KILLER, str(launcher.pid), mark, "60"])
+        deadline = time.monotonic() + 30
+        while not os.listdir(tmp_path):
+            assert time.monotonic() < deadline, "the first killer never held the name"
+            time.sleep(0.02)
+        second = subprocess.Popen([sys.executable, "-c", KILLER, str(launcher.pid), mark, "0"])
+        time.sleep(2)  # long enough to import and try; it must still be waiting
+        assert second.poll() is None and os.listdir(tmp_path) == [f"held.{first.pid}"]
+        first.kill()  # as a killer killed from outside halfway: the name passes on
+        first.wait(timeout=10)
+        assert second.wait(timeout=30) == 0
+        assert sorted(os.listdir(tmp_path)) == sorted([f"held.{first.pid}", f"held.{second.pid}"])
+    finally:
+        for proc in (launcher, first, second):
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+REAPER = textwrap.dedent('''
+    import ctypes, os, subprocess, sys, time
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this one
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]])
+    go = sys.argv[3]
+    deadline = time.monotonic() + 30
+    while not os.path.exists(go + ".dead") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1)  # the orphaned rank's kill has run by now
+    print(os.path.exists(go + ".dead"), bystander.poll() is None, flush=True)
+    bystander.kill()
+''')
+LAUNCHER_DYING = textwrap.dedent('''
+    import os, subprocess, sys, time
+    subprocess.Popen([sys.executable, "-c", sys.argv[1], sys.argv[2]])
+    while not os.path.exists(sys.argv[2] + ".ready"):
+        time.sleep(0.01)
+''')  # and dies, before its rank kills the job
+ORPHANED_RANK = textwrap.dedent('''
+    import os, sys, time
+    from unbroken import _procs  # imported under the launcher, as a rank imports it
+    go = sys.argv[1]
+    open(go + ".ready", "w").close()
+    while os.getppid() == _procs._LAUNCHER[0]:
+        time.sleep(0.01)  # until the launcher is gone
+    open(go + ".dead", "w").close()
+    _procs.kill_job()
+''')
+
+
+def test_a_rank_whose_launcher_died_kills_only_itself(tmp_path):
+    """A rank's launcher died first, so the rank now belongs to a reaper and ``getppid()``
+    names the reaper: its kill must not take the reaper and the reaper's other children."""
+    go = str(tmp_path / "go")
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "orphan"}
+    reaper = subprocess.run([sys.executable, "-c", REAPER, LAUNCHER_DYING, ORPHANED_RANK, go],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert reaper.returncode == 0, reaper.stderr
+    assert reaper.stdout.split() == ["True", "True"], "the reaper's other child was killed"
