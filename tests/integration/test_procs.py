@@ -81,7 +81,7 @@ def test_ranks_killing_the_job_take_turns(tmp_path):
             assert time.monotonic() < deadline, "the first killer never held the name"
             time.sleep(0.02)
         second = subprocess.Popen([sys.executable, "-c", KILLER, str(launcher.pid), mark, "0"])
-        time.sleep(2)  # long enough to import and try; it must still be waiting
+        time.sleep(1)  # long enough to import and try; it must still be waiting
         assert second.poll() is None and os.listdir(tmp_path) == [f"held.{first.pid}"]
         first.kill()  # as a killer killed from outside halfway: the name passes on
         first.wait(timeout=10)
