@@ -26,10 +26,35 @@ def _started(pid: int) -> int | None:
     return int(fields[19]) if len(fields) > 19 else None
 
 
-# The parent this process started under (torchrun's agent, for a rank), taken at import: once
-# the launcher dies its ranks are handed to a reaper (init, a container's), and killing the tree
-# of whatever ``getppid()`` says then would kill the whole machine's processes.
-_LAUNCHER: Process = (os.getppid(), _started(os.getppid()) or -1)
+def _launched_by(pid: int) -> bool:
+    """Whether ``pid`` runs torchrun (``torchrun ...``, ``python -m torch.distributed.run``
+    or the older ``torch.distributed.launch``)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            args = f.read().split(b"\0")[:8]  # (the interpreter, its options, the launcher)
+    except OSError:
+        return False
+    return any(os.path.basename(a) == b"torchrun"
+               or (a == b"-m" and args[i + 1:i + 2] in ([b"torch.distributed.run"],
+                                                        [b"torch.distributed.launch"]))
+               for i, a in enumerate(args))
+
+
+def _launcher() -> Process | None:
+    """The torchrun that started this process, when its parent is one (a rank; a forked
+    DataLoader worker inherits its rank's)."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return None
+    parent = os.getppid()
+    started = _started(parent)
+    return (parent, started) if started is not None and _launched_by(parent) else None
+
+
+# Taken at import, while the launcher lives: once it dies its ranks are handed to a reaper
+# (init, a container's, a subreaper), which ``getppid()`` then names, and killing the reaper's
+# tree kills every process under it. A parent that is not torchrun (the launcher died before
+# the import; a script started by a process under torchrun) is never taken for the job's.
+_LAUNCHER = _launcher()
 _held: list[socket.socket] = []  # the job's killer name, held until this process dies
 
 
@@ -92,7 +117,7 @@ def kill_tree(root: int) -> None:
     killed with its whole group, so a DataLoader worker it forked after the listing dies with
     it instead of living on as an orphan (one held a test's output pipes until its timeout).
     Nothing is stopped on the way: two ranks killing the job at once must not freeze each
-    other."""
+    other (`kill_job` lets one kill at a time)."""
     me = os.getpid()
     mine = os.getpgid(0)
     table = _table()
@@ -113,9 +138,9 @@ def kill_tree(root: int) -> None:
                 pass
         done |= found
         table = _table()
-    if inside:  # this process and, when it leads its group, its own workers
-        if mine == me:
-            os.killpg(me, signal.SIGKILL)
+    if inside:  # this process and its group: its own workers, or (a worker) its rank's
+        if mine == me or any(pid == mine for pid, _ in done):
+            os.killpg(mine, signal.SIGKILL)  # (one forked after the listing too)
         os.kill(me, signal.SIGKILL)
 
 
@@ -142,10 +167,9 @@ def _kill_job() -> None:
         # the persisting process of a writer (`persist.process`): the machine dies, the
         # writer with it (this process is among its descendants)
         kill_tree(int(owner))
-    launcher, started = _LAUNCHER
-    if os.environ.get("TORCHELASTIC_RUN_ID") and _started(launcher) == started:
+    if _LAUNCHER is not None and _started(_LAUNCHER[0]) == _LAUNCHER[1]:
         if _be_the_killer(_LAUNCHER):
-            kill_tree(launcher)
+            kill_tree(_LAUNCHER[0])
     # Not the whole tree here: a persisting process (its own session) outlives its writer,
     # as it would a crash of the writer alone.
     if os.getpgid(0) == os.getpid():
@@ -161,6 +185,8 @@ def _be_the_killer(launcher: Process) -> bool:
     (it was left alive so, in a test); one killer at a time kills everything. The name is an
     abstract socket, released by the kernel when its holder dies, so a killer killed from
     outside halfway hands over to the next."""
+    if _held:  # taken by this process's own try that an exception cut short
+        return _started(launcher[0]) == launcher[1]
     name = f"\0unbroken-kill-job-{launcher[0]}-{launcher[1]}"
     while True:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -173,4 +199,6 @@ def _be_the_killer(launcher: Process) -> bool:
             time.sleep(0.001)
             continue
         _held.append(sock)
-        return True
+        # (a killer that held the name before may have killed the launcher meanwhile, and
+        # its pid may be another process's by now)
+        return _started(launcher[0]) == launcher[1]

@@ -76,6 +76,14 @@ def _sweep(tag: str, grace: float = 10.0) -> list[str]:
     return list(alive.values())
 
 
+def launcher_script(folder: Path, code: str) -> str:
+    """``code`` as a script named ``torchrun`` in ``folder``: a stand-in launcher that
+    `unbroken._procs` takes for torchrun (it never takes another parent for the job's)."""
+    path = folder / "torchrun"
+    path.write_text(code)
+    return str(path)
+
+
 def _tagged(tag: str) -> dict[int, str]:
     """pid -> command line of the living (non-zombie) processes whose environment holds
     ``tag``."""

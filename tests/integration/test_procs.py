@@ -15,7 +15,7 @@ import time
 import uuid
 
 import pytest
-from _launch import _tagged
+from _launch import _tagged, launcher_script
 
 RANK = textwrap.dedent('''
     import os, sys, time
@@ -49,7 +49,8 @@ def test_ranks_killing_the_job_at_once_leave_nothing_alive(tmp_path, ranks):
         tag = uuid.uuid4().hex
         go = str(tmp_path / f"go{trial}")
         env = {**os.environ, "UNBROKEN_TEST_JOB": tag, "TORCHELASTIC_RUN_ID": tag}
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, RANK, go, *ranks], env=env)
+        launcher = subprocess.Popen([sys.executable, launcher_script(tmp_path, LAUNCHER), RANK,
+                                     go, *ranks], env=env)
         deadline = time.monotonic() + 60
         while (len([p for p in os.listdir(tmp_path) if p.startswith(f"go{trial}.ready")])
                < len(ranks)):
@@ -105,7 +106,7 @@ REAPER = textwrap.dedent('''
     import ctypes, os, subprocess, sys, time
     ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: orphans below come to this one
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    subprocess.run([sys.executable, "-c", sys.argv[1], sys.argv[2], sys.argv[3]])
+    subprocess.run([sys.executable, sys.argv[1], sys.argv[2], sys.argv[3]])
     go = sys.argv[3]
     deadline = time.monotonic() + 30
     while not os.path.exists(go + ".dead") and time.monotonic() < deadline:
@@ -137,7 +138,32 @@ def test_a_rank_whose_launcher_died_kills_only_itself(tmp_path):
     names the reaper: its kill must not take the reaper and the reaper's other children."""
     go = str(tmp_path / "go")
     env = {**os.environ, "TORCHELASTIC_RUN_ID": "orphan"}
-    reaper = subprocess.run([sys.executable, "-c", REAPER, LAUNCHER_DYING, ORPHANED_RANK, go],
+    launcher = launcher_script(tmp_path, LAUNCHER_DYING)
+    reaper = subprocess.run([sys.executable, "-c", REAPER, launcher, ORPHANED_RANK, go],
                             env=env, capture_output=True, text=True, timeout=60)
     assert reaper.returncode == 0, reaper.stderr
     assert reaper.stdout.split() == ["True", "True"], "the reaper's other child was killed"
+
+
+PARENT = textwrap.dedent('''
+    import subprocess, sys
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    rank = subprocess.run([sys.executable, "-c", sys.argv[1]], start_new_session=True)
+    print(rank.returncode, bystander.poll() is None, flush=True)
+    bystander.kill()
+''')
+KILLER_UNDER_ANOTHER_PARENT = textwrap.dedent('''
+    from unbroken import _procs
+    _procs.kill_job()
+''')
+
+
+def test_under_torchrun_a_process_whose_parent_is_not_torchrun_kills_only_itself():
+    """``$TORCHELASTIC_RUN_ID`` is inherited by everything a rank starts (a test runner under
+    torchrun starting a script): a fault point in such a process must not take its parent,
+    which is no launcher, nor the parent's other children."""
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "inherited"}
+    parent = subprocess.run([sys.executable, "-c", PARENT, KILLER_UNDER_ANOTHER_PARENT],
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert parent.returncode == 0, parent.stderr
+    assert parent.stdout.split() == ["-9", "True"], parent.stdout
