@@ -15,15 +15,22 @@ PERSISTER_OF_ENV = "UNBROKEN_PERSISTER_OF"  # set in a persisting process: its w
 Process = tuple[int, int]  # (pid, start time in clock ticks): a pid is reused, the pair not
 
 
-def _started(pid: int) -> int | None:
-    """The start time of ``pid`` in clock ticks; None when it cannot be read."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after "pid (comm) " (state, parent, group, ... the
+    start time at index 19); None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode("ascii", "replace")
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2:].split()
-    return int(fields[19]) if len(fields) > 19 else None
+    return fields if len(fields) > 19 else None
+
+
+def _started(pid: int) -> int | None:
+    """The start time of ``pid`` in clock ticks; None when it cannot be read."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[19])
 
 
 def _launched_by(pid: int) -> bool:
@@ -62,15 +69,7 @@ def _table() -> dict[int, tuple[int, int, str, int]]:
     """pid -> (parent pid, process group, state, start time) of every process we can read."""
     out = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) "
-        if len(fields) > 19:
+        if entry.isdigit() and (fields := _stat(entry)) is not None:
             out[int(entry)] = (int(fields[1]), int(fields[2]), fields[0], int(fields[19]))
     return out
 
