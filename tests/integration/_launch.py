@@ -4,7 +4,9 @@ process-group timeout: nothing can hang the suite."""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from conftest import SCRIPTS
 
@@ -154,9 +157,25 @@ def first_restores(trace: Path, ranks: int = 2) -> list[dict]:
             for r in range(ranks)]
 
 
-def ddp_reference(tmp: Path) -> Path:
+def ddp_reference(tmp_path_factory: Any) -> Path:
     """The uninterrupted 2-rank DDP job every resume of the DDP tests is compared with: its
-    traces (``ref.jsonl.rankN``) and the log of files each rank hashed, in ``tmp``."""
+    traces (``ref.jsonl.rankN``) and the log of files each rank hashed. Run once per test
+    session: the files that use it share it (read only), under a lock in the session's
+    folder when pytest-xdist runs them in different workers."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_ddp_reference(tmp_path_factory.mktemp("ddp-ref"))
+    shared = tmp_path_factory.getbasetemp().parent / "ddp-ref"  # (this session's, every worker's)
+    with open(f"{shared}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        if not (shared / "done").exists():  # (a failed first run is run again, and fails again)
+            shutil.rmtree(shared, ignore_errors=True)
+            shared.mkdir()
+            _run_ddp_reference(shared)
+            (shared / "done").touch()
+    return shared
+
+
+def _run_ddp_reference(tmp: Path) -> Path:
     r = torchrun(2, tmp / "run", tmp / "ref.jsonl", env={"HASH_LOG": str(tmp / "hashed")})
     assert r.returncode == 0, r.stderr[-3000:]
     return tmp

@@ -25,7 +25,7 @@ from unbroken.trace import read_trace
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    return ddp_reference(tmp_path_factory.mktemp("ddp-ref"))
+    return ddp_reference(tmp_path_factory)
 
 
 def test_the_leader_never_rehashes_the_other_ranks_files(reference):

@@ -14,7 +14,7 @@ from _launch import assert_job_killed, assert_resumed_bitwise, ddp_reference, ge
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    return ddp_reference(tmp_path_factory.mktemp("ddp-ref"))
+    return ddp_reference(tmp_path_factory)
 
 
 def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(reference,
