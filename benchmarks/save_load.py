@@ -8,7 +8,9 @@ second, so methods are comparable whatever their file overhead. Each "x disk" ra
 the O_DIRECT bandwidth measured in the same round-robin for the same size.
 
 Rounds are interleaved (rep 1 of every method, then rep 2, ...) so that drift of a shared
-virtual disk hits every method alike. Loads are cold by default: the files' clean pages are
+virtual disk hits every method alike. Each case runs in a child process of its own (all its
+methods in it), so that no case is measured in what an earlier case's loads left behind
+(--one-process: all in this one). Loads are cold by default: the files' clean pages are
 dropped from the page cache with posix_fadvise(DONTNEED) before each load (drop_caches needs
 root; this needs nothing). The host may still cache the virtual disk.
 
@@ -51,6 +53,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -1018,7 +1021,9 @@ def fmt_header(doc: dict[str, Any]) -> str:
          f"{rates.get('bytes_fresh_gbps')} GB/s, xxh3-128 {rates.get('xxh3_128_gbps')} GB/s"),
         (f"run:     {doc['config']['repeats']} timed reps (median), warm-up "
          f"{doc['config']['warmup']}, loads {doc['config']['load_cache']}, torch threads "
-         f"{doc['config'].get('torch_threads')}, {doc['total_seconds']:.0f} s"),
+         f"{doc['config'].get('torch_threads')}, "
+         f"{'a process per case, ' if doc['config'].get('process_per_case') else ''}"
+         f"{doc['total_seconds']:.0f} s"),
     ]
     if load:
         lines[-1] += f", load average before/after {load[0][0]:.2f}/{load[1][0]:.2f}"
@@ -1131,9 +1136,16 @@ def main(argv: list[str] | None = None) -> int:
                     "core is taken: a 60 MB copy_ measured 0.007 s to 1.9 s")
     ap.add_argument("--dir", help="parent folder of the scratch folder (default: /work or the "
                     "temp dir, whichever is on a real disk)")
+    ap.add_argument("--one-process", action="store_true",
+                    help="run every case in this process, one after the other (default: each "
+                    "case in a child process of its own, so that no case is measured in the "
+                    "heap and free memory an earlier case's multi-GiB loads left)")
     ap.add_argument("--json", action="store_true", help="print only the JSON document")
     ap.add_argument("--out", help="also write the JSON document to this file")
+    ap.add_argument("--case-json", help=argparse.SUPPRESS)  # (a child: its case, root, out)
     args = ap.parse_args(argv)
+    if args.case_json:
+        return _child(args)
 
     sizes = (args.sizes or ("4M,16M" if args.quick else DEFAULT_SIZES)).split(",")
     small = [int(n) for n in (args.small or str(1000 if args.quick else DEFAULT_SMALL)
@@ -1162,9 +1174,12 @@ def main(argv: list[str] | None = None) -> int:
         load_before = os.getloadavg()
         frozen = args.frozen or ("16M" if args.quick else DEFAULT_FROZEN)
         for i, case in enumerate(make_cases(sizes, small, None if frozen == "0" else frozen)):
-            warmup = args.warmup if i == 0 or args.warmup_every_case else 0
-            cases.append(run_case(case, root, methods, args.repeats, warmup,
-                                  cold=not args.warm_cache))
+            if args.one_process:
+                warmup = args.warmup if i == 0 or args.warmup_every_case else 0
+                cases.append(run_case(case, root, methods, args.repeats, warmup,
+                                      cold=not args.warm_cache))
+            else:  # (a fresh process: every case warms its code paths up)
+                cases.append(_in_child(case, root, methods, args))
         info["loadavg_before_after"] = [load_before, os.getloadavg()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -1174,7 +1189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "torch_threads": torch.get_num_threads(),
                    "unstable": f"IQR > {UNSTABLE_PCT:.0f}% of the median",
                    "repeats": args.repeats, "warmup": args.warmup,
-                   "warmup_every_case": args.warmup_every_case,
+                   "warmup_every_case": args.warmup_every_case or not args.one_process,
+                   "process_per_case": not args.one_process,
                    "load_cache": "warm" if args.warm_cache else "cold (posix_fadvise DONTNEED)",
                    "gbps": "payload bytes (tensor nbytes) per second, median of repeats",
                    "x_disk": "GB/s over the same case's disk O_DIRECT median (save: write, "
@@ -1183,6 +1199,39 @@ def main(argv: list[str] | None = None) -> int:
                                      if any(cls is METHODS[m] for m in methods)}},
         "cases": cases, "total_seconds": time.perf_counter() - started}
     emit(doc, args.json, args.out, [fmt_header(doc), "", fmt_table(doc), ""])
+    return 0
+
+
+def _in_child(case: dict[str, Any], root: str, methods: list[str], args: argparse.Namespace
+              ) -> dict[str, Any]:
+    """`run_case` in a child process of its own (this script again, ``--case-json``): a
+    case measured after an earlier one's multi-GiB loads ran in a heap and a machine short of
+    free pages, where this VM serves fresh memory at a fraction of a reused buffer's speed
+    (the 10,000-tensor restore: 0.089 s after a 1 GiB case with two methods, 0.197 s after the
+    full 3 GiB case). Every method of a case still runs in one process, interleaved."""
+    out = os.path.join(root, "case.json")
+    spec = {"case": case, "root": root, "methods": methods, "out": out}
+    cmd = [sys.executable, os.path.abspath(__file__), "--case-json", json.dumps(spec),
+           "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+           "--threads", str(args.threads), *(["--warm-cache"] if args.warm_cache else [])]
+    subprocess.run(cmd, check=True)
+    with open(out, encoding="utf-8") as f:
+        result: dict[str, Any] = json.load(f)
+    os.remove(out)
+    return result
+
+
+def _child(args: argparse.Namespace) -> int:
+    """One case, in a child process (`_in_child`): its result as JSON to the file named."""
+    spec = json.loads(args.case_json)
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore", category=UserWarning)
+    os.environ.setdefault("UNBROKEN_PROGRESS", "0")
+    result = run_case(spec["case"], spec["root"], spec["methods"], args.repeats, args.warmup,
+                      cold=not args.warm_cache)
+    with open(spec["out"], "w", encoding="utf-8") as f:
+        json.dump(result, f)
     return 0
 
 
