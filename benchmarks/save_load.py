@@ -1204,11 +1204,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _in_child(case: dict[str, Any], root: str, methods: list[str], args: argparse.Namespace
               ) -> dict[str, Any]:
-    """`run_case` in a child process of its own (this script again, ``--case-json``): a
-    case measured after an earlier one's multi-GiB loads ran in a heap and a machine short of
-    free pages, where this VM serves fresh memory at a fraction of a reused buffer's speed
-    (the 10,000-tensor restore: 0.089 s after a 1 GiB case with two methods, 0.197 s after the
-    full 3 GiB case). Every method of a case still runs in one process, interleaved."""
+    """`run_case` in a child process of its own (this script again, ``--case-json``), so
+    that a case's figures do not depend on the cases before it: on the heap and the free
+    memory an earlier case's multi-GiB loads left (this VM serves fresh memory at a fraction
+    of a reused buffer's speed). Every method of a case still runs in one process,
+    interleaved."""
     out = os.path.join(root, "case.json")
     spec = {"case": case, "root": root, "methods": methods, "out": out}
     cmd = [sys.executable, os.path.abspath(__file__), "--case-json", json.dumps(spec),
