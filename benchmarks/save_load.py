@@ -61,6 +61,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 GB = 1e9
@@ -185,6 +186,32 @@ def memory_rates(nbytes: int = 256 << 20) -> dict[str, float]:
            "bytes_fresh_gbps": best(lambda: bytes(view)),
            "xxh3_128_gbps": best(lambda: xxhash.xxh3_128(view).digest())}
     return {k: round(v, 2) for k, v in out.items()}
+
+
+def python_rates(n: int = 10000) -> dict[str, float]:
+    """Milliseconds (median of 7, as the figures are) of the per-tensor Python work that a
+    save or restore of ``n`` small tensors cannot avoid: parsing a safetensors header of
+    ``n`` entries (``json.loads``) and making ``n`` tensors over slices of one array
+    (``torch.from_numpy``, what a restore's views cost at least), before and after the cases.
+    This VM's speed drifts: on 2026-12-03 the same 10k restore took 0.105 s at 15:35 and
+    0.206-0.231 s at 16:53, and a copy into a reused buffer ran at 7.43 and 4.59-4.92 GB/s.
+    The small-tensor figures are read against these."""
+    header = json.dumps({f"state.{i}.weight.exp_avg": {
+        "dtype": "F32", "shape": [32, 32], "data_offsets": [i * 4096, (i + 1) * 4096]}
+        for i in range(n)}).encode()
+    flat = np.zeros(n * 1024, dtype=np.float32)
+    slices = [flat[i * 1024:(i + 1) * 1024] for i in range(n)]
+
+    def median(fn: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(7):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return round(statistics.median(times) * 1000, 2)
+
+    return {"json_header_ms": median(lambda: json.loads(header)),
+            "from_numpy_ms": median(lambda: list(map(torch.from_numpy, slices))), "tensors": n}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1027,6 +1054,13 @@ def fmt_header(doc: dict[str, Any]) -> str:
     ]
     if load:
         lines[-1] += f", load average before/after {load[0][0]:.2f}/{load[1][0]:.2f}"
+    speed = m.get("python_rates_before_after")
+    if speed:
+        lines.insert(3, "python:  {0} tensors, header json.loads {1}/{2} ms, torch.from_numpy "
+                        "{3}/{4} ms (before/after the cases)".format(
+                            speed[0]["tensors"], speed[0]["json_header_ms"],
+                            speed[1]["json_header_ms"], speed[0]["from_numpy_ms"],
+                            speed[1]["from_numpy_ms"]))
     return "\n".join(lines)
 
 
@@ -1170,6 +1204,7 @@ def main(argv: list[str] | None = None) -> int:
             log(f"warning: {root} refuses O_DIRECT: no disk baseline, no x disk ratios")
             methods.remove("disk")
         info["memory_rates"] = memory_rates(128 << 20 if args.quick else 256 << 20)
+        python_before = python_rates()
         cases = []
         load_before = os.getloadavg()
         frozen = args.frozen or ("16M" if args.quick else DEFAULT_FROZEN)
@@ -1181,6 +1216,7 @@ def main(argv: list[str] | None = None) -> int:
             else:  # (a fresh process: every case warms its code paths up)
                 cases.append(_in_child(case, root, methods, args))
         info["loadavg_before_after"] = [load_before, os.getloadavg()]
+        info["python_rates_before_after"] = [python_before, python_rates()]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     doc = {"benchmark": "unbroken save_load", "command": " ".join([os.path.basename(
