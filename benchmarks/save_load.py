@@ -164,6 +164,16 @@ def machine_info(root: str) -> dict[str, Any]:
     }
 
 
+def _times(fn: Callable[[], Any], n: int) -> list[float]:
+    """Seconds of ``n`` calls of ``fn``, one at a time."""
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return times
+
+
 def memory_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     """GB/s of a copy into a reused buffer, into fresh memory, and of xxh3-128 hashing: the
     in-memory ceilings every method below runs into."""
@@ -172,13 +182,8 @@ def memory_rates(nbytes: int = 256 << 20) -> dict[str, float]:
     dst = torch.empty_like(src)
     dst.copy_(src)
 
-    def best(fn: Callable[[], Any], n: int = 3) -> float:
-        times = []
-        for _ in range(n):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return nbytes / min(times) / GB
+    def best(fn: Callable[[], Any]) -> float:
+        return nbytes / min(_times(fn, 3)) / GB
 
     view = memoryview(src.numpy())
     out = {"copy_reused_gbps": best(lambda: dst.copy_(src)),
@@ -203,12 +208,7 @@ def python_rates(n: int = 10000) -> dict[str, float]:
     slices = [flat[i * 1024:(i + 1) * 1024] for i in range(n)]
 
     def median(fn: Callable[[], Any]) -> float:
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return round(statistics.median(times) * 1000, 2)
+        return round(statistics.median(_times(fn, 7)) * 1000, 2)
 
     return {"json_header_ms": median(lambda: json.loads(header)),
             "from_numpy_ms": median(lambda: list(map(torch.from_numpy, slices))), "tensors": n}
