@@ -198,9 +198,9 @@ def python_rates(n: int = 10000) -> dict[str, float]:
     save or restore of ``n`` small tensors cannot avoid: parsing a safetensors header of
     ``n`` entries (``json.loads``) and making ``n`` tensors over slices of one array
     (``torch.from_numpy``, what a restore's views cost at least), before and after the cases.
-    This VM's speed drifts: on 2026-12-03 the same 10k restore took 0.105 s at 15:35 and
-    0.206-0.231 s at 16:53, and a copy into a reused buffer ran at 7.43 and 4.59-4.92 GB/s.
-    The small-tensor figures are read against these."""
+    They tell whether that floor moved. On 2026-12-03 it did not, while the same 10k restore
+    took 0.105 s at 15:35 and 0.231 s at 16:53: that drift showed in `memory_rates` (a copy
+    into a reused buffer at 7.43 and 4.92 GB/s)."""
     header = json.dumps({f"state.{i}.weight.exp_avg": {
         "dtype": "F32", "shape": [32, 32], "data_offsets": [i * 4096, (i + 1) * 4096]}
         for i in range(n)}).encode()
