@@ -13,27 +13,21 @@ from typing import Any, Self
 from ._pacing import Pacer
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
-from .dist.commit import check_replicas, commit_job, stage_job
+from .dist.commit import check_replicas, commit_job, read_back, save_failed, stage_job
 from .dist.filegroup import FileGroup, stage
 from .dist.group import Group, RankFailed
 from .errors import SaveFailed, UnbrokenWarning
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
 from .restoring import gc_paused
-from .saving import (
-    encode_share,
-    read_back,
-    replicated,
-    save_failed,
-    saved_unchanged,
-    stamps,
-)
+from .saving import encode_share, replicated, saved_unchanged, stamps
 from .state.identity import Identity, environment
-from .state.incremental import HeldFile, Linked, Plan, held_files
+from .state.incremental import HeldFile, Plan, held_files
 from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.manifest import TO_COMMIT, Artifact, Manifest
 from .store.retention import Keep
 from .store.runrecord import RunRecord
+from .store.sources import Linked
 from .trace import TraceRecorder
 from .writer import RunWriter
 

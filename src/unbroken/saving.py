@@ -11,20 +11,19 @@ from typing import Any
 
 import xxhash
 
-from ._progress import Progress
-from .dist.commit import describe, own_names, rank_prefix, rebuild, verify_own
+from .dist.commit import describe, rank_prefix, rebuild
 from .dist.group import Group
 from .dist.sharded import encode_shards, split
-from .errors import CorruptCheckpoint, SaveFailed, UnbrokenError
+from .errors import CorruptCheckpoint, UnbrokenError
 from .inputs import same_number
 from .state import generation as G
 from .state import parts as S
 from .state.codec import encode_tree
-from .state.incremental import Linked, Plan, tensor_digest
+from .state.incremental import Plan, tensor_digest
 from .state.jsontext import dumps_json, loads_json
 from .state.tensorfile import Room
-from .store.generations import GenerationInfo, GenerationStore, generation_name
-from .store.lock import errno_text
+from .store.generations import GenerationInfo, GenerationStore
+from .store.sources import Linked
 
 
 def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
@@ -84,58 +83,6 @@ def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     for part in sorted(tree):
         if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
             yield part, tree[part]
-
-
-def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
-    """The error of a save whose writing failed on ``e``."""
-    return SaveFailed(f"{root}: saving generation {step} failed: {errno_text(e)} "
-                      f"({e.filename or 'run folder'}); older generations are untouched and "
-                      "training may continue; free space or fix the disk before the next save")
-
-
-def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
-              progress: Progress) -> None:
-    """Re-hash what was just committed (every rank its own files); a generation that does
-    not read back as written is moved aside, and the save fails (on every rank). Files an
-    incremental save linked from an earlier generation are read back too: a shared file
-    that changed on disk since it was verified (rot that keeps its size and time) must fail
-    the first generation that links it, not be counted in every later one."""
-    assert info.manifest is not None
-    try:
-        before = store.file_identity(info) if group.leader else None
-        if group.active:
-            problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
-            if not problems and group.leader:
-                store.verified_elsewhere(info, before)
-        else:
-            try:
-                store.verify(info, advance=progress.advance)
-                problems = []
-            except CorruptCheckpoint as e:
-                problems = [str(e)]
-    finally:
-        progress.close()
-    if not problems:
-        return
-    why = "; ".join(problems)
-    if group.leader:
-        try:
-            store.move_aside(info, "corrupt")
-        except OSError as moving:
-            raise SaveFailed(f"generation {info.generation} did not read back as written "
-                             f"({why}) and could not be moved aside ({moving}); restore "
-                             "refuses it, and older generations are untouched") from None
-        if info.superseded is not None:  # the same step saved before: it is the newest again
-            try:
-                store.put_back(info.superseded, info.generation)
-            except (OSError, CorruptCheckpoint) as e:
-                raise SaveFailed(
-                    f"generation {info.generation} did not read back as written ({why}); it "
-                    f"was moved aside, and the generation of the same step it superseded "
-                    f"could not be put back from {info.superseded} ({e}): move it back "
-                    f"to {generation_name(info.generation)} by hand") from None
-    raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
-                     "it was moved aside and older generations are untouched")
 
 
 def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[str, Any],

@@ -145,7 +145,7 @@ def test_each_artifact_lies_in_the_segment_as_listed_whatever_the_room_gave(save
                             built += n
                         spans.append((at, n))
                 spans.sort()
-                assert all(at >= P._HEAD for at, _ in spans)
+                assert all(at >= P._wire.HEAD for at, _ in spans)
                 assert all(a + n <= b for (a, n), (b, _) in zip(spans, spans[1:])), spans
                 assert spans[-1][0] + spans[-1][1] <= message["segment_size"]
                 assert p.built == built and p.nbytes == len(b"".join(want.values()))

@@ -24,12 +24,12 @@ from dataclasses import asdict
 from typing import Any
 
 from .. import errors
+from .._progress import Progress
 from ..errors import CorruptCheckpoint, SaveFailed, StateMismatch, UnbrokenError
-from ..state._digest import digest_tree
-from ..state.incremental import Source
-from ..store.generations import GenerationInfo, GenerationStore
+from ..store.generations import GenerationInfo, GenerationStore, generation_name
 from ..store.lock import errno_text
 from ..store.manifest import Artifact, Manifest
+from ..store.sources import Source
 from .group import Group, RankFailed
 
 _RANK_FILE = re.compile(r"rank[0-9]{5}\.", re.ASCII)
@@ -62,6 +62,8 @@ def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
     parameter: ``named`` yields (name, tensor or state) in the same order on every rank."""
     if not group.active:
         return
+    from ..state._digest import digest_tree  # (torch: not in the persisting process)
+
     digests = [(name, digest_tree(value)) for name, value in named]
     everyone = group.all_gather([d for _, d in digests], "comparing replicas")
     for i, (name, mine) in enumerate(digests):
@@ -141,6 +143,58 @@ def commit_staged(group: Group, store: GenerationStore, generation: int, staging
     info = store.scan_one(generation)
     info.superseded = outcome["superseded"]
     return info
+
+
+def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
+    """The error of a save whose writing failed on ``e``."""
+    return SaveFailed(f"{root}: saving generation {step} failed: {errno_text(e)} "
+                      f"({e.filename or 'run folder'}); older generations are untouched and "
+                      "training may continue; free space or fix the disk before the next save")
+
+
+def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
+              progress: Progress) -> None:
+    """Re-hash what was just committed (every rank its own files); a generation that does
+    not read back as written is moved aside, and the save fails (on every rank). Files an
+    incremental save linked from an earlier generation are read back too: a shared file
+    that changed on disk since it was verified (rot that keeps its size and time) must fail
+    the first generation that links it, not be counted in every later one."""
+    assert info.manifest is not None
+    try:
+        before = store.file_identity(info) if group.leader else None
+        if group.active:
+            problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
+            if not problems and group.leader:
+                store.verified_elsewhere(info, before)
+        else:
+            try:
+                store.verify(info, advance=progress.advance)
+                problems = []
+            except CorruptCheckpoint as e:
+                problems = [str(e)]
+    finally:
+        progress.close()
+    if not problems:
+        return
+    why = "; ".join(problems)
+    if group.leader:
+        try:
+            store.move_aside(info, "corrupt")
+        except OSError as moving:
+            raise SaveFailed(f"generation {info.generation} did not read back as written "
+                             f"({why}) and could not be moved aside ({moving}); restore "
+                             "refuses it, and older generations are untouched") from None
+        if info.superseded is not None:  # the same step saved before: it is the newest again
+            try:
+                store.put_back(info.superseded, info.generation)
+            except (OSError, CorruptCheckpoint) as e:
+                raise SaveFailed(
+                    f"generation {info.generation} did not read back as written ({why}); it "
+                    f"was moved aside, and the generation of the same step it superseded "
+                    f"could not be put back from {info.superseded} ({e}): move it back "
+                    f"to {generation_name(info.generation)} by hand") from None
+    raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
+                     "it was moved aside and older generations are untouched")
 
 
 def verify_own(group: Group, store: GenerationStore, info: GenerationInfo,

@@ -1,7 +1,7 @@
 """The persisting processes of a job (``async_save="process"``) as a `Group` whose
 collectives go through files: they cannot join the training job's process group, yet they
 must commit one generation per job (`dist.commit.commit_staged`) and read it back
-(`saving.read_back`) exactly as the ranks of a job do.
+(`commit.read_back`) exactly as the ranks of a job do.
 
 The files lie in the save's *job folder*, beside its staging folder and named after it
 (``RUN/.staging-000000600-<id>.job/``): outside the generation (its published folder holds only
@@ -31,8 +31,6 @@ import time
 from collections.abc import Iterable
 from contextlib import suppress
 from typing import Any
-
-import torch
 
 from ..errors import UnbrokenError
 from ..store.backends.local import LocalFS
@@ -70,7 +68,7 @@ class FileGroup(Group):
                  timeout: float) -> None:
         # (Not Group.__init__: no torch.distributed here.)
         self.active, self.pg, self.rank, self.size = True, None, rank, size
-        self.device = torch.device("cpu")
+        self.device = "cpu"
         self.staging, self.folder = staging, staging + JOB_SUFFIX
         self.generation, self.timeout = generation, timeout
         self._fs = fs

@@ -4,24 +4,30 @@ A process outside ``torch.distributed`` (or with ``world_size == 1``) is a group
 every collective is the identity, so single-process code pays nothing. Payloads travel as
 JSON in ``uint8`` tensors (``torch.distributed``'s object collectives pickle; unbroken never
 does). A collective that fails (a rank died: gloo sees the connection close; or it stayed away
-past the process group's timeout) raises `RankFailed`, never hangs beyond that timeout."""
+past the process group's timeout) raises `RankFailed`, never hangs beyond that timeout.
+
+torch is imported by the collectives, not with this module: the persisting process
+(`persist._worker`) uses groups of files (`dist.filegroup`) and never imports torch."""
 
 from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
-
-import torch
-import torch.distributed as dist
+import sys
+from typing import TYPE_CHECKING, Any
 
 from ..errors import UnbrokenError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def background_group(process_group: Any, timeout: float) -> Group:
     """A gloo group over the ranks of ``process_group`` (default: all), for collectives that
     run beside the training loop's (an async save): collective; every rank calls it at the
     same point."""
+    import torch.distributed as dist
+
     if process_group is None:
         return Group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
     # A subgroup's ranks alone make it (others may be making their own subgroup's at the same
@@ -39,7 +45,9 @@ class Group:
     """The job's ranks (``process_group``: default, the initialized default group)."""
 
     def __init__(self, process_group: Any = None) -> None:
-        joined = dist.is_available() and dist.is_initialized()
+        # (a process that never imported torch.distributed cannot have joined a job)
+        dist: Any = sys.modules.get("torch.distributed")
+        joined = dist is not None and dist.is_available() and dist.is_initialized()
         if joined and process_group is not None and dist.get_rank(process_group) < 0:
             raise ValueError(f"process_group: this rank (rank {dist.get_rank()} of the world) is "
                              "not one of its ranks; pass the subgroup this rank belongs to")
@@ -51,9 +59,11 @@ class Group:
         self._leader_rank = (dist.get_global_rank(process_group, 0)
                              if self.active and process_group is not None else 0)
         # NCCL moves CUDA tensors only: the payloads go through this rank's current device.
-        self.device = torch.device("cpu")
+        self.device = "cpu"
         if self.active and dist.get_backend(process_group) == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            import torch
+
+            self.device = f"cuda:{torch.cuda.current_device()}"
 
     @property
     def leader(self) -> bool:
@@ -71,6 +81,9 @@ class Group:
         """Every rank's JSON-able ``value``, in rank order, on every rank."""
         if not self.active:
             return [value]
+        import torch
+        import torch.distributed as dist
+
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
         sizes = [self._zeros(1, torch.int64) for _ in range(self.size)]
         self._call(what, dist.all_gather, sizes,
@@ -87,6 +100,9 @@ class Group:
         """The leader's JSON-able ``value`` on every rank."""
         if not self.active:
             return value
+        import torch
+        import torch.distributed as dist
+
         data = json.dumps(value).encode() if self.leader else b""
         size = torch.tensor([len(data)], device=self.device)
         self._call(what, dist.broadcast, size, self._leader_rank)
@@ -100,11 +116,16 @@ class Group:
         """The largest of every rank's ``value``: one all-reduce of one integer."""
         if not self.active:
             return value
+        import torch
+        import torch.distributed as dist
+
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         self._call(what, dist.all_reduce, t, dist.ReduceOp.MAX)
         return int(t.item())
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        import torch
+
         return torch.zeros(n, dtype=dtype, device=self.device)
 
     def agree(self, problem: str | None, what: str) -> list[str]:

@@ -2,11 +2,15 @@
 JSON (never pickle) over a Unix socket pair, each an 8-byte length then the body, and a
 file descriptor passed alongside where a message says one follows (the shared-memory segment
 of a snapshot). Reads take exactly one message's bytes, so a descriptor sent after a message
-is received by the next read of one byte."""
+is received by the next read of one byte.
+
+The segment's first `HEAD` bytes are a flag the writer sets and the persisting process
+polls (`hurry`, `hurried`); the snapshot follows them."""
 
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import socket
 import struct
@@ -14,6 +18,7 @@ from typing import Any
 
 _MAX = 256 << 20  # a request names files and a manifest's fields: far below this
 _FD_MARK = b"F"
+HEAD = 64  # the segment's first bytes: the newest save to hurry (`hurry`), then the snapshot
 
 
 class Closed(EOFError):
@@ -55,3 +60,14 @@ def receive_fd(sock: socket.socket) -> int:
             os.close(fd)
         raise Closed("the descriptor that should follow the message did not arrive")
     return fds[0]
+
+
+def hurry(segment: mmap.mmap | memoryview, seq: int) -> None:
+    """(The writer.) The number of the newest save its loop waits for: a paced persisting
+    process goes on at full speed once `hurried` says it (0: none)."""
+    struct.pack_into("<Q", segment, 0, seq)
+
+
+def hurried(segment: mmap.mmap) -> int:
+    """(The persisting process.) The number the writer last set with `hurry`."""
+    return int(struct.unpack_from("<Q", segment, 0)[0])

@@ -25,7 +25,6 @@ from __future__ import annotations
 import mmap
 import os
 import socket
-import struct
 import subprocess
 import sys
 import weakref
@@ -37,20 +36,14 @@ import torch
 from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
 from ..errors import SaveFailed
-from ..state.incremental import Linked, Source
 from ..state.tensorfile import Room
 from ..store.generations import GenerationStore
+from ..store.sources import Linked, Source
 from . import _wire
 
 _HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
 _TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
-_HEAD = 64  # the segment's first bytes: the newest save to hurry (`hurry`), then the snapshot
 _SLACK = 1 << 20  # a new segment's size is a multiple of this
-
-
-def hurried(segment: mmap.mmap) -> int:
-    """The number of the newest save the writer's loop waits for (`ProcessPersister.hurry`)."""
-    return int(struct.unpack_from("<Q", segment, 0)[0])
 
 
 class ProcessPersister:
@@ -76,7 +69,7 @@ class ProcessPersister:
         # chunks built in the segment by the save being encoded (`room`): id -> (the view
         # given, its offset), and where the room's next chunk goes
         self._placed: dict[int, tuple[memoryview, int]] = {}
-        self._room_end = _HEAD
+        self._room_end = _wire.HEAD
         self.nbytes = 0  # bytes of the last snapshot
         self.built = 0  # of which built in the segment by the encoder (`room`), not copied
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
@@ -90,8 +83,9 @@ class ProcessPersister:
                           "generations are untouched")
 
     def start(self) -> None:
-        """Start the persisting process now (it imports torch: a second or two, overlapped
-        with whatever the training script does before its first save)."""
+        """Start the persisting process now (a fraction of a second: it never imports torch,
+        see `persist._worker`), overlapped with whatever the script does before its first
+        save."""
         if self._proc is None:
             self._start()
 
@@ -121,7 +115,7 @@ class ProcessPersister:
         if self._proc is None or self._proc.poll() is not None:
             self._start()
         assert self._sock is not None
-        if not self._running:  # it imports torch first: seconds, never minutes
+        if not self._running:  # (it starts in a fraction of a second; a loaded machine: more)
             self._sock.settimeout(_HANDSHAKE_S)
             try:
                 said = _wire.receive(self._sock)
@@ -164,7 +158,7 @@ class ProcessPersister:
         instead of copying: the segment of the last save, from its start (none before the
         first save). Only while no save is in flight (the persisting process reads the
         segment until it replies)."""
-        self._placed, self._room_end = {}, _HEAD
+        self._placed, self._room_end = {}, _wire.HEAD
         shm = self._shm
 
         def give(n: int) -> memoryview | None:
@@ -194,7 +188,7 @@ class ProcessPersister:
         persisting process that holds the run. A chunk built in this save's `room` is there
         already: it is only listed."""
         placed, self._placed = self._placed, {}
-        start, self._room_end = self._room_end, _HEAD
+        start, self._room_end = self._room_end, _wire.HEAD
         # each artifact's chunks in order, with their offset where built in the segment
         pieces: dict[str, list[tuple[memoryview, int | None]]] = {}
         total = copied = 0
@@ -215,8 +209,8 @@ class ProcessPersister:
             # a new segment (the old one stays mapped while its chunks are viewed: they are
             # copied too), with room to spare: a header grows with the step's digits, and
             # the room aligns each chunk it gives
-            start, copied = _HEAD, total
-            size = -(-(_HEAD + total + 64 * sum(map(len, pieces.values()))) // _SLACK) * _SLACK
+            start, copied = _wire.HEAD, total
+            size = -(-(_wire.HEAD + total + 64 * sum(map(len, pieces.values()))) // _SLACK) * _SLACK
             pieces = {n: [(c, None) for c, _ in mine] for n, mine in pieces.items()}
         try:
             view = memoryview(self._segment(size))
@@ -224,7 +218,7 @@ class ProcessPersister:
             raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
         listed: list[dict[str, Any]] = []
         offset = start
-        struct.pack_into("<Q", view, 0, 0)  # (not hurried: see `hurry`)
+        _wire.hurry(view, 0)  # (not hurried: see `hurry`)
         into = torch.frombuffer(view, dtype=torch.uint8)
         for name, chunks in artifacts.items():
             if isinstance(chunks, Linked):
@@ -283,7 +277,7 @@ class ProcessPersister:
         """The loop waits for the save in flight: a paced persisting process goes on at full
         speed (it reads the number of the newest save to hurry from the segment's head)."""
         if self._shm is not None:
-            struct.pack_into("<Q", self._shm, 0, self._seq)
+            _wire.hurry(self._shm, self._seq)
 
     def close(self) -> None:
         """End the persisting process (the caller waited for the save in flight: it is idle)

@@ -17,13 +17,14 @@ knows them without hashing) and compared with the live tensor at the next save."
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 import xxhash
 
 from ..errors import CorruptCheckpoint
+from ..store.sources import Linked
 from .jsontext import dumps_json, loads_json
 from .tensorfile import Room, encode_safetensors, tensor_bytes
 
@@ -77,20 +78,6 @@ def disk_ident(path: str) -> tuple[int, ...]:
 FileRow = tuple[str, int, int, dict[str, str], bool]
 
 
-@dataclass
-class Linked:
-    """An artifact that already exists (``source``): linked into the new generation; when
-    linking fails, ``write()`` gives the chunks that write it anew, which must hash as the
-    source did. ``linked``: set by the store once it was linked, not written."""
-
-    source: str
-    size: int
-    xxh3_128: str
-    write: Callable[[], Iterable[memoryview | bytes]]
-    linked: bool = False
-
-
-Source = Iterable[memoryview | bytes] | Linked  # what the store writes as one artifact
 
 
 @dataclass

@@ -28,7 +28,6 @@ import uuid
 from collections.abc import Callable, Mapping
 
 from ..errors import CorruptCheckpoint, SaveFailed
-from ..state.incremental import Linked, Source
 from .aside import AsideFolder
 from .backends.local import LocalFS, fault_point
 from .lock import acquire_writer_lock, hand_over, release_writer_lock
@@ -40,6 +39,7 @@ from .manifest import (
     parse_manifest,
     valid_artifact_name,
 )
+from .sources import Linked, Source
 from .verifying import GenerationInfo, Verifying, stat_identity
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"

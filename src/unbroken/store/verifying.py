@@ -7,12 +7,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpoint
-from .backends._mapped import MappedFiles
 from .backends.local import LocalFS
 from .manifest import MANIFEST, Artifact, Manifest
+
+if TYPE_CHECKING:  # (it needs torch, which the persisting process never imports)
+    from .backends._mapped import MappedFiles
 
 
 def _memory_bytes() -> int:

@@ -30,7 +30,6 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import torch
 import xxhash
 
 from ..._pacing import tick
@@ -217,6 +216,8 @@ def whole_buffer(size: int, aligned: bool, path: str) -> memoryview:
     cache) into it took 1.9-3.5 s, against 0.6-0.9 s into a tensor (fresh processes here)."""
     try:
         if aligned:
+            import torch  # (here: the persisting process writes files and never imports it)
+
             raw = torch.empty(size + ALIGN, dtype=torch.uint8).numpy()
             skip = -raw.ctypes.data % ALIGN
             return raw[skip:skip + size].data
