@@ -229,7 +229,8 @@ class Persisting:
         (incremental saves) the files it may link."""
         if plan is not None and info.manifest is not None:
             self._held = held_files(plan.layout, info.path, {
-                a.name: (a.size, a.xxh3_128) for a in info.manifest.artifacts})
+                a.name: (a.size, a.xxh3_128) for a in info.manifest.artifacts},
+                self.store.fs.ident)
         self._last_saved = step
         self._parent = {"run_id": self.run_id, "generation": step,
                         "incarnation": self.incarnation}

@@ -17,7 +17,7 @@ knows them without hashing) and compared with the live tensor at the next save."
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -47,8 +47,8 @@ def stable_name(prefix: str, part: str, generation: int) -> str:
 @dataclass(frozen=True)
 class HeldFile:
     """A file of one part in the newest generation: where it is, what it holds (digests by
-    key), its origin (the generation that wrote it, stamped into it) and its identity on
-    disk when last verified (a link is made only while that still holds)."""
+    key), its origin (the generation that wrote it, stamped into it) and its identity in the
+    store when last verified (a link is made only while that still holds)."""
 
     part: str
     name: str
@@ -58,20 +58,17 @@ class HeldFile:
     generation: int
     incarnation: int
     digests: dict[str, str]
-    ident: tuple[int, ...] = ()  # (device, inode, size, mtime_ns) when verified
+    ident: tuple[object, ...] = ()  # the backend's `ident` when verified (empty: unknown)
     linkable: bool = True  # stable files only: a main file always holds what changed
+    identify: Callable[[str], tuple[object, ...]] | None = field(default=None, compare=False)
 
     def unchanged_on_disk(self) -> bool:
+        if self.identify is None or not self.ident:
+            return False
         try:
-            st = os.stat(self.path)
+            return self.identify(self.path) == self.ident
         except OSError:
             return False
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == self.ident
-
-
-def disk_ident(path: str) -> tuple[int, ...]:
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 # (name, origin generation, origin incarnation, digests by key, stable) of a part's file
@@ -184,20 +181,22 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
 
 
 def held_files(layout: Mapping[str, list[FileRow]],
-               folder: str, artifacts: Mapping[str, tuple[int, str]]
-               ) -> dict[str, list[HeldFile]]:
+               folder: str, artifacts: Mapping[str, tuple[int, str]],
+               identify: Callable[[str], tuple[object, ...]]) -> dict[str, list[HeldFile]]:
     """The files each part holds in a committed, verified generation (``artifacts``: name ->
-    (size, xxh3-128) from its manifest), for the next save to compare with."""
+    (size, xxh3-128) from its manifest), for the next save to compare with. ``identify``:
+    the store backend's ``ident`` (a local file's inode, size and time; an object's size and
+    version)."""
     held: dict[str, list[HeldFile]] = {}
     for part, files in layout.items():
         for name, generation, inc, digests, linkable in files:
             path = os.path.join(folder, name)
             size, digest = artifacts[name]
             try:
-                ident = disk_ident(path)
+                ident = identify(path)
             except OSError:
                 ident = ()
             held.setdefault(part, []).append(HeldFile(part, name, path, size, digest,
                                                       generation, inc, digests, ident,
-                                                      linkable))
+                                                      linkable, identify))
     return held

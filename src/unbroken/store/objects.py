@@ -25,6 +25,7 @@ generation. Deletion removes the manifest first: a half-deleted generation is de
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -36,12 +37,13 @@ from typing import Any
 from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from .aside import ASIDE, ASIDE_NAME, ASIDE_REASONS, AsideEntry
 from .backends.local import fault_point
-from .backends.objects import ObjectFS
+from .backends.objects import ObjectFS, version_of
 from .cache import ReadCache
 from .generations import GenerationInfo, GenerationStore, generation_name
 from .lease import LEASE, Lease
 from .lock import errno_text
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
+from .sources import Linked
 
 UPLOAD_PREFIX = "u-"
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
@@ -187,7 +189,7 @@ class ObjectStore(GenerationStore):
                                           for a in info.manifest.artifacts)]
         if any(k not in objects for k in keys):
             return None
-        return tuple((objects[k].get("size", -1), hash(_version(objects[k]))) for k in keys)
+        return tuple((objects[k].get("size", -1), hash(version_of(objects[k]))) for k in keys)
 
     def read_verified(self, info: GenerationInfo, names: Any = None, advance: Any = None,
                       mapped: Any = None, map_if: Any = None) -> dict[str, Any]:
@@ -254,6 +256,26 @@ class ObjectStore(GenerationStore):
                                   "before saving over it")
         self._uploading = f"{self._prefix(generation)}/{UPLOAD_PREFIX}{uuid.uuid4().hex[:16]}"
         return self._uploading
+
+    def _link(self, linked: Linked, path: str) -> bool:
+        """An object store has no hard links: an unchanged stable file of an incremental
+        save is copied by the store itself (S3's CopyObject: none of its bytes passes through
+        this process), while the source is still the object that was verified. False where
+        that fails (the caller uploads it anew). The read-back hashes the copy like any
+        other file, so a source that rotted since fails this generation, not a later one."""
+        try:
+            was = self.fs.ident(linked.source)
+            if was[0] != linked.size:
+                return False
+            self.fs.copy(linked.source, path)
+            now = self.fs.ident(path)
+        except OSError:
+            return False
+        if now[0] != linked.size:
+            with contextlib.suppress(OSError):
+                self.fs.unlink(path)
+            return False
+        return True
 
     def publish(self, staging: str, generation: int, manifest: Manifest,
                 supersede: bool = False) -> GenerationInfo:
@@ -389,14 +411,6 @@ class _Undecided(Exception):
     def __init__(self, cause: OSError) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-def _version(info: Mapping[str, Any]) -> str:
-    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime", "created"):
-        if info.get(key) is not None:
-            return f"{key}={info[key]}"
-    return ""
-
 
 
 def is_url(location: object) -> bool:

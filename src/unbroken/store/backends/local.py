@@ -353,6 +353,12 @@ class LocalFS:
         """Whether anything (a symbolic link too) is at ``path``."""
         return os.path.lexists(path)
 
+    def ident(self, path: str) -> tuple[object, ...]:
+        """What changes when the file at ``path`` is replaced or written: its device, inode,
+        size and modification time (an incremental save links a file only while they hold)."""
+        st = os.stat(path)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
     def fsync_dir(self, path: str) -> None:
         self._op("fsync_dir", path)
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import errno
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import xxhash
@@ -180,6 +180,14 @@ class ObjectFS:
         return {self._url(p): info for p, info in found.items()
                 if info.get("type") == "file" and not p.endswith("/")}
 
+    @_translating
+    def ident(self, path: str) -> tuple[object, ...]:
+        """What changes when the object at ``path`` is uploaded again: its size and version
+        tag (an incremental save copies an object only while they hold)."""
+        self.fs.invalidate_cache(path)
+        info = self.fs.info(path)
+        return (info.get("size", -1), version_of(info))
+
     def _url(self, path: str) -> str:
         return str(self.fs.unstrip_protocol(path))
 
@@ -233,3 +241,10 @@ class ObjectFS:
     def rename(self, src: str, dst: str) -> None:
         raise OSError(errno.ENOTSUP, "an object store has no rename", src)
 
+
+def version_of(info: Mapping[str, Any]) -> str:
+    """An object's version tag from its listing entry: ETag, generation or a time."""
+    for key in ("ETag", "etag", "generation", "md5Hash", "LastModified", "mtime", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""

@@ -1,0 +1,155 @@
+"""Incremental generations on an object store (the real S3-compatible server, moto on
+127.0.0.1, and fsspec's ``memory://``): an unchanged stable file is copied by the store
+(CopyObject), not uploaded again, so the second save of a 99%-frozen state uploads a few
+percent of the first; every generation still verifies and restores bit for bit on its own,
+after retention deleted the one that first wrote the shared data; and a source that rotted
+after it was verified fails the generation that copied it, whose save then falls back to
+uploading everything."""
+
+from __future__ import annotations
+
+import uuid
+
+import fsspec
+import pytest
+import torch
+from conftest import BUCKET
+
+import unbroken
+from unbroken.errors import CorruptCheckpoint, SaveFailed
+from unbroken.store.backends.objects import ObjectFS
+from unbroken.store.objects import open_store
+
+
+class Net(torch.nn.Module):
+    """A frozen base of 4 MB under a small trainable head (~1% of the state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = torch.nn.Linear(1000, 1000)
+        self.base.requires_grad_(False)
+        self.head = torch.nn.Linear(1000, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.base(x)))
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
+    for i, s in enumerate(opt.state.values()):
+        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
+    return out
+
+
+def _step(model: Net, opt: torch.optim.Optimizer, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(8, 1000)).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def uploads(monkeypatch):
+    """Bytes uploaded by each save, in order (every artifact goes through ``write_file``)."""
+    sizes: list[int] = []
+    write = ObjectFS.write_file
+
+    def counted(self, path, chunks):
+        size, digest = write(self, path, chunks)
+        sizes[-1] += size
+        return size, digest
+
+    monkeypatch.setattr(ObjectFS, "write_file", counted)
+    return sizes
+
+
+@pytest.fixture(params=["s3", "memory"])
+def target(request):
+    """(run URL, storage options) on the S3 server or in fsspec's memory store."""
+    if request.param == "memory":
+        yield f"memory://unbroken-tests/{uuid.uuid4().hex}", None
+        return
+    s3 = request.getfixturevalue("s3")
+    yield f"s3://{BUCKET}/incremental/{uuid.uuid4().hex[:12]}", s3["options"]
+
+
+def test_unchanged_stable_files_are_copied_by_the_store_not_uploaded(target, uploads):
+    url, options = target
+    model = Net()
+    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    saved: dict[int, dict[str, torch.Tensor]] = {}
+    with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
+                               keep=unbroken.Keep(last=2), storage_options=options) as ckpt:
+        for s in range(1, 5):
+            _step(model, opt, s)
+            ckpt.step_done(s)
+            uploads.append(0)
+            ckpt.save()
+            saved[s] = _state(model, opt)
+    first, later = uploads[0], uploads[1:]
+    assert first > 4_000_000, uploads
+    assert all(n <= 0.02 * first for n in later), uploads  # the base: copied, never uploaded
+    store = open_store(url, options)
+    gens = [g.generation for g in store.scan()]
+    assert gens == [3, 4], gens  # generation 1, which first wrote the base, is gone
+    for g in store.scan():
+        store.verify(g)
+        names = [a.name for a in g.manifest.artifacts]
+        assert any(".g1." in n for n in names), names  # the copied stable file, listed
+    for s in (4, 3):  # (the newest first: restoring an older one abandons newer ones)
+        fresh = Net()
+        fresh_opt = torch.optim.AdamW(fresh.head.parameters(), lr=1e-2)
+        with unbroken.Checkpointer(url, model=fresh, optimizer=fresh_opt,
+                                   storage_options=options) as reader:
+            assert reader.restore(generation=s) == s
+        got = _state(fresh, fresh_opt)
+        assert got.keys() == saved[s].keys()
+        assert all(torch.equal(got[k], saved[s][k]) for k in got), s
+
+
+def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_uploads_all(
+        uploads):
+    url = f"memory://unbroken-tests/{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    model = Net()
+    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
+                               keep=unbroken.Keep(last=3)) as ckpt:
+        _step(model, opt, 1)
+        ckpt.step_done(1)
+        uploads.append(0)
+        ckpt.save()
+        ckpt.wait()  # read back and verified: the rot comes after
+        [stable] = [k for k in fs.find(f"{url}/gen-000000001") if ".g1." in k]
+        data = bytearray(fs.cat_file(stable))
+        data[-1] ^= 0xFF  # rot: the same size and version tag, other bytes
+        key = fs._strip_protocol(stable)
+        created = fs.store[key].created
+        fs.pipe_file(stable, bytes(data))
+        fs.store[key].created = created
+        _step(model, opt, 2)
+        ckpt.step_done(2)
+        uploads.append(0)
+        ckpt.save()  # (read back in the background: its verdict comes with wait())
+        with pytest.raises(SaveFailed, match="did not read back as written"):
+            ckpt.wait()
+        assert uploads[1] <= 0.02 * uploads[0], uploads  # it was copied, then caught
+        _step(model, opt, 3)
+        ckpt.step_done(3)
+        uploads.append(0)
+        ckpt.save()
+        want = _state(model, opt)
+    assert uploads[2] > 4_000_000, uploads  # nothing linked after a failed read-back
+    store = open_store(url)
+    gens = {g.generation: g for g in store.scan()}
+    assert sorted(gens) == [1, 3]  # 2 was moved aside
+    with pytest.raises(CorruptCheckpoint):
+        store.verify(gens[1])  # (the rot itself)
+    store.verify(gens[3])
+    fresh = Net()
+    fresh_opt = torch.optim.AdamW(fresh.head.parameters(), lr=1e-2)
+    with unbroken.Checkpointer(url, model=fresh, optimizer=fresh_opt) as reader:
+        assert reader.restore() == 3
+    got = _state(fresh, fresh_opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
