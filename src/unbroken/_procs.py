@@ -95,17 +95,50 @@ def tree(root: int) -> set[Process]:
     return found
 
 
+def _sigkill(process: Process, group: bool = False) -> None:
+    """SIGKILL ``process`` (with ``group``: the process group it leads) only if it is still
+    the process that was listed: its pid is pinned by a pidfd first, then its start time
+    checked, so a pid reused since the listing (milliseconds old) is never signalled."""
+    pid, start = process
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # gone
+    except OSError:  # no pidfd here (a kernel before 5.3, a seccomp filter): checked, then
+        if _started(pid) == start:  # signalled by pid
+            _plain_kill(pid, group)
+        return
+    try:
+        if _started(pid) != start:
+            return  # another process has that pid now
+        if group:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    finally:
+        os.close(fd)
+
+
+def _plain_kill(pid: int, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, signal.SIGKILL)
+        else:
+            os.kill(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def kill(processes: set[Process]) -> set[Process]:
     """SIGKILL those of ``processes`` still alive (the same process: same start time); returns
     them."""
     table = _table()
     alive = {(pid, start) for pid, start in processes
              if pid in table and table[pid][3] == start and table[pid][2] != "Z"}
-    for pid, _ in sorted(alive, key=lambda p: p[0] == os.getpid()):  # this one last
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    for process in sorted(alive, key=lambda p: p[0] == os.getpid()):  # this one last
+        _sigkill(process)
     return alive
 
 
@@ -126,15 +159,10 @@ def kill_tree(root: int) -> None:
         found = {p for p in tree(root) if p[0] != me} - done
         if not found:
             break
-        for pid, _ in found:
+        for process in found:
+            pid = process[0]
             group = table[pid][1] if pid in table else 0
-            try:
-                if group == pid and group != mine:
-                    os.killpg(pid, signal.SIGKILL)
-                else:
-                    os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            _sigkill(process, group == pid and group != mine)
         done |= found
         table = _table()
     if inside:  # this process and its group: its own workers, or (a worker) its rank's

@@ -19,7 +19,13 @@ import time
 import numpy  # noqa: F401  (imported once here so children start fast)
 import torch  # noqa: F401
 
-import unbroken  # noqa: F401
+import unbroken
+
+# The package imports its names when first used (PEP 562): import them all here, once.
+for _name in unbroken.__all__:
+    getattr(unbroken, _name)
+import unbroken.cli  # noqa: E402,F401
+import unbroken.proof.harness  # noqa: E402,F401
 
 # The first optimizer built in a process imports torch._dynamo (~2 s); build one here, before
 # any fork. Constructing it runs no kernels, so no thread pool exists yet to break fork().
