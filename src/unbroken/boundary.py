@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
+from ._env import SIGNAL_AT_ENV
 from .errors import UnbrokenError, UpdateBoundaryError
 from .state._digest import digest_tree
 
 log = logging.getLogger("unbroken")
-SIGNAL_AT_ENV = "UNBROKEN_SIGNAL_AT"  # the harness's "send SIGTERM inside update K"
 _GRACE = 5.0  # seconds a main thread stuck outside Python gets to run the ending handler
 
 

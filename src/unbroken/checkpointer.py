@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import fixture
+from ._env import SAVE_AT_ENV
 from ._pacing import Pacer
 from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, background_group
@@ -43,7 +44,6 @@ from .writer import RunWriter
 
 log = logging.getLogger("unbroken")
 ROOT_ENV = "UNBROKEN_ROOT"
-SAVE_AT_ENV = "UNBROKEN_SAVE_AT"
 
 
 class Checkpointer(Persisting, Restoring):

@@ -26,8 +26,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..boundary import SIGNAL_AT_ENV
-from ..checkpointer import SAVE_AT_ENV
+from .._env import SAVE_AT_ENV, SIGNAL_AT_ENV
 from ..errors import UnbrokenError
 from ..store.backends.local import KILL_ENV
 
