@@ -11,10 +11,16 @@ GIL), then, for each state size (model + AdamW), runs interleaved repetitions of
   and optimizer (listing, download, hash, apply);
 * ``s3fs get``: ``cat_file`` of the same objects.
 
+With ``--frozen SIZE``, a 99%-frozen state of that size (a frozen base under a small trainable
+adapter) is also saved with ``incremental=True`` after an update of the adapter each time: the
+bytes each save uploads (every artifact goes through ``ObjectFS.write_file``) and its time, the
+first save against the later ones, whose unchanged stable file the store copies itself.
+
 Every figure is the median of ``--repeats`` runs with its interquartile range; one whose IQR
 exceeds 25% of its median is flagged unstable. Prints a table; ``--json FILE`` writes it all.
 
-    python benchmarks/object_store.py [--sizes 64M,256M] [--repeats 5] [--json out.json]
+    python benchmarks/object_store.py [--sizes 64M,256M] [--repeats 5] [--frozen 256M]
+                                     [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import uuid
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from save_load import GB, build_state, parse_size, summarize  # noqa: E402
+from save_load import GB, build_state, parse_size, summarize, train_once  # noqa: E402
 
 import unbroken  # noqa: E402
 
@@ -108,10 +114,51 @@ def run_size(size: int, options: dict[str, Any], repeats: int) -> dict[str, Any]
     return out
 
 
+def run_frozen(size: int, options: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """Incremental saves of a 99%-frozen state: bytes uploaded and time, first and later."""
+    from unbroken.store.backends.objects import ObjectFS
+
+    width = 1024
+    model, opt = build_state(max(1, round(size / (4 * (width * width + width)))), width,
+                             frozen=True)
+    uploaded = [0]
+    write = ObjectFS.write_file
+
+    def counted(self: ObjectFS, path: str, chunks: Any) -> tuple[int, str]:
+        size, digest = write(self, path, chunks)
+        uploaded[0] += size
+        return size, digest
+
+    ObjectFS.write_file = counted  # type: ignore[method-assign]
+    try:
+        ckpt = unbroken.Checkpointer(f"s3://bench/{uuid.uuid4().hex[:8]}", model=model,
+                                     optimizer=opt, keep=unbroken.Keep(last=2),
+                                     storage_options=options, incremental=True)
+        rounds = []
+        for step in range(1, repeats + 2):
+            if step > 1:
+                train_once(model, opt)
+            uploaded[0] = 0
+            took = timed(lambda: ckpt.save(step))
+            rounds.append((took, uploaded[0]))
+            print(f"  frozen {size / 2**20:.0f} MiB save {step}: {took:.3f}s, "
+                  f"{uploaded[0]} bytes uploaded", file=sys.stderr)
+        ckpt.close()
+    finally:
+        ObjectFS.write_file = write  # type: ignore[method-assign]
+    first_s, first_b = rounds[0]
+    later = rounds[1:]
+    return {"first_s": first_s, "first_bytes": first_b,
+            "later": summarize([t for t, _ in later], first_b),
+            "later_bytes": [b for _, b in later],
+            "later_bytes_pct_of_first": max(b for _, b in later) / first_b * 100}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="64M,256M")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--frozen", help="also a 99%%-frozen state of this size, incremental")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     proc, endpoint = start_server()
@@ -122,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         s3fs.S3FileSystem(skip_instance_cache=True, **options).mkdir("bench")
         results = {s: run_size(parse_size(s), options, args.repeats)
                    for s in args.sizes.split(",")}
+        frozen = (run_frozen(parse_size(args.frozen), options, args.repeats)
+                  if args.frozen else None)
     finally:
         proc.kill()
     lines = [f"{'state':>6}  {'method':<17} {'median s':>9} {'GB/s':>6} {'IQR %':>6}  "
@@ -135,11 +184,17 @@ def main(argv: list[str] | None = None) -> int:
             flag = " UNSTABLE" if s["unstable"] else ""
             lines.append(f"{size:>6}  {method:<17} {s['median_s']:9.3f} {s['gbps']:6.2f} "
                          f"{s['iqr_pct']:6.1f}  {ratio}{flag}")
+    if frozen is not None:
+        lines.append(f"{args.frozen} 99% frozen, incremental: first save {frozen['first_s']:.3f} "
+                     f"s uploading {frozen['first_bytes']} bytes; later saves "
+                     f"{frozen['later']['median_s']:.3f} s (IQR {frozen['later']['iqr_pct']:.0f}"
+                     f"%) uploading at most {frozen['later_bytes_pct_of_first']:.2f}% of that")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"endpoint": "moto server (separate process) on 127.0.0.1",
-                       "repeats": args.repeats, "gb": GB, "results": results}, f, indent=1)
+                       "repeats": args.repeats, "gb": GB, "results": results,
+                       "frozen": frozen}, f, indent=1)
     return 0
 
 

@@ -209,7 +209,8 @@ class Restoring:
         if self._incremental and manifest.run_id == self.run_id:  # the next save links
             # what did not change since (files of an adopted run are stamped with its id)
             self._held = held_files(pick.layout, info.path, {
-                a.name: (a.size, a.xxh3_128) for a in manifest.artifacts}, self.store.fs.ident)
+                a.name: (a.size, a.xxh3_128) for a in manifest.artifacts}, self.store.fs.ident,
+                self.store.read_the_store)
         log.info("restored %s (step %d)", info.path, manifest.step)
         self._after_restore(manifest.step, info)
         return manifest.step

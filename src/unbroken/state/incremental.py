@@ -182,18 +182,20 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
 
 def held_files(layout: Mapping[str, list[FileRow]],
                folder: str, artifacts: Mapping[str, tuple[int, str]],
-               identify: Callable[[str], tuple[object, ...]]) -> dict[str, list[HeldFile]]:
+               identify: Callable[[str], tuple[object, ...]], verified: bool = True
+               ) -> dict[str, list[HeldFile]]:
     """The files each part holds in a committed, verified generation (``artifacts``: name ->
     (size, xxh3-128) from its manifest), for the next save to compare with. ``identify``:
     the store backend's ``ident`` (a local file's inode, size and time; an object's size and
-    version)."""
+    version). ``verified=False``: its bytes were checked, but not as the store holds them
+    (read from a local cache): no file is linked or copied until a save verified its own."""
     held: dict[str, list[HeldFile]] = {}
     for part, files in layout.items():
         for name, generation, inc, digests, linkable in files:
             path = os.path.join(folder, name)
             size, digest = artifacts[name]
             try:
-                ident = identify(path)
+                ident = identify(path) if verified else ()
             except OSError:
                 ident = ()
             held.setdefault(part, []).append(HeldFile(part, name, path, size, digest,

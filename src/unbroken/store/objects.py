@@ -191,6 +191,10 @@ class ObjectStore(GenerationStore):
             return None
         return tuple((objects[k].get("size", -1), hash(version_of(objects[k]))) for k in keys)
 
+    @property
+    def read_the_store(self) -> bool:
+        return not self._from_cache
+
     def read_verified(self, info: GenerationInfo, names: Any = None, advance: Any = None,
                       mapped: Any = None, map_if: Any = None) -> dict[str, Any]:
         """As `GenerationStore.read_verified`; nothing is mapped from an object store, and

@@ -66,6 +66,13 @@ class Verifying:
     fs: LocalFS
     _verified: dict[str, tuple[tuple[int, ...], ...]]
 
+    @property
+    def read_the_store(self) -> bool:
+        """Whether the last `read_verified` read every artifact from the store itself (an
+        object store may serve them from a local cache: right bytes, but no verdict on the
+        objects, which an incremental save must then not copy)."""
+        return True
+
     def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
         """Device, inode, size, mtime and ctime of the manifest and every artifact: any write,
         replacement or truncation of a file changes it. ``None`` if a file is missing."""
