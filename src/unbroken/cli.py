@@ -67,10 +67,14 @@ def _load_tools() -> None:
             importlib.import_module(f"{tools.__name__}.{module.name}")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; with ``command``, a command of this module's own
+    (``inspect``, ``verify``, ``check``, ``demo``), only of those: the tools, which import
+    torch, are not loaded, and ``unbroken inspect`` answers in a fraction of a second."""
     from . import __version__
 
-    _load_tools()
+    if command not in COMMANDS:
+        _load_tools()
     parser = argparse.ArgumentParser(
         prog="unbroken", description="Resume PyTorch training runs exactly, and prove it.",
         epilog="exit status: 0 good, 1 a problem was found, 2 usage or environment error")
@@ -86,7 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    given = sys.argv[1:] if argv is None else argv
+    # (the command is the first word that is not an option: the top level takes no values)
+    parser = build_parser(next((a for a in given if not a.startswith("-")), None))
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse: usage errors exit 2, --help/--version exit 0

@@ -133,6 +133,22 @@ def test_subprocess_entry_point(run: Path) -> None:
     assert "3 verified" in p.stdout
 
 
+def test_inspect_answers_without_importing_torch(run: Path) -> None:
+    """`unbroken inspect` reads manifests only: it loads neither torch nor the tools that
+    import it (about 0.3 s instead of 2 s); an unknown command still lists every command."""
+    code = ("import json, sys; from unbroken.cli import main; "
+            f"rc = main(['inspect', {str(run)!r}, '--json']); "
+            "print(json.dumps({'rc': rc, 'torch': sorted(m for m in sys.modules "
+            "if m.split('.')[0] == 'torch')[:3]}), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    seen = json.loads(p.stderr.strip().splitlines()[-1])
+    assert seen == {"rc": 0, "torch": []}, p.stderr
+    assert len(json.loads(p.stdout)["generations"]) == 3
+    p = subprocess_cli("no-such-command")
+    assert p.returncode == 2 and "export" in p.stderr and "diff" in p.stderr, p.stderr
+
+
 def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "inspect", str(tmp_path))
     assert code == 0 and "no generations" in out

@@ -120,6 +120,9 @@ def reference(tmp_path_factory) -> Path:
     life = Life(tmp / "run", tmp / "ref")
     assert life.end() == [0, 0], life.stderr(0) + life.stderr(1)
     assert_committed(tmp / "run", [9, 12])
+    for rank in (0, 1):  # each rank's persisting process committed its share without torch
+        libs = json.loads((tmp / "ref" / f"persister.rank{rank}.json").read_text())["libraries"]
+        assert libs and not [lib for lib in libs if "torch" in lib], (rank, libs)
     return tmp / "ref"
 
 

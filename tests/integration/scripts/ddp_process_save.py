@@ -5,10 +5,11 @@ After every save (every ``--every`` updates) each rank writes its model and opti
 to ``<out>/state.<step>.rank<r>.safetensors`` and the marker ``<out>/saved.<step>.rank<r>``.
 ``KILL_RANK`` and ``KILL_AT``: that rank SIGKILLs itself right after the save of update
 ``KILL_AT`` returned; ``DIE_RANK`` and ``DIE_AT``: inside it, once the generation's staging
-folder is agreed, before it hands its share over. ``FAIL_RANK`` and ``FAIL_AT``: that rank's
-persisting process cannot write its first file of generation ``FAIL_AT`` (a folder is in its
-way); every rank then waits for that save and writes what it raised to
-``<out>/failed.rank<r>.json``."""
+folder is agreed, before it hands its share over. At the end each rank lists the libraries
+its persisting process loaded in ``<out>/persister.rank<r>.json``. ``FAIL_RANK`` and
+``FAIL_AT``: that rank's persisting process cannot write its first file of generation
+``FAIL_AT`` (a folder is in its way); every rank then waits for that save and writes what it
+raised to ``<out>/failed.rank<r>.json``."""
 
 from __future__ import annotations
 
@@ -118,6 +119,12 @@ def main() -> None:
                                "folder": sorted(os.listdir(args.folder))}, f)
             if step == args.steps:
                 break
+    persister = ckpt._persister._proc  # (its maps: which libraries it loaded)
+    if persister is not None and persister.poll() is None:
+        with open(f"/proc/{persister.pid}/maps") as f:
+            libs = sorted({line.split()[-1].rsplit("/", 1)[-1] for line in f if ".so" in line})
+        with open(os.path.join(args.out, f"persister.rank{rank}.json"), "w") as f:
+            json.dump({"libraries": libs}, f)
     ckpt.close()
     dist.destroy_process_group()
     sys.stdout.flush(), sys.stderr.flush()
