@@ -4,7 +4,7 @@
 It never imports torch (nor does anything it imports: `unbroken`'s root imports its names
 lazily): the snapshot is bytes in shared memory, and what it does with them (write, hash,
 commit, read back, retention) needs none. It starts in about 0.3 s and holds about 30 MB,
-beside every rank of a job; with torch it took 4 s and 230 MB.
+beside every rank of a job; with torch it took 2-4 s and 230 MB.
 
 Takes the persister byte of the run's lock first (handed over by its writer) and says it is
 ready; holds it for its whole life. Then, over the socket ``FD`` (`_wire`), one request per
