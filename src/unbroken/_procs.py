@@ -100,35 +100,27 @@ def _sigkill(process: Process, group: bool = False) -> None:
     the process that was listed: its pid is pinned by a pidfd first, then its start time
     checked, so a pid reused since the listing (milliseconds old) is never signalled."""
     pid, start = process
+    fd: int | None
     try:
         fd = os.pidfd_open(pid)
     except ProcessLookupError:
         return  # gone
     except OSError:  # no pidfd here (a kernel before 5.3, a seccomp filter): checked, then
-        if _started(pid) == start:  # signalled by pid
-            _plain_kill(pid, group)
-        return
+        fd = None  # signalled by pid
     try:
         if _started(pid) != start:
             return  # another process has that pid now
         if group:
             os.killpg(pid, signal.SIGKILL)
-        else:
+        elif fd is not None:
             signal.pidfd_send_signal(fd, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    finally:
-        os.close(fd)
-
-
-def _plain_kill(pid: int, group: bool) -> None:
-    try:
-        if group:
-            os.killpg(pid, signal.SIGKILL)
         else:
             os.kill(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def kill(processes: set[Process]) -> set[Process]:

@@ -13,40 +13,13 @@ import uuid
 import fsspec
 import pytest
 import torch
+from _frozen import fresh, state_of, train_step
 from conftest import BUCKET
 
 import unbroken
 from unbroken.errors import CorruptCheckpoint, SaveFailed
 from unbroken.store.backends.objects import ObjectFS
 from unbroken.store.objects import open_store
-
-
-class Net(torch.nn.Module):
-    """A frozen base of 4 MB under a small trainable head (~1% of the state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.base = torch.nn.Linear(1000, 1000)
-        self.base.requires_grad_(False)
-        self.head = torch.nn.Linear(1000, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.base(x)))
-
-
-def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, s in enumerate(opt.state.values()):
-        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
-    return out
-
-
-def _step(model: Net, opt: torch.optim.Optimizer, seed: int) -> None:
-    torch.manual_seed(seed)
-    model(torch.randn(8, 1000)).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 @pytest.fixture
@@ -76,17 +49,16 @@ def target(request):
 
 def test_unchanged_stable_files_are_copied_by_the_store_not_uploaded(target, uploads):
     url, options = target
-    model = Net()
-    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    model, opt = fresh()
     saved: dict[int, dict[str, torch.Tensor]] = {}
     with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
                                keep=unbroken.Keep(last=2), storage_options=options) as ckpt:
         for s in range(1, 5):
-            _step(model, opt, s)
+            train_step(model, opt, s)
             ckpt.step_done(s)
             uploads.append(0)
             ckpt.save()
-            saved[s] = _state(model, opt)
+            saved[s] = state_of(model, opt)
     first, later = uploads[0], uploads[1:]
     assert first > 4_000_000, uploads
     assert all(n <= 0.02 * first for n in later), uploads  # the base: copied, never uploaded
@@ -98,12 +70,11 @@ def test_unchanged_stable_files_are_copied_by_the_store_not_uploaded(target, upl
         names = [a.name for a in g.manifest.artifacts]
         assert any(".g1." in n for n in names), names  # the copied stable file, listed
     for s in (4, 3):  # (the newest first: restoring an older one abandons newer ones)
-        fresh = Net()
-        fresh_opt = torch.optim.AdamW(fresh.head.parameters(), lr=1e-2)
-        with unbroken.Checkpointer(url, model=fresh, optimizer=fresh_opt,
+        other, other_opt = fresh()
+        with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
                                    storage_options=options) as reader:
             assert reader.restore(generation=s) == s
-        got = _state(fresh, fresh_opt)
+        got = state_of(other, other_opt)
         assert got.keys() == saved[s].keys()
         assert all(torch.equal(got[k], saved[s][k]) for k in got), s
 
@@ -112,11 +83,10 @@ def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_upl
         uploads):
     url = f"memory://unbroken-tests/{uuid.uuid4().hex}"
     fs = fsspec.filesystem("memory")
-    model = Net()
-    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    model, opt = fresh()
     with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
                                keep=unbroken.Keep(last=3)) as ckpt:
-        _step(model, opt, 1)
+        train_step(model, opt, 1)
         ckpt.step_done(1)
         uploads.append(0)
         ckpt.save()
@@ -128,18 +98,18 @@ def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_upl
         created = fs.store[key].created
         fs.pipe_file(stable, bytes(data))
         fs.store[key].created = created
-        _step(model, opt, 2)
+        train_step(model, opt, 2)
         ckpt.step_done(2)
         uploads.append(0)
         ckpt.save()  # (read back in the background: its verdict comes with wait())
         with pytest.raises(SaveFailed, match="did not read back as written"):
             ckpt.wait()
         assert uploads[1] <= 0.02 * uploads[0], uploads  # it was copied, then caught
-        _step(model, opt, 3)
+        train_step(model, opt, 3)
         ckpt.step_done(3)
         uploads.append(0)
         ckpt.save()
-        want = _state(model, opt)
+        want = state_of(model, opt)
     assert uploads[2] > 4_000_000, uploads  # nothing linked after a failed read-back
     store = open_store(url)
     gens = {g.generation: g for g in store.scan()}
@@ -147,9 +117,8 @@ def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_upl
     with pytest.raises(CorruptCheckpoint):
         store.verify(gens[1])  # (the rot itself)
     store.verify(gens[3])
-    fresh = Net()
-    fresh_opt = torch.optim.AdamW(fresh.head.parameters(), lr=1e-2)
-    with unbroken.Checkpointer(url, model=fresh, optimizer=fresh_opt) as reader:
+    other, other_opt = fresh()
+    with unbroken.Checkpointer(url, model=other, optimizer=other_opt) as reader:
         assert reader.restore() == 3
-    got = _state(fresh, fresh_opt)
+    got = state_of(other, other_opt)
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -6,31 +6,13 @@ generations it committed restore bit for bit."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import torch
+from _frozen import fresh, state_of, train_step
 
 import unbroken
-
-
-def _persisting_processes() -> list[int]:
-    """The pids of this process's persisting processes (its children running the worker)."""
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue  # (ended meanwhile)
-        if ppid == me and b"unbroken.persist._worker" in cmd:
-            out.append(int(entry))
-    return out
 
 
 def _loaded(pid: int) -> tuple[set[str], int]:
@@ -42,42 +24,19 @@ def _loaded(pid: int) -> tuple[set[str], int]:
     return libs, rss
 
 
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.base = torch.nn.Linear(600, 600)  # 1.4 MB, frozen: a stable file, then linked
-        self.base.requires_grad_(False)
-        self.head = torch.nn.Linear(600, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.base(x)))
-
-
-def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    out = {f"model.{k}": v.clone() for k, v in model.state_dict().items()}
-    for i, s in enumerate(opt.state.values()):
-        out.update({f"opt.{i}.{k}": v.clone() for k, v in s.items()})
-    return out
-
-
 def test_the_persisting_process_never_loads_torch(tmp_path):
-    model = Net()
-    opt = torch.optim.AdamW(model.head.parameters(), lr=1e-2)
+    model, opt = fresh(600)  # (a 1.4 MB frozen base: a stable file, then linked)
     root = tmp_path / "run"
     saved: dict[int, dict[str, torch.Tensor]] = {}
     with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
                                incremental=True, keep=unbroken.Keep(last=2)) as ckpt:
         for s in range(1, 6):
-            model(torch.randn(4, 600)).square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            train_step(model, opt, s)
             ckpt.step_done(s)
             ckpt.save()
-            saved[s] = _state(model, opt)
+            saved[s] = state_of(model, opt)
             ckpt.wait()
-        [pid] = _persisting_processes()
-        libs, rss_kb = _loaded(pid)
+        libs, rss_kb = _loaded(ckpt._persister._proc.pid)
     torch_libs = sorted(lib for lib in libs if "torch" in lib)
     assert not torch_libs, f"the persisting process loaded {torch_libs}"
     assert rss_kb < 120_000, f"the persisting process holds {rss_kb} kB"
@@ -86,11 +45,10 @@ def test_the_persisting_process_never_loads_torch(tmp_path):
     linked = [p for p in (root / "gen-000000005").iterdir() if ".g" in p.name]
     assert linked and all(p.stat().st_nlink > 1 for p in linked), linked  # links, not copies
     for s in (5, 4):  # (the newest first: restoring an older one abandons newer ones)
-        fresh = Net()
-        fresh_opt = torch.optim.AdamW(fresh.head.parameters(), lr=1e-2)
-        with unbroken.Checkpointer(root, model=fresh, optimizer=fresh_opt) as reader:
+        other, other_opt = fresh(600)
+        with unbroken.Checkpointer(root, model=other, optimizer=other_opt) as reader:
             assert reader.restore(generation=s) == s
-        got = _state(fresh, fresh_opt)
+        got = state_of(other, other_opt)
         assert got.keys() == saved[s].keys()
         assert all(torch.equal(got[k], saved[s][k]) for k in got), s
 

@@ -19,6 +19,8 @@ import uuid
 import fsspec
 import pytest
 import torch
+from _frozen import fresh as _fresh
+from _frozen import train_step as _step
 from conftest import BUCKET
 from safetensors.torch import load
 
@@ -29,32 +31,6 @@ from unbroken.store.objects import open_store
 
 BIG = 4_000_000  # the frozen base: 4 MB
 _GEN_DIR = re.compile(r"/gen-0*([0-9]+)/(u-[0-9a-f]{16})/([^/]+)$")
-
-
-class Net(torch.nn.Module):
-    """A frozen base of 4 MB under a small trainable head (~1% of the state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.base = torch.nn.Linear(1000, 1000)
-        self.base.requires_grad_(False)
-        self.head = torch.nn.Linear(1000, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(torch.tanh(self.base(x)))
-
-
-def _fresh() -> tuple[Net, torch.optim.Optimizer]:
-    model = Net()
-    return model, torch.optim.AdamW(model.head.parameters(), lr=1e-2)
-
-
-def _step(model: Net, opt: torch.optim.Optimizer, seed: int) -> None:
-    torch.manual_seed(seed)
-    model(torch.randn(8, 1000)).square().mean().backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
 
 
 def _expected(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
