@@ -34,7 +34,7 @@ from .state.identity import Identity
 from .state.incremental import HeldFile, Plan
 from .state.optim import check_optimizer_params
 from .state.rng import RNGStreams
-from .store.backends.local import fault_point
+from .store.backends.killpoints import fault_point
 from .store.backends.mounts import filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo
 from .store.objects import is_url, open_store

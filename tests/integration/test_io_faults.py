@@ -20,7 +20,8 @@ import torch
 import unbroken
 from unbroken.errors import SaveFailed, UnbrokenWarning
 from unbroken.store.aside import ASIDE
-from unbroken.store.backends.local import MUTATING, FaultyFS, LocalFS
+from unbroken.store.backends.killpoints import MUTATING
+from unbroken.store.backends.local import FaultyFS, LocalFS
 from unbroken.store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationStore
 
 

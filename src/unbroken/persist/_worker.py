@@ -39,7 +39,7 @@ from ..dist.commit import commit_staged, describe, read_back, save_failed
 from ..dist.filegroup import FileGroup
 from ..dist.group import Group, RankFailed
 from ..errors import SaveFailed, UnbrokenError
-from ..store.backends.local import io_count
+from ..store.backends.killpoints import io_count
 from ..store.generations import GenerationStore
 from ..store.lock import take_persister
 from ..store.manifest import Artifact, Manifest

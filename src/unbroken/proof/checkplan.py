@@ -28,7 +28,7 @@ from typing import Any
 
 from .._env import SAVE_AT_ENV, SIGNAL_AT_ENV
 from ..errors import UnbrokenError
-from ..store.backends.local import KILL_ENV
+from ..store.backends.killpoints import KILL_ENV
 
 PHASES = ("after-update", "mid-save", "after-commit", "mid-update", "sigterm")
 RANDOM_PHASES = ("after-update", "mid-save", "after-commit")

@@ -21,7 +21,7 @@ from typing import Any
 from .._table import table
 from ..checkpointer import ROOT_ENV
 from ..faults import DROP_ENV
-from ..store.backends.local import KILL_ENV
+from ..store.backends.killpoints import KILL_ENV
 from ..trace import TRACE_ENV, read_trace
 from .equivalence import compare, stitch
 from .harness import run_process

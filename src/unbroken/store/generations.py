@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 
 from ..errors import CorruptCheckpoint, SaveFailed
 from .aside import AsideFolder
-from .backends.local import LocalFS, fault_point
+from .backends.killpoints import fault_point
+from .backends.local import LocalFS
 from .lock import acquire_writer_lock, hand_over, release_writer_lock
 from .manifest import (
     MANIFEST,

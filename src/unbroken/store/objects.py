@@ -36,7 +36,7 @@ from typing import Any
 
 from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from .aside import ASIDE, ASIDE_NAME, ASIDE_REASONS, AsideEntry
-from .backends.local import fault_point
+from .backends.killpoints import fault_point
 from .backends.objects import ObjectFS, version_of
 from .cache import ReadCache
 from .generations import GenerationInfo, GenerationStore, generation_name

@@ -19,7 +19,7 @@ from ..checkpointer import Checkpointer
 from ..errors import RunNotRestored
 from ..state.codec import encode_tree
 from ..state.identity import Identity
-from ..store.backends.local import io_count
+from ..store.backends.killpoints import io_count
 from ..store.retention import Keep
 
 STEPS = 24

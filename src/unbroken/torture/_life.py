@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..store.backends.local import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
+from ..store.backends.killpoints import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ._job import KEEP_LAST, STEPS, train
 
 _LIFE_TIMEOUT = 120.0

@@ -24,7 +24,7 @@ from functools import partial
 from typing import Any
 
 from ..checkpointer import Checkpointer
-from ..store.backends.local import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
+from ..store.backends.killpoints import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ..store.lock import persister_gone
 from ._disk import POINT_PHASE, DiskState, inspect_run, phase_of_note, phase_of_state
 from ._events import EVENTS, Episode, Events

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 import xxhash
 
 from ...errors import CorruptCheckpoint
-from .local import READ, io_fault_point, whole_buffer
+from .killpoints import READ, io_fault_point
+from .local import whole_buffer
 
 # Stores whose conditional create is atomic on the server (or, for memory://, in-process).
 ATOMIC_CREATE = ("s3", "s3a", "gs", "gcs", "memory")
