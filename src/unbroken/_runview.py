@@ -14,7 +14,8 @@ from ._table import human_size, table
 from .errors import CorruptCheckpoint, UnbrokenError
 from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 from .store.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
-from .store.objects import ObjectStore, is_url, open_store
+from .store.objects import ObjectStore
+from .store.opening import is_url, open_store
 from .store.runrecord import RunRecord, folder_run
 
 _GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)

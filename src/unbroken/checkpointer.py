@@ -37,7 +37,7 @@ from .state.rng import RNGStreams
 from .store.backends.killpoints import fault_point
 from .store.backends.mounts import filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo
-from .store.objects import is_url, open_store
+from .store.opening import is_url, open_store
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 from .writer import RunWriter
@@ -102,7 +102,7 @@ class Checkpointer(Persisting, Restoring):
 
     ``root`` is a local folder or a URL (``s3://bucket/runs/exp1``, ``gs://...``,
     ``memory://...``): an object store through fsspec, its credentials and endpoint from
-    fsspec's configuration and the environment, or ``storage_options`` (`store.objects`);
+    fsspec's configuration and the environment, or ``storage_options`` (`store.opening`);
     ``cache_dir`` keeps what a restore downloaded, by content, for the next (`store.cache`).
 
     The harness (``unbroken check``) steers an unchanged script through the environment:

@@ -25,7 +25,7 @@ from .state.identity import Identity
 from .state.incremental import HeldFile, held_files
 from .state.settings import param_group_changes, scheduler_changes
 from .store.generations import GenerationInfo, GenerationStore
-from .store.objects import is_url, open_store
+from .store.opening import is_url, open_store
 from .store.runrecord import RunRecord
 from .store.verifying import generation_of
 from .trace import TraceRecorder

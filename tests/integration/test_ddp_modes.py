@@ -71,7 +71,7 @@ def test_a_job_on_an_s3_server_killed_mid_epoch_resumes_bitwise(reference, tmp_p
 
     from conftest import BUCKET
 
-    from unbroken.store.objects import open_store
+    from unbroken.store.opening import open_store
 
     url = f"s3://{BUCKET}/ddp/{uuid.uuid4().hex[:12]}"
     killed = torchrun(2, url, tmp_path / "k.jsonl",

@@ -19,7 +19,7 @@ from conftest import BUCKET
 import unbroken
 from unbroken.errors import CorruptCheckpoint, SaveFailed
 from unbroken.store.backends.objects import ObjectFS
-from unbroken.store.objects import open_store
+from unbroken.store.opening import open_store
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from safetensors.torch import load
 import unbroken
 from unbroken.errors import CorruptCheckpoint, SaveFailed, UnbrokenError
 from unbroken.store.backends.objects import ObjectFS
-from unbroken.store.objects import open_store
+from unbroken.store.opening import open_store
 
 BIG = 4_000_000  # the frozen base: 4 MB
 _GEN_DIR = re.compile(r"/gen-0*([0-9]+)/(u-[0-9a-f]{16})/([^/]+)$")

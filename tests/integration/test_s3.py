@@ -17,7 +17,8 @@ from conftest import BUCKET, SCRIPTS
 
 from unbroken.errors import CommitConflict
 from unbroken.store.manifest import Manifest
-from unbroken.store.objects import ObjectStore, open_store
+from unbroken.store.objects import ObjectStore
+from unbroken.store.opening import open_store
 
 SCRIPT = str(SCRIPTS / "object_train.py")
 

@@ -13,7 +13,8 @@ from conftest import BUCKET
 import unbroken
 from unbroken.errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from unbroken.store.manifest import Manifest
-from unbroken.store.objects import ObjectStore, open_store
+from unbroken.store.objects import ObjectStore
+from unbroken.store.opening import open_store
 
 
 def run_url(name: str = "") -> str:

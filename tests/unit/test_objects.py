@@ -21,7 +21,8 @@ from unbroken import cli
 from unbroken.errors import CommitConflict, StoreLocked
 from unbroken.store.backends.objects import ObjectFS
 from unbroken.store.lease import LEASE
-from unbroken.store.objects import ObjectStore, open_store
+from unbroken.store.objects import ObjectStore
+from unbroken.store.opening import open_store
 
 
 @pytest.fixture

@@ -21,7 +21,8 @@ from unbroken.store.backends.objects import ObjectFS
 from unbroken.store.generations import GenerationStore
 from unbroken.store.lease import LEASE, Lease
 from unbroken.store.manifest import Manifest
-from unbroken.store.objects import ObjectStore, open_store
+from unbroken.store.objects import ObjectStore
+from unbroken.store.opening import open_store
 
 
 @pytest.fixture

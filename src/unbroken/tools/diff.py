@@ -32,7 +32,7 @@ from ..state.generation import check_sizes, check_stamps, decode_generation
 from ..state.parts import RNG, STATE_FILE
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
-from ..store.objects import is_url
+from ..store.opening import is_url
 from ..store.verifying import GenerationInfo
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
