@@ -62,6 +62,22 @@ class Command:
 
 COMMANDS: dict[str, Command] = {}
 
+# The tools' commands: each one's module in `unbroken.tools` and its one-line help. The command
+# line lists them from here and imports only the module of the command it runs: three of the
+# tools import torch (2 s), which ``unbroken --help``, ``plan`` or ``audit`` never need.
+TOOLS: dict[str, tuple[str, str]] = {
+    "audit": ("audit", "read a foreign checkpoint safely and say which continuation state it "
+                       "lacks"),
+    "diff": ("diff", "what differs between two generations: tensors, counters, RNG, learning "
+                     "rates"),
+    "export": ("export", "write a generation's weights for inference (safetensors + identity)"),
+    "verify-export": ("export", "reload an export into a rebuilt model and re-run its fixed "
+                                "inputs"),
+    "import": ("importing", "turn a Trainer, Accelerate, Lightning or torch.save checkpoint "
+                            "into an unbroken warm-start run"),
+    "plan": ("plan", "save interval, overhead fraction and expected lost work"),
+}
+
 
 def command(name: str, help: str, *arguments: Argument
             ) -> Callable[[Runner], Runner]:
@@ -71,6 +87,19 @@ def command(name: str, help: str, *arguments: Argument
             raise ValueError(f"command {name!r} registered twice")
         COMMANDS[name] = Command(name, help, run, arguments)
         return run
+    return register
+
+
+def tool(name: str, *arguments: Argument) -> Callable[[Runner], Runner]:
+    """Register a tool's subcommand (`command`), with its help from `TOOLS`; only from the
+    module `TOOLS` names for it (the only one the command line imports to run it)."""
+    module, help = TOOLS[name]
+
+    def register(run: Runner) -> Runner:
+        if run.__module__ != f"unbroken.tools.{module}":
+            raise ValueError(f"command {name!r} is registered in {run.__module__}; TOOLS "
+                             f"names unbroken.tools.{module}")
+        return command(name, help, *arguments)(run)
     return register
 
 

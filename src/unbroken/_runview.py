@@ -67,12 +67,16 @@ def _disk_bytes(folder: str) -> int | None:
 
 
 def folder_run_record(store: GenerationStore, scanned: list[GenerationInfo]
-                      ) -> RunRecord | None:
+                      ) -> tuple[RunRecord | None, str | None]:
     """The run the folder holds (RUN.json, or the run that wrote most of its complete
-    generations); None when that cannot be told (then no generation is called foreign)."""
+    generations; None when that cannot be told: then no generation is called foreign), and
+    why RUN.json could not be used when it exists but is damaged (the next writer rewrites it:
+    a warning, not a problem of the checkpoints)."""
     found = folder_run(store.root, store.fs, (g.manifest.run_id for g in scanned
                                               if g.ok and g.manifest is not None))
-    return None if found.ambiguous else found.record
+    problem = (f"{found.problem}; the run is taken from its generations, and the next save "
+               "rewrites the record") if found.problem else None
+    return (None if found.ambiguous else found.record), problem
 
 
 def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None

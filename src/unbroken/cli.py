@@ -16,15 +16,19 @@ anything from it. To add a command, write one function and register it with ``@c
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import os
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
+from . import tools
 from ._commands import (
     COMMANDS,
     EXIT_OK,
     EXIT_PROBLEM,
     EXIT_USAGE,
+    TOOLS,
     Command,
     arg,
     command,
@@ -55,32 +59,40 @@ from .proof.checkplan import PHASES
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
 
 
-def _load_tools() -> None:
-    """Import every module of `unbroken.tools`: each registers its own commands."""
-    import importlib
-    import pkgutil
+class _UsageExit(Exception):
+    """A usage error argparse found, already printed on stderr as argparse prints it."""
 
-    from . import tools
 
-    for module in pkgutil.iter_modules(tools.__path__):
-        if not module.name.startswith("_"):
-            importlib.import_module(f"{tools.__name__}.{module.name}")
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser (its subcommands' too), whose usage errors `main` also reports as
+    one JSON document when ``--json`` was given: every command's errors are."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise _UsageExit(f"{self.prog}: {message}")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The parser of every command; with ``command``, a command of this module's own
-    (``inspect``, ``verify``, ``check``, ``demo``), only of those: the tools, which import
-    torch, are not loaded, and ``unbroken inspect`` answers in a fraction of a second."""
+    """The parser of the command line. Every command is listed, but only ``command``'s
+    arguments are known when it is a tool's (`_commands.TOOLS`): the parser imports that
+    tool's module alone, and none for this module's own commands (``inspect``, ``verify``,
+    ``check``, ``demo``) or for ``unbroken --help``: a tool that imports torch costs its
+    import only when it runs."""
     from . import __version__
 
-    if command not in COMMANDS:
-        _load_tools()
-    parser = argparse.ArgumentParser(
+    if command in TOOLS:
+        importlib.import_module(f"{tools.__name__}.{TOOLS[command][0]}")
+    parser = _Parser(
         prog="unbroken", description="Resume PyTorch training runs exactly, and prove it.",
         epilog="exit status: 0 good, 1 a problem was found, 2 usage or environment error")
     parser.add_argument("--version", action="version", version=f"unbroken {__version__}")
     sub = parser.add_subparsers(dest="command_name", metavar="COMMAND")
-    for cmd in COMMANDS.values():
+    for name in [*(n for n in COMMANDS if n not in TOOLS), *TOOLS]:
+        cmd = COMMANDS.get(name) if name not in TOOLS or name == command else None
+        if cmd is None:  # (a tool not run now: listed, its arguments unknown)
+            sub.add_parser(name, help=TOOLS[name][1], add_help=False)
+            continue
         p = sub.add_parser(cmd.name, help=cmd.help, description=cmd.run.__doc__ or cmd.help)
         for flags, kwargs in cmd.arguments:
             p.add_argument(*flags, **kwargs)
@@ -95,6 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(next((a for a in given if not a.startswith("-")), None))
     try:
         args = parser.parse_args(argv)
+    except _UsageExit as e:
+        if "--json" in given:
+            print(json.dumps({"ok": False, "error": str(e), "exit_status": EXIT_USAGE},
+                             indent=2))
+        return EXIT_USAGE
     except SystemExit as e:  # argparse: usage errors exit 2, --help/--version exit 0
         code: object = e.code
         return code if isinstance(code, int) else (EXIT_OK if code is None else EXIT_USAGE)
@@ -133,7 +150,7 @@ def _inspect(args: argparse.Namespace) -> int:
     (use `unbroken verify` for that). Exit 1 when any generation is torn or corrupt."""
     store = open_run(args.run)
     scanned = store.scan()
-    run = folder_run_record(store, scanned)
+    run, run_problem = folder_run_record(store, scanned)
     records = [record(store, g, run) for g in scanned]
     complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
     newest = newest_summary(complete[-1]) if complete else None
@@ -141,8 +158,11 @@ def _inspect(args: argparse.Namespace) -> int:
     ok = len(complete) == len(scanned)
     payload = {"run": store.root, "run_id": run.run_id if run else None,
                "lineage": run.lineage if run else [], "generations": records,
-               "newest_complete": newest, "debris": debris, "aside": aside, "ok": ok}
+               "newest_complete": newest, "debris": debris, "aside": aside,
+               "run_record_problem": run_problem, "ok": ok}
     lines = [f"run {store.root}" + (f" (run {run.run_id})" if run else "")]
+    if run_problem:
+        lines.append(f"warning: {run_problem}")
     if not scanned:
         lines.append("no generations")
         if os.path.basename(store.root).startswith("gen-"):
@@ -207,7 +227,7 @@ def _verify(args: argparse.Namespace) -> int:
             found = [g.generation for g in store.scan()]
             raise UsageError(f"{store.root}: no generation {args.generation} (found "
                              f"{found or 'none'})")
-    run = folder_run_record(store, store.scan())
+    run, run_problem = folder_run_record(store, store.scan())
     from .tools.deep import deep_problems
 
     records = [verify_one(store, g, run, deep_problems if args.deep else None)
@@ -215,12 +235,14 @@ def _verify(args: argparse.Namespace) -> int:
     if args.factory:
         _replay_fixtures(args, store, scanned, records)
     ok = all(r["status"] == "verified" for r in records)
-    payload = {"run": store.root, "generations": records, "ok": ok}
+    payload = {"run": store.root, "generations": records, "run_record_problem": run_problem,
+               "ok": ok}
+    head = [f"run {store.root}", *([f"warning: {run_problem}"] if run_problem else [])]
     if not records:
-        text = f"run {store.root}\nno generations to verify"
+        text = "\n".join([*head, "no generations to verify"])
     else:
         good = sum(r["status"] == "verified" for r in records)
-        text = "\n".join([f"run {store.root}", rows(store.root, records), "",
+        text = "\n".join([*head, rows(store.root, records), "",
                           f"{len(records)} checked: {good} verified, {len(records) - good} "
                           "failed"])
     return emit(args, payload, text, ok)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import unbroken
+from unbroken._commands import TOOLS
 from unbroken.cli import main
 from unbroken.store.manifest import seal
 
@@ -149,13 +150,50 @@ def test_inspect_answers_without_importing_torch(run: Path) -> None:
     assert p.returncode == 2 and "export" in p.stderr and "diff" in p.stderr, p.stderr
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["audit", "--help"],
+                                  ["frobnicate"], ["--version"]])
+def test_the_command_list_and_torch_free_tools_never_import_torch(argv: list[str]) -> None:
+    """The command list comes from `TOOLS`: ``unbroken --help`` and the tools that need no
+    torch (plan, audit) answer without it; ``unbroken diff`` imports it to run."""
+    code = ("import json, sys; from unbroken.cli import main\n"
+            "try:\n    rc = main(json.loads(sys.argv[1]))\nexcept SystemExit as e:\n"
+            "    rc = e.code\n"
+            "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules}), file=sys.stderr)")
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True,
+                       text=True, timeout=120)
+    seen = json.loads(p.stderr.strip().splitlines()[-1])
+    assert seen == {"rc": 2 if argv == ["frobnicate"] else 0, "torch": False}, p.stderr
+    if argv == ["--help"]:
+        assert all(f"    {name}" in p.stdout for name in TOOLS), p.stdout
+
+
+def test_every_tool_registers_its_commands_in_the_module_tools_names() -> None:
+    """`TOOLS` and the tools' registrations agree: each command is registered by the module
+    listed for it, with the help listed for it, and no tool registers a command not listed."""
+    import importlib
+    import pkgutil
+
+    from unbroken import tools
+    from unbroken._commands import COMMANDS
+
+    for module in pkgutil.iter_modules(tools.__path__):
+        importlib.import_module(f"unbroken.tools.{module.name}")
+    registered = {n: c for n, c in COMMANDS.items()
+                  if c.run.__module__.startswith("unbroken.tools.")}
+    assert set(registered) == set(TOOLS)
+    for name, (module, help) in TOOLS.items():
+        assert registered[name].run.__module__ == f"unbroken.tools.{module}"
+        assert registered[name].help == help
+
+
 def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = cli(capsys, "inspect", str(tmp_path))
     assert code == 0 and "no generations" in out
     code, doc = cli_json(capsys, "inspect", str(tmp_path))
     assert code == 0 and doc["generations"] == [] and doc["newest_complete"] is None
     code, doc = cli_json(capsys, "verify", str(tmp_path))
-    assert code == 0 and doc == {"run": str(tmp_path), "generations": [], "ok": True}
+    assert code == 0 and doc == {"run": str(tmp_path), "generations": [], "ok": True,
+                                 "run_record_problem": None}
 
 
 def test_debris_and_aside_are_listed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -203,6 +241,45 @@ def test_unknown_generation_names_the_ones_found(run: Path, capsys: pytest.Captu
 def test_bad_arguments_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = cli(capsys, *argv)
     assert code == 2 and "usage:" in err and "Traceback" not in err and out == ""
+
+
+@pytest.mark.parametrize("argv", [["frobnicate"], ["inspect"], ["verify", "RUN", "--bogus"],
+                                  ["verify", "RUN", "--generation", "x"]])
+def test_bad_arguments_with_json_print_one_error_document(argv: list[str],
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """With --json a usage error is one JSON document too (as every other error), and
+    stderr still says it as argparse does."""
+    code, out, err = cli(capsys, *argv, "--json")
+    doc = json.loads(out)
+    assert code == 2 and doc["ok"] is False and doc["exit_status"] == 2
+    assert "usage:" in err and doc["error"].split(": ", 1)[1] in err
+
+
+def test_a_damaged_run_record_is_a_warning_of_inspect_and_verify(
+        run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RUN.json that does not parse: the generations are still listed and verified (the
+    next writer rewrites the record), and both commands say it is damaged."""
+    (run / "RUN.json").write_bytes(b"[[[")
+    for command in ("inspect", "verify"):
+        code, out, _ = cli(capsys, command, str(run))
+        assert code == 0 and "warning:" in out and "RUN.json" in out, out
+        code, doc = cli_json(capsys, command, str(run))
+        assert code == 0 and doc["ok"] is True
+        assert "RUN.json" in doc["run_record_problem"]
+    (run / "RUN.json").unlink()  # (missing: a folder of an older version, not damaged)
+    code, doc = cli_json(capsys, "inspect", str(run))
+    assert code == 0 and doc["run_record_problem"] is None
+
+
+def test_a_manifest_with_a_huge_integer_is_not_called_invalid_utf8(
+        run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A manifest holding an integer of 5,000 digits is valid UTF-8 and valid JSON that
+    Python refuses to convert: the report says "not valid JSON" and why."""
+    (run / NEWEST / "MANIFEST.json").write_bytes(b'{"step": ' + b"9" * 5000 + b"}")
+    code, doc = cli_json(capsys, "inspect", str(run))
+    reason = next(g["reason"] for g in doc["generations"] if g["path"].endswith(NEWEST))
+    assert code == 1 and "not valid JSON" in reason and "UTF-8" not in reason, reason
 
 
 def test_bad_arguments_via_subprocess() -> None:

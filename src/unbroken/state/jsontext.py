@@ -55,5 +55,7 @@ def loads_json(data: bytes | memoryview, where: str, limit: int) -> Any:
                           parse_float=_finite_float)
     except RecursionError:
         raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptCheckpoint(f"{where}: not valid UTF-8 JSON ({e!s:.200})") from None
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpoint(f"{where}: not valid UTF-8 ({e!s:.200})") from None
+    except ValueError as e:  # (an integer over 4,300 digits too: Python's conversion limit)
+        raise CorruptCheckpoint(f"{where}: not valid JSON ({e!s:.200})") from None

@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._commands import arg, command, emit
+from .._commands import arg, emit, tool
 from .._runview import UsageError
 from .._table import table
 from ..errors import CorruptCheckpoint
@@ -301,9 +301,9 @@ def _dcp_bytes(path: str, storage: Any, as_bytes: set[Any], audit: Audit) -> dic
 # -- the command --------------------------------------------------------------------------------
 
 
-@command("audit", "read a foreign checkpoint safely and say which continuation state it lacks",
-         arg("path", metavar="PATH", help="a torch.save / Lightning file, a Trainer, "
-             "Accelerate or DCP folder, or a safetensors file"))
+@tool("audit",
+      arg("path", metavar="PATH", help="a torch.save / Lightning file, a Trainer, "
+          "Accelerate or DCP folder, or a safetensors file"))
 def _audit(args: argparse.Namespace) -> int:
     """Read PATH without executing anything (pickles are decoded instruction by instruction,
     never loaded) and report which continuation parts it holds: model, optimizer (and whether

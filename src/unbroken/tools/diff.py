@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._commands import arg, command, emit
+from .._commands import arg, emit, tool
 from .._runview import UsageError, open_run
 from .._table import table
 from ..dist.sharded import SHARDS_FILE
@@ -370,12 +370,12 @@ def _cut(cell: Any, width: int = 48) -> Any:
     return text if len(text) <= width else text[:width - 1] + "…"
 
 
-@command("diff", "what differs between two generations: tensors, counters, RNG, learning rates",
-         arg("a", metavar="A", help="a run (folder or URL: its newest verified generation) or "
-                                    "a generation (RUN/gen-NNNNNNNNN)"),
-         arg("b", metavar="B", nargs="?", help="the same; omitted: A's run"),
-         arg("--a-generation", type=int, metavar="N", help="generation N of run A"),
-         arg("--b-generation", type=int, metavar="N", help="generation N of run B"))
+@tool("diff",
+      arg("a", metavar="A", help="a run (folder or URL: its newest verified generation) or "
+                                 "a generation (RUN/gen-NNNNNNNNN)"),
+      arg("b", metavar="B", nargs="?", help="the same; omitted: A's run"),
+      arg("--a-generation", type=int, metavar="N", help="generation N of run A"),
+      arg("--b-generation", type=int, metavar="N", help="generation N of run B"))
 def _diff(args: argparse.Namespace) -> int:
     """Compare two generations part by part (model, optimizer, scheduler, scaler, data, rng,
     counters, extras): tensors only in A or B, shape and dtype changes, and for tensors that

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._commands import arg, command, emit, tolerance
+from .._commands import arg, emit, tolerance, tool
 from .._runview import UsageError, open_run
 from ..errors import CorruptCheckpoint, MissingState, NoCheckpoint, StateMismatch, UnsupportedValue
 from ..state.identity import Identity
@@ -307,16 +307,16 @@ def _why(row: dict[str, Any]) -> str:
 # -- command line -----------------------------------------------------------------------------
 
 
-@command("export", "write a generation's weights for inference (safetensors + identity)",
-         arg("run", metavar="RUN", help="the run folder (or URL)"),
-         arg("out", metavar="OUT", help="the export folder to create (must not hold anything)"),
-         arg("--generation", type=int, metavar="N", help="export generation N (default: "
-             "the newest that verifies)"),
-         arg("--dtype", choices=tuple(DTYPES), help="cast floating weights (default: as saved)"),
-         arg("--adapter", action="append", metavar="NAME", help="export only this tensor "
-             "(repeatable; 'prefix*' selects by prefix); needs --base-revision"),
-         arg("--base-revision", metavar="REV", help="the immutable revision of the base model "
-             "(e.g. org/model@<commit>, sha256:<digest>)"))
+@tool("export",
+      arg("run", metavar="RUN", help="the run folder (or URL)"),
+      arg("out", metavar="OUT", help="the export folder to create (must not hold anything)"),
+      arg("--generation", type=int, metavar="N", help="export generation N (default: "
+          "the newest that verifies)"),
+      arg("--dtype", choices=tuple(DTYPES), help="cast floating weights (default: as saved)"),
+      arg("--adapter", action="append", metavar="NAME", help="export only this tensor "
+          "(repeatable; 'prefix*' selects by prefix); needs --base-revision"),
+      arg("--base-revision", metavar="REV", help="the immutable revision of the base model "
+          "(e.g. org/model@<commit>, sha256:<digest>)"))
 def _export(args: argparse.Namespace) -> int:
     """Write the model weights of RUN's newest verified generation (or --generation N) into
     the new folder OUT: model.safetensors (names as in the model's state_dict; any
@@ -343,13 +343,13 @@ def _export(args: argparse.Namespace) -> int:
     return emit(args, payload, "\n".join(lines), True)
 
 
-@command("verify-export", "reload an export into a rebuilt model and re-run its fixed inputs",
-         arg("out", metavar="OUT", help="the export folder"),
-         arg("--factory", required=True, metavar="MODULE:FUNCTION",
-             help="a function that builds the model (imported; called without arguments)"),
-         arg("--rtol", type=tolerance, help="relative tolerance (default: bitwise, or per "
-             "dtype)"),
-         arg("--atol", type=tolerance, help="absolute tolerance (default: per dtype)"))
+@tool("verify-export",
+      arg("out", metavar="OUT", help="the export folder"),
+      arg("--factory", required=True, metavar="MODULE:FUNCTION",
+          help="a function that builds the model (imported; called without arguments)"),
+      arg("--rtol", type=tolerance, help="relative tolerance (default: bitwise, or per "
+          "dtype)"),
+      arg("--atol", type=tolerance, help="absolute tolerance (default: per dtype)"))
 def _verify_export(args: argparse.Namespace) -> int:
     """Re-hash OUT's files against its export.json, build the model with the named factory
     (MODULE:FUNCTION, imported from the current folder or the Python path: this runs your

@@ -28,7 +28,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from .._commands import arg, command, emit
+from .._commands import arg, emit, tool
 from .._runview import UsageError
 from ..errors import CorruptCheckpoint, UnbrokenError
 from ..state.identity import Identity
@@ -235,10 +235,9 @@ def import_checkpoint(src: str, run: str) -> dict[str, Any]:
             "config": config is not None}
 
 
-@command("import", "turn a Trainer, Accelerate, Lightning or torch.save checkpoint into an "
-                   "unbroken warm-start run",
-         arg("source", metavar="SRC", help="a checkpoint file or folder"),
-         arg("run", metavar="RUN", help="a new run folder or URL"))
+@tool("import",
+      arg("source", metavar="SRC", help="a checkpoint file or folder"),
+      arg("run", metavar="RUN", help="a new run folder or URL"))
 def _import(args: argparse.Namespace) -> int:
     """Read the model weights of SRC without executing anything (safetensors, or a torch.save
     zip archive whose pickle is interpreted, never run) and write them as the first

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from .._commands import arg, command, emit, tolerance
+from .._commands import arg, emit, tolerance, tool
 from .._runview import UsageError, open_run
 from .._table import human_size, table
 from ..store.manifest import TO_COMMIT
@@ -314,24 +314,24 @@ def _positive_type(unit: str) -> Any:
     return parse
 
 
-@command("plan", "save interval, overhead fraction and expected lost work",
-         arg("run", metavar="RUN", nargs="?",
-             help="a run folder or URL: take the checkpoint size and observed save period "
-                  "from its manifests"),
-         arg("--save-seconds", type=_positive_type("seconds"), metavar="S",
-             help="cost C of one save: seconds training stands still"),
-         arg("--mtbf-hours", type=_positive_type("hours"), metavar="H",
-             help="mean time between failures M"),
-         arg("--restart-seconds", type=tolerance, default=0.0, metavar="R",
-             help="time a restart takes (scheduling, start-up, restore); default 0"),
-         arg("--interval-minutes", type=_positive_type("minutes"), metavar="T",
-             help="evaluate this compute time between saves"),
-         arg("--hours", type=_positive_type("hours"), metavar="D",
-             help="run length: expected failures and work lost over it"),
-         arg("--bandwidth", type=_positive_type("MB/s"), metavar="MB_PER_S",
-             help="with RUN: estimate the save cost as checkpoint size / this throughput "
-                  "(10^6 bytes per second)"),
-         arg("--plot", metavar="FILE.png", help="draw overhead against interval"))
+@tool("plan",
+      arg("run", metavar="RUN", nargs="?",
+          help="a run folder or URL: take the checkpoint size and observed save period "
+               "from its manifests"),
+      arg("--save-seconds", type=_positive_type("seconds"), metavar="S",
+          help="cost C of one save: seconds training stands still"),
+      arg("--mtbf-hours", type=_positive_type("hours"), metavar="H",
+          help="mean time between failures M"),
+      arg("--restart-seconds", type=tolerance, default=0.0, metavar="R",
+          help="time a restart takes (scheduling, start-up, restore); default 0"),
+      arg("--interval-minutes", type=_positive_type("minutes"), metavar="T",
+          help="evaluate this compute time between saves"),
+      arg("--hours", type=_positive_type("hours"), metavar="D",
+          help="run length: expected failures and work lost over it"),
+      arg("--bandwidth", type=_positive_type("MB/s"), metavar="MB_PER_S",
+          help="with RUN: estimate the save cost as checkpoint size / this throughput "
+               "(10^6 bytes per second)"),
+      arg("--plot", metavar="FILE.png", help="draw overhead against interval"))
 def _plan(args: argparse.Namespace) -> int:
     """How often to save. With C the save cost, T the compute time between saves, M the MTBF
     and R the restart time (seconds): save overhead C/(T+C) (a 30 s save every 10 minutes:
