@@ -122,3 +122,91 @@ def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_upl
         assert reader.restore() == 3
     got = state_of(other, other_opt)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """Bytes the read-backs downloaded to hash, by save (``hash_file`` reads every byte)."""
+    sizes: list[int] = []
+    real = ObjectFS.hash_file
+
+    def counted(self, path, limit, drop_cache=False):
+        size, digest = real(self, path, limit, drop_cache)
+        sizes[-1] += size
+        return size, digest
+
+    monkeypatch.setattr(ObjectFS, "hash_file", counted)
+    return sizes
+
+
+def test_a_copy_holding_the_verified_checksum_is_not_downloaded_again(s3, uploads, hashed):
+    """On S3 a copy's ETag is the MD5 the store computed over its bytes: equal to the one the
+    source had when this process verified it, the copy holds the verified bytes, and the
+    read-back downloads only what the save uploaded. Every generation still verifies in
+    full (a fresh store hashes every byte) and restores bit for bit."""
+    url = f"s3://{BUCKET}/incremental/{uuid.uuid4().hex[:12]}"
+    model, opt = fresh()
+    with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
+                               keep=unbroken.Keep(last=2), storage_options=s3["options"],
+                               read_back="sync") as ckpt:
+        for s in range(1, 5):
+            train_step(model, opt, s)
+            ckpt.step_done(s)
+            uploads.append(0)
+            hashed.append(0)
+            ckpt.save()
+        want = state_of(model, opt)
+    # the first save's files all read back (RUN.json, uploaded too, is not the generation's)
+    assert 4_000_000 < hashed[0] <= uploads[0] < hashed[0] + 1000, (hashed, uploads)
+    # a later save reads back what it uploaded, not the copies
+    assert all(h == u <= 0.02 * uploads[0] for h, u in zip(hashed[1:], uploads[1:])), (
+        hashed, uploads)
+    store = open_store(url, s3["options"])
+    for g in store.scan():
+        store.verify(g)  # (a store of its own: every byte hashed)
+    other, other_opt = fresh()
+    with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
+                               storage_options=s3["options"]) as reader:
+        assert reader.restore() == 4
+    got = state_of(other, other_opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_copy_changed_before_its_read_back_is_downloaded_and_fails_the_save(
+        s3, monkeypatch):
+    """The copy is trusted only while the store still reports the checksum it had when it
+    was made: one overwritten since (other bytes, same size) is downloaded, fails its hash,
+    and the generation is moved aside; the one before it still restores."""
+    from unbroken.store.objects import ObjectStore
+
+    url = f"s3://{BUCKET}/incremental/{uuid.uuid4().hex[:12]}"
+    real = ObjectStore._link
+
+    def link_then_rot(self, linked, path):
+        made = real(self, linked, path)
+        if made:
+            data = bytearray(self.fs.fs.cat_file(path))
+            data[-1] ^= 0xFF
+            self.fs.fs.pipe_file(path, bytes(data))
+        return made
+
+    model, opt = fresh()
+    with unbroken.Checkpointer(url, model=model, optimizer=opt, incremental=True,
+                               storage_options=s3["options"], read_back="sync") as ckpt:
+        train_step(model, opt, 1)
+        ckpt.step_done(1)
+        ckpt.save()
+        want = state_of(model, opt)
+        monkeypatch.setattr(ObjectStore, "_link", link_then_rot)
+        train_step(model, opt, 2)
+        ckpt.step_done(2)
+        with pytest.raises(SaveFailed, match="did not read back as written"):
+            ckpt.save()
+    store = open_store(url, s3["options"])
+    assert [g.generation for g in store.scan()] == [1]
+    other, other_opt = fresh()
+    with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
+                               storage_options=s3["options"]) as reader:
+        assert reader.restore() == 1
+    got = state_of(other, other_opt)
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -174,7 +174,7 @@ def encode_part(plan: Plan, prefix: str, part: str, tensors: Mapping[str, torch.
         def rewrite(f: HeldFile = f) -> list[memoryview]:
             return encode_safetensors({k: tensors[k] for k in f.digests},
                                       stamped(f.generation, f.incarnation, f.digests))
-        out[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite)
+        out[f.name] = Linked(f.path, f.size, f.xxh3_128, rewrite, ident=f.ident)
         extra.append(stable_entry(f.name, f.generation, f.incarnation))
         layout.append((f.name, f.generation, f.incarnation, dict(f.digests), True))
     return out, extra

@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
 from .aside import ASIDE, ASIDE_NAME, ASIDE_REASONS, AsideEntry
 from .backends.killpoints import fault_point
-from .backends.objects import ObjectFS, version_of
+from .backends.objects import ObjectFS, is_checksum, version_of
 from .cache import ReadCache
 from .generations import GenerationInfo, GenerationStore, generation_name
 from .lease import LEASE, Lease
@@ -65,6 +65,9 @@ class ObjectStore(GenerationStore):
         self.cache = cache
         self._uploading: str | None = None  # the upload folder of the save being written
         self._from_cache = False  # the last read_verified used the cache (never a verdict)
+        # the copies the save being written made of verified objects, by path: their identity
+        # (size and checksum) as the store made them, the verified source's (see `_link`)
+        self._copies: dict[str, tuple[object, ...]] = {}
 
     # -- the lease ------------------------------------------------------------------------------
 
@@ -259,14 +262,18 @@ class ObjectStore(GenerationStore):
             raise FileExistsError(f"{self._prefix(generation)} already exists; move it aside "
                                   "before saving over it")
         self._uploading = f"{self._prefix(generation)}/{UPLOAD_PREFIX}{uuid.uuid4().hex[:16]}"
+        self._copies = {}
         return self._uploading
 
     def _link(self, linked: Linked, path: str) -> bool:
         """An object store has no hard links: an unchanged stable file of an incremental
         save is copied by the store itself (S3's CopyObject: none of its bytes passes through
         this process), while the source is still the object that was verified. False where
-        that fails (the caller uploads it anew). The read-back hashes the copy like any
-        other file, so a source that rotted since fails this generation, not a later one."""
+        that fails (the caller uploads it anew). When the store's checksum of the copy (an MD5
+        ETag) is the one the source had when this process verified it, the copy holds those
+        bytes, and the read-back does not download it (`_check_artifact`); otherwise the
+        read-back hashes it like any other file, so a source that changed since fails this
+        generation, not a later one."""
         try:
             was = self.fs.ident(linked.source)
             if was[0] != linked.size:
@@ -279,7 +286,23 @@ class ObjectStore(GenerationStore):
             with contextlib.suppress(OSError):
                 self.fs.unlink(path)
             return False
+        if len(now) == 2 and is_checksum(now[1]) and now == linked.ident:
+            self._copies[path] = now
         return True
+
+    def _check_artifact(self, folder: str, a: Artifact, from_disk: bool = False) -> None:
+        """As `GenerationStore._check_artifact`, but a copy this save made of a verified object
+        (`_link`) is not downloaded while it still holds the checksum of the bytes verified:
+        the store computed it over the copy's bytes."""
+        path = f"{folder}/{a.name}"
+        copied = self._copies.pop(path, None)
+        if copied is not None and copied[0] == a.size:
+            try:
+                if self.fs.ident(path) == copied:
+                    return
+            except OSError:
+                pass
+        super()._check_artifact(folder, a, from_disk)
 
     def publish(self, staging: str, generation: int, manifest: Manifest,
                 supersede: bool = False) -> GenerationInfo:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -241,6 +242,16 @@ class ObjectFS:
 
     def rename(self, src: str, dst: str) -> None:
         raise OSError(errno.ENOTSUP, "an object store has no rename", src)
+
+
+_CHECKSUM = re.compile(r'(ETag|etag)="?[0-9a-f]{32}"?|md5Hash=[A-Za-z0-9+/]{22}==')
+
+
+def is_checksum(tag: object) -> bool:
+    """Whether a version tag (`version_of`) is the store's checksum of the object's bytes: the
+    MD5 ETag of an object uploaded in one part (S3; a multipart ETag ends in "-N" and is not),
+    GCS's md5Hash. Two objects whose tags are equal checksums hold the same bytes."""
+    return isinstance(tag, str) and _CHECKSUM.fullmatch(tag) is not None
 
 
 def version_of(info: Mapping[str, Any]) -> str:
