@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken import cli
 from unbroken.errors import CommitConflict, StoreLocked
-from unbroken.store.backends.objects import ObjectFS
+from unbroken.store.backends.objects import ObjectFS, is_checksum, version_of
 from unbroken.store.lease import LEASE
 from unbroken.store.objects import ObjectStore
 from unbroken.store.opening import open_store
@@ -422,3 +422,19 @@ def test_a_restore_downloads_each_large_artifact_once(url, monkeypatch):
     artifacts = {n: s for n, s in sizes.items() if n != "MANIFEST.json"}  # (read by scans)
     assert {n: fetched.get(n) for n in artifacts} == artifacts
     assert all(torch.equal(a, b) for a, b in zip(opt.state[model.weight].values(), expected))
+
+
+@pytest.mark.parametrize("info, trusted", [
+    ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e"'}, True),  # S3, one part: the MD5
+    ({"ETag": "d41d8cd98f00b204e9800998ecf8427e"}, True),
+    ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e-3"'}, False),  # multipart: no checksum
+    ({"etag": "CJ+Qh7Ozu/QCEAE=", "md5Hash": "1B2M2Y8AsgTpgAmY7PhCfg=="}, False),  # GCS etag
+    ({"md5Hash": "1B2M2Y8AsgTpgAmY7PhCfg=="}, True),
+    ({"etag": '"0x8DBF0E0F5A3C2B1"'}, False),  # Azure
+    ({"created": 1700000000.0}, False),  # memory://: a time
+    ({}, False),
+])
+def test_only_a_content_checksum_lets_a_copy_skip_its_download(info, trusted):
+    """A copy is trusted without its bytes only by a tag that is the store's checksum of
+    them: an MD5 ETag or GCS's md5Hash, never a multipart ETag, a generation or a time."""
+    assert is_checksum(version_of(info)) is trusted
