@@ -13,8 +13,10 @@ GIL), then, for each state size (model + AdamW), runs interleaved repetitions of
 
 With ``--frozen SIZE``, a 99%-frozen state of that size (a frozen base under a small trainable
 adapter) is also saved with ``incremental=True`` after an update of the adapter each time: the
-bytes each save uploads (every artifact goes through ``ObjectFS.write_file``) and its time, the
-first save against the later ones, whose unchanged stable file the store copies itself.
+bytes each save uploads (every artifact goes through ``ObjectFS.write_file``), the bytes its
+read-back downloads (``ObjectFS.hash_file``) and its time until verified (``save`` and
+``wait``), the first save against the later ones, whose unchanged stable file the store copies
+itself.
 
 Every figure is the median of ``--repeats`` runs with its interquartile range; one whose IQR
 exceeds 25% of its median is flagged unstable. Prints a table; ``--json FILE`` writes it all.
@@ -115,21 +117,29 @@ def run_size(size: int, options: dict[str, Any], repeats: int) -> dict[str, Any]
 
 
 def run_frozen(size: int, options: dict[str, Any], repeats: int) -> dict[str, Any]:
-    """Incremental saves of a 99%-frozen state: bytes uploaded and time, first and later."""
+    """Incremental saves of a 99%-frozen state: bytes uploaded and read back, and the time
+    until verified, first and later."""
     from unbroken.store.backends.objects import ObjectFS
 
     width = 1024
     model, opt = build_state(max(1, round(size / (4 * (width * width + width)))), width,
                              frozen=True)
-    uploaded = [0]
-    write = ObjectFS.write_file
+    uploaded, downloaded = [0], [0]
+    write, hash_file = ObjectFS.write_file, ObjectFS.hash_file
 
     def counted(self: ObjectFS, path: str, chunks: Any) -> tuple[int, str]:
         size, digest = write(self, path, chunks)
         uploaded[0] += size
         return size, digest
 
+    def hashed(self: ObjectFS, path: str, limit: int, drop_cache: bool = False
+               ) -> tuple[int, str]:
+        size, digest = hash_file(self, path, limit, drop_cache)
+        downloaded[0] += size
+        return size, digest
+
     ObjectFS.write_file = counted  # type: ignore[method-assign]
+    ObjectFS.hash_file = hashed  # type: ignore[method-assign]
     try:
         ckpt = unbroken.Checkpointer(f"s3://bench/{uuid.uuid4().hex[:8]}", model=model,
                                      optimizer=opt, keep=unbroken.Keep(last=2),
@@ -138,20 +148,23 @@ def run_frozen(size: int, options: dict[str, Any], repeats: int) -> dict[str, An
         for step in range(1, repeats + 2):
             if step > 1:
                 train_once(model, opt)
-            uploaded[0] = 0
-            took = timed(lambda: ckpt.save(step))
-            rounds.append((took, uploaded[0]))
+            uploaded[0] = downloaded[0] = 0
+            took = timed(lambda: (ckpt.save(step), ckpt.wait()))
+            rounds.append((took, uploaded[0], downloaded[0]))
             print(f"  frozen {size / 2**20:.0f} MiB save {step}: {took:.3f}s, "
-                  f"{uploaded[0]} bytes uploaded", file=sys.stderr)
+                  f"{uploaded[0]} bytes uploaded, {downloaded[0]} read back", file=sys.stderr)
         ckpt.close()
     finally:
         ObjectFS.write_file = write  # type: ignore[method-assign]
-    first_s, first_b = rounds[0]
+        ObjectFS.hash_file = hash_file  # type: ignore[method-assign]
+    first_s, first_b, first_read = rounds[0]
     later = rounds[1:]
-    return {"first_s": first_s, "first_bytes": first_b,
-            "later": summarize([t for t, _ in later], first_b),
-            "later_bytes": [b for _, b in later],
-            "later_bytes_pct_of_first": max(b for _, b in later) / first_b * 100}
+    return {"first_s": first_s, "first_bytes": first_b, "first_read_back_bytes": first_read,
+            "later": summarize([t for t, _, _ in later], first_b),
+            "later_bytes": [b for _, b, _ in later],
+            "later_read_back_bytes": [r for _, _, r in later],
+            "later_bytes_pct_of_first": max(b for _, b, _ in later) / first_b * 100,
+            "later_read_back_pct_of_first": max(r for _, _, r in later) / first_b * 100}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"{args.frozen} 99% frozen, incremental: first save {frozen['first_s']:.3f} "
                      f"s uploading {frozen['first_bytes']} bytes; later saves "
                      f"{frozen['later']['median_s']:.3f} s (IQR {frozen['later']['iqr_pct']:.0f}"
-                     f"%) uploading at most {frozen['later_bytes_pct_of_first']:.2f}% of that")
+                     f"%) uploading at most {frozen['later_bytes_pct_of_first']:.2f}% of that "
+                     f"and reading back at most {frozen['later_read_back_pct_of_first']:.2f}%")
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
