@@ -427,7 +427,8 @@ def test_a_restore_downloads_each_large_artifact_once(url, monkeypatch):
 @pytest.mark.parametrize("info, trusted", [
     ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e"'}, True),  # S3, one part: the MD5
     ({"ETag": "d41d8cd98f00b204e9800998ecf8427e"}, True),
-    ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e-3"'}, False),  # multipart: no checksum
+    ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e-3"'}, True),  # multipart: of the parts' MD5s
+    ({"ETag": '"d41d8cd98f00b204e9800998ecf8427e-"'}, False),
     ({"etag": "CJ+Qh7Ozu/QCEAE=", "md5Hash": "1B2M2Y8AsgTpgAmY7PhCfg=="}, False),  # GCS etag
     ({"md5Hash": "1B2M2Y8AsgTpgAmY7PhCfg=="}, True),
     ({"etag": '"0x8DBF0E0F5A3C2B1"'}, False),  # Azure
@@ -436,5 +437,5 @@ def test_a_restore_downloads_each_large_artifact_once(url, monkeypatch):
 ])
 def test_only_a_content_checksum_lets_a_copy_skip_its_download(info, trusted):
     """A copy is trusted without its bytes only by a tag that is the store's checksum of
-    them: an MD5 ETag or GCS's md5Hash, never a multipart ETag, a generation or a time."""
+    them: an S3 ETag or GCS's md5Hash, never another store's etag, a generation or a time."""
     assert is_checksum(version_of(info)) is trusted

@@ -269,7 +269,7 @@ class ObjectStore(GenerationStore):
         """An object store has no hard links: an unchanged stable file of an incremental
         save is copied by the store itself (S3's CopyObject: none of its bytes passes through
         this process), while the source is still the object that was verified. False where
-        that fails (the caller uploads it anew). When the store's checksum of the copy (an MD5
+        that fails (the caller uploads it anew). When the store's checksum of the copy (S3's
         ETag) is the one the source had when this process verified it, the copy holds those
         bytes, and the read-back does not download it (`_check_artifact`); otherwise the
         read-back hashes it like any other file, so a source that changed since fails this

@@ -244,13 +244,14 @@ class ObjectFS:
         raise OSError(errno.ENOTSUP, "an object store has no rename", src)
 
 
-_CHECKSUM = re.compile(r'(ETag|etag)="?[0-9a-f]{32}"?|md5Hash=[A-Za-z0-9+/]{22}==')
+_CHECKSUM = re.compile(r'(ETag|etag)="?[0-9a-f]{32}(-[0-9]+)?"?|md5Hash=[A-Za-z0-9+/]{22}==')
 
 
 def is_checksum(tag: object) -> bool:
-    """Whether a version tag (`version_of`) is the store's checksum of the object's bytes: the
-    MD5 ETag of an object uploaded in one part (S3; a multipart ETag ends in "-N" and is not),
-    GCS's md5Hash. Two objects whose tags are equal checksums hold the same bytes."""
+    """Whether a version tag (`version_of`) is the store's checksum of the object's bytes:
+    S3's ETag (the MD5 of an object stored in one part; of one stored in N parts, the MD5 of
+    its parts' MD5s, "-N": equal only for the same bytes in the same parts), GCS's md5Hash.
+    Two objects whose tags are equal checksums hold the same bytes."""
     return isinstance(tag, str) and _CHECKSUM.fullmatch(tag) is not None
 
 
