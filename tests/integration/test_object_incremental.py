@@ -124,6 +124,17 @@ def test_a_source_rotten_after_verification_fails_the_copy_and_the_next_save_upl
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def assert_restores(url, options, step, want):
+    """The newest generation of ``url`` restores into a fresh model at ``step``, bit for
+    bit ``want``."""
+    other, other_opt = fresh()
+    with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
+                               storage_options=options) as reader:
+        assert reader.restore() == step
+    got = state_of(other, other_opt)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.fixture
 def hashed(monkeypatch):
     """Bytes the read-backs downloaded to hash, by save (``hash_file`` reads every byte)."""
@@ -164,12 +175,7 @@ def test_a_copy_holding_the_verified_checksum_is_not_downloaded_again(s3, upload
     store = open_store(url, s3["options"])
     for g in store.scan():
         store.verify(g)  # (a store of its own: every byte hashed)
-    other, other_opt = fresh()
-    with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
-                               storage_options=s3["options"]) as reader:
-        assert reader.restore() == 4
-    got = state_of(other, other_opt)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_restores(url, s3["options"], 4, want)
 
 
 def test_a_copy_changed_before_its_read_back_is_downloaded_and_fails_the_save(
@@ -204,9 +210,4 @@ def test_a_copy_changed_before_its_read_back_is_downloaded_and_fails_the_save(
             ckpt.save()
     store = open_store(url, s3["options"])
     assert [g.generation for g in store.scan()] == [1]
-    other, other_opt = fresh()
-    with unbroken.Checkpointer(url, model=other, optimizer=other_opt,
-                               storage_options=s3["options"]) as reader:
-        assert reader.restore() == 1
-    got = state_of(other, other_opt)
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_restores(url, s3["options"], 1, want)
