@@ -30,3 +30,28 @@ def test_workers_left_behind_by_a_finished_parent_are_reaped(tmp_path):
     assert run_process([sys.executable, str(script)], {}, str(log), timeout=30) == 0
     pgid = int(log.read_text().split()[0])
     assert not group_alive(pgid)
+
+
+def test_the_leader_is_reaped_only_after_its_group_is_gone(tmp_path, monkeypatch):
+    """Every SIGKILL of the group by its number lands while the leader is still a zombie
+    (its pid, the group's id, then cannot belong to another process group); the leader's
+    exit status comes back as it exited."""
+    import os
+
+    from unbroken.proof import harness
+
+    script = tmp_path / "orphan.py"
+    script.write_text("import os, sys, time\nif os.fork() == 0:\n    time.sleep(300)\n"
+                      "sys.exit(3)\n")
+    states: list[str] = []
+    real = os.killpg
+
+    def watched(pgid: int, sig: int) -> None:
+        with open(f"/proc/{pgid}/stat") as f:  # (raises if the leader was reaped)
+            states.append(f.read().rsplit(")", 1)[1].split()[0])
+        real(pgid, sig)
+
+    monkeypatch.setattr(harness.os, "killpg", watched)
+    assert run_process([sys.executable, str(script)], {}, str(tmp_path / "log"),
+                       timeout=30) == 3
+    assert states and set(states) == {"Z"}, states

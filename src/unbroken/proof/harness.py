@@ -115,31 +115,43 @@ def run_process(cmd: Sequence[str], env: Mapping[str, str], log: str,
     process group and every process started under it, followed by parent links while it runs:
     torchrun starts each rank in a session of its own. Raises `Timeout` past ``timeout``
     seconds; an interrupt (Ctrl-C) of the check takes the job down too (it runs in its own
-    session, so the terminal's signal does not reach it)."""
+    session, so the terminal's signal does not reach it).
+
+    The group leader is reaped only after its group is gone: while it stands as a zombie, its
+    pid (the group's id) cannot be given to another process, so the group's SIGKILLs never
+    reach a process group that took the number over (a persisting process, which leads a
+    session of its own, was killed so in a run of the test suite)."""
     with open(log, "ab") as out:
         proc = subprocess.Popen(list(cmd), env=_clean_env(env), stdout=out, stderr=out,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         seen: set[_procs.Process] = set()
         deadline = time.monotonic() + timeout
         try:
-            while (code := proc.poll()) is None:
+            while not _exited(proc.pid):
                 seen |= _procs.tree(proc.pid)
                 if time.monotonic() > deadline:
                     raise subprocess.TimeoutExpired(list(cmd), timeout)
                 time.sleep(_POLL)
         except BaseException as e:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)  # (not reaped: the group is still its own)
             _wait_job_gone(proc.pid, seen)
+            proc.wait()
             if isinstance(e, subprocess.TimeoutExpired):
                 out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
                 raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s (see {log})") from None
             raise
     _wait_job_gone(proc.pid, seen)
-    return code
+    return proc.wait()
+
+
+def _exited(pid: int) -> bool:
+    """Whether the child ``pid`` has ended, without reaping it (it stays a zombie)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def _wait_job_gone(pgid: int, seen: set[_procs.Process]) -> None:
+    """SIGKILL what is left of the job until nothing is: ``seen`` (pinned, `_procs.kill`)
+    and the group ``pgid``, whose leader, this process's child, is not reaped yet."""
     deadline = time.monotonic() + 30
     while _procs.kill(seen) or _procs.group_alive(pgid):
         try:
