@@ -515,45 +515,6 @@ def test_same_step_saved_twice_supersedes(fast_tmp):
     assert_bitwise(restored(root, small)[1], want)
 
 
-def test_incremental_retention_with_kills(fast_tmp):
-    from _frozen import fresh, train_step
-    root = fast_tmp / "run"
-    model, opt = fresh(600)
-
-    def build():
-        return fresh(600)
-
-    saved = {}
-    with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
-                               incremental=True, keep=unbroken.Keep(last=2),
-                               persist_share=0.05) as ck:
-        for s in range(1, 7):
-            train_step(model, opt, s)
-            ck.step_done(s)
-            ck.save()
-            saved[s] = snapshot(model, opt)
-            if s in (3, 5):  # killed mid-save (paced): in write, commit or retention
-                time.sleep(0.05 * s)
-                kill_and_reap(worker_pid(ck))
-                try:
-                    ck.wait()
-                    assert s in gens(root)  # it replied before the kill: committed
-                except UnbrokenError as e:
-                    assert str(root) in str(e)
-                    ck.save(s)
-                    saved[s] = snapshot(model, opt)
-                    assert ck.wait() is not None
-            else:
-                assert ck.wait() is not None
-                assert_no_torch(worker_pid(ck))
-    have = gens(root)
-    assert have[-2:] == [5, 6], have
-    for s in (6, 5):
-        step, got = restored(root, build, s)
-        assert step == s
-        assert_bitwise(got, saved[s])
-
-
 TRAINER = """
 import sys, time, torch, unbroken
 torch.manual_seed(0)
