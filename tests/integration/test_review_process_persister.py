@@ -129,6 +129,13 @@ def step_(model, opt, seed: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
+def step_and_save(ck: unbroken.Checkpointer, model, opt, step: int) -> None:
+    """One update (`step_`), declared done, and its save."""
+    step_(model, opt, step)
+    ck.step_done(step)
+    ck.save()
+
+
 class Net(torch.nn.Module):
     """Shape-shifting model: ``stage`` adds a parameter, changes a buffer's dtype, drops one."""
 
@@ -258,9 +265,7 @@ def test_in_place_mutation_after_save_does_not_change_what_is_written(fast_tmp):
     with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
                                persist_share=0.05, keep=unbroken.Keep(last=10)) as ck:
         for s in (1, 2, 3):
-            step_(model, opt, s)
-            ck.step_done(s)
-            ck.save()
+            step_and_save(ck, model, opt, s)
             want = snapshot(model, opt)
             with torch.no_grad():  # scribble over everything, at once
                 for p in model.parameters():
@@ -285,9 +290,7 @@ def test_restore_keeps_ties_and_strides(fast_tmp):
     root = fast_tmp / "run"
     model, opt = build_odd()
     with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process") as ck:
-        step_(model, opt, 1)
-        ck.step_done(1)
-        ck.save()
+        step_and_save(ck, model, opt, 1)
         ck.wait()
     m2, o2 = build_odd()
     with unbroken.Checkpointer(root, model=m2, optimizer=o2) as r:
@@ -309,9 +312,7 @@ def test_persister_killed_while_idle_next_save_works(fast_tmp):
     root = fast_tmp / "run"
     model, opt = small()
     with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process") as ck:
-        step_(model, opt, 1)
-        ck.step_done(1)
-        ck.save()
+        step_and_save(ck, model, opt, 1)
         ck.wait()
         first = worker_pid(ck)
         assert workers_of_me() == [first]
@@ -351,9 +352,7 @@ def test_persister_killed_mid_save_raises_typed_and_keeps_last_verified(fast_tmp
     ck = unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
                                persist_share=0.02)
     try:
-        step_(model, opt, 1)
-        ck.step_done(1)
-        ck.save()
+        step_and_save(ck, model, opt, 1)
         want1 = snapshot(model, opt)
         assert ck.wait() is not None  # (hurried: full speed)
         step_(model, opt, 2)
@@ -387,9 +386,7 @@ def test_after_a_mid_save_kill_the_same_checkpointer_saves_again(fast_tmp):
                                persist_share=0.02) as ck:
         ck.save(0)
         ck.wait()
-        step_(model, opt, 1)
-        ck.step_done(1)
-        ck.save()
+        step_and_save(ck, model, opt, 1)
         pid = worker_pid(ck)
         time.sleep(0.3)
         kill_and_reap(pid)
@@ -413,9 +410,7 @@ def test_close_with_a_paced_save_in_flight_commits_it(fast_tmp):
     model, opt = big_model()
     ck = unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
                                persist_share=0.02)
-    step_(model, opt, 1)
-    ck.step_done(1)
-    ck.save()
+    step_and_save(ck, model, opt, 1)
     want = snapshot(model, opt)
     pid = worker_pid(ck)
     time.sleep(0.2)
@@ -450,9 +445,7 @@ def test_fork_of_the_trainer_with_a_live_persister(fast_tmp):
             finally:
                 os._exit(0)
         try:
-            step_(model, opt, 1)
-            ck.step_done(1)
-            ck.save()
+            step_and_save(ck, model, opt, 1)
             want = snapshot(model, opt)
             assert ck.wait() is not None
             t0 = time.monotonic()
@@ -500,9 +493,7 @@ def test_same_step_saved_twice_supersedes(fast_tmp):
     root = fast_tmp / "run"
     model, opt = small()
     with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process") as ck:
-        step_(model, opt, 1)
-        ck.step_done(1)
-        ck.save()
+        step_and_save(ck, model, opt, 1)
         ck.wait()
         ck.save()  # unchanged: a no-op
         assert ck.wait() is None
@@ -558,9 +549,7 @@ def test_close_after_the_idle_persister_was_killed_releases_the_run(fast_tmp):
     root = fast_tmp / "run"
     model, opt = small()
     ck = unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process")
-    step_(model, opt, 1)
-    ck.step_done(1)
-    ck.save()
+    step_and_save(ck, model, opt, 1)
     want = snapshot(model, opt)
     ck.wait()
     kill_and_reap(worker_pid(ck))
