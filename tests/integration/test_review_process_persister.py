@@ -3,8 +3,8 @@
 memory. Attacked: a state whose shape changes between saves, the loop mutating every tensor
 right after ``save()`` returned, the persisting process SIGKILLed idle and mid-save,
 ``close()`` with a paced save in flight, a fork of the trainer, two writers on one folder,
-the same step saved twice; every restored state compared bit for bit, and the persisting
-process never maps libtorch. Every wait is bounded (SIGALRM per test)."""
+the same step saved twice, incremental saves with retention under kills; every restored state
+compared bit for bit, and the persisting process never maps libtorch. Every wait is bounded (SIGALRM per test)."""
 
 from __future__ import annotations
 
@@ -504,6 +504,50 @@ def test_same_step_saved_twice_supersedes(fast_tmp):
         assert ck.wait() is not None
     assert gens(root) == [1]
     assert_bitwise(restored(root, small)[1], want)
+
+
+@pytest.mark.parametrize("rep", range(3))
+def test_incremental_retention_with_kills(fast_tmp, rep):
+    """Killed after saves 3 and 5: mid-save (typed error, saved again) or just after it
+    replied. Then the next save goes to a new persisting process even where the killed one
+    still looks alive (it failed 2 times in 14 before the persisting process said which saves
+    it took, `persist.process`)."""
+    from _frozen import fresh, train_step
+    root = fast_tmp / "run"
+    model, opt = fresh(600)
+
+    def build():
+        return fresh(600)
+
+    saved = {}
+    with unbroken.Checkpointer(root, model=model, optimizer=opt, async_save="process",
+                               incremental=True, keep=unbroken.Keep(last=2),
+                               persist_share=0.05) as ck:
+        for s in range(1, 7):
+            train_step(model, opt, s)
+            ck.step_done(s)
+            ck.save()
+            saved[s] = snapshot(model, opt)
+            if s in (3, 5):  # killed mid-save (paced): in write, commit or retention
+                time.sleep(0.05 * s)
+                kill_and_reap(worker_pid(ck))
+                try:
+                    ck.wait()
+                    assert s in gens(root)  # it replied before the kill: committed
+                except UnbrokenError as e:
+                    assert str(root) in str(e)
+                    ck.save(s)
+                    saved[s] = snapshot(model, opt)
+                    assert ck.wait() is not None
+            else:
+                assert ck.wait() is not None
+                assert_no_torch(worker_pid(ck))
+    have = gens(root)
+    assert have[-2:] == [5, 6], have
+    for s in (6, 5):
+        step, got = restored(root, build, s)
+        assert step == s
+        assert_bitwise(got, saved[s])
 
 
 TRAINER = """

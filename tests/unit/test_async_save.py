@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.errors import SaveFailed
+from unbroken.errors import SaveFailed, UnbrokenWarning
 from unbroken.persist.process import ProcessPersister
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.store import lock
@@ -306,6 +307,44 @@ def test_a_persisting_process_that_died_between_saves_is_replaced(tmp_path):
         ckpt.save()
         assert ckpt.wait().generation == 2
     assert [g.generation for g in GenerationStore(tmp_path / "run").scan()] == [1, 2]
+
+
+@pytest.mark.parametrize("when", ["dead, looking alive", "stopped, killed after save()"])
+def test_a_save_the_persisting_process_never_took_goes_to_a_new_one(tmp_path, monkeypatch, when):
+    """A persisting process SIGKILLed just before a save may still look alive when the save
+    is handed over (until its last thread is gone): that save, which it never took, goes to a
+    new persisting process, with a warning; it does not fail."""
+    model, opt = net()
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               async_save="process") as ckpt:
+        train(model, opt, ckpt, 0, 1)
+        ckpt.save()
+        ckpt.wait()
+        proc = ckpt._persister._proc
+        train(model, opt, ckpt, 1, 2)
+        want = state(model, opt)
+        with pytest.warns(UnbrokenWarning, match=rf"persisting process {proc.pid} had ended "
+                          r"\(exit code -9.*before it took the save of generation 2; a new"):
+            if when == "dead, looking alive":  # (the handover finds its socket closed)
+                proc.kill()
+                os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # gone, not reaped
+                monkeypatch.setattr(proc, "poll", lambda: None)  # as it looks for a moment
+                ckpt.save()
+            else:  # (the request waits in its socket, not taken; the wait finds it closed)
+                os.kill(proc.pid, signal.SIGSTOP)
+                ckpt.save()
+                proc.kill()
+            assert ckpt.wait().generation == 2
+        assert ckpt._persister._proc.pid != proc.pid
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        assert ckpt.restore() == 2
+        got = state(model, opt)
+        assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
+        train(model, opt, ckpt, 2, 3)
+        ckpt.save()  # the new process goes on
+        assert ckpt.wait().generation == 3
 
 
 def test_a_failed_save_in_the_persisting_process_raises_typed(tmp_path, monkeypatch):

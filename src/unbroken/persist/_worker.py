@@ -158,6 +158,10 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
             announced = request["announce"]
             continue
         announced = None
+        # Taken: before anything is done with it (a writer whose persisting process ended
+        # before this hands the save to a new one, `process`).
+        with contextlib.suppress(OSError):  # (the writer is gone: the save goes on)
+            _wire.send(sock, {"took": request.get("seq")})
         job: FileGroup | None = None
         error: Exception | None = None
         try:

@@ -18,7 +18,13 @@ It is reused from one save to the next (at most one save is in flight).
 In a job of many ranks every rank has a persisting process of its own, and they commit each
 generation together through files (`dist.filegroup`); only the leader's takes the persister
 byte (the other ranks hold no lock: they write their own files into the leader's staging
-folder)."""
+folder).
+
+A persisting process says it took a save (``took``) before it does anything with it. One that
+ended before that (killed between two saves: it may look alive for a moment after its
+SIGKILL, until its last thread is gone) has written nothing of the save, which is then handed
+to a new one once, with a warning; one that ended after is a `SaveFailed` (the generation may
+be committed or not: a restore verifies it)."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -35,13 +42,14 @@ import torch
 
 from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
-from ..errors import SaveFailed
+from ..errors import SaveFailed, UnbrokenWarning
 from ..state.tensorfile import Room
 from ..store.generations import GenerationStore
 from ..store.sources import Linked, Source
 from . import _wire
 
 _HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
+_ENDING_S = 60.0  # for a persisting process whose socket closed to be gone
 _TORCH_COPY = 1 << 20  # chunks from this size are copied by torch (threads), smaller by Python
 _SLACK = 1 << 20  # a new segment's size is a multiple of this
 
@@ -74,6 +82,16 @@ class ProcessPersister:
         self.built = 0  # of which built in the segment by the encoder (`room`), not copied
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
         self.died = False  # the persisting process ended before replying to the last save
+        # what the save under way tells the persisting process (its announce, its request),
+        # the process each went to (by `_started`), whether it said it took the request, and whether one
+        # that ended before taking it was replaced yet (once a save)
+        self._announce: dict[str, Any] | None = None
+        self._message: dict[str, Any] | None = None
+        self._sent_to: dict[str, int] = {}
+        self._started = 0  # persisting processes started so far
+        self._step: int | None = None
+        self._taken = False
+        self._replaced = False
         me = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
@@ -108,6 +126,7 @@ class ProcessPersister:
         finally:
             theirs.close()
         self._sock, self._running, self._shm_sent = mine, False, False
+        self._started += 1
 
     def _ready(self) -> socket.socket:
         """The socket of a persisting process that is ready (holding the run, where it takes
@@ -177,10 +196,9 @@ class ProcessPersister:
         before `submit` (killed while it encodes), the persisting process says so to the
         others', whose wait for this rank's files then ends at once, not at the timeout
         (holding the run's lock meanwhile)."""
-        try:
-            _wire.send(self._ready(), {"announce": {"step": step, **job}})
-        except (OSError, _wire.Closed, ValueError) as e:
-            raise self._fail("the save could not be announced", e) from e
+        self._announce, self._message, self._sent_to = {"announce": {"step": step, **job}}, None, {}
+        self._step, self._taken, self._replaced = step, False, False
+        self._deliver("announced")
 
     def submit(self, request: Mapping[str, Any], artifacts: Mapping[str, Source]) -> None:
         """Copy ``artifacts`` into shared memory (the snapshot: when this returns, nothing
@@ -243,31 +261,76 @@ class ProcessPersister:
         self.nbytes, self.built = total, total - copied
         assert self._shm is not None
         self._seq += 1
-        message = {**request, "seq": self._seq, "segment": self._shm_id,
-                   "segment_size": len(self._shm), "artifacts": listed}
+        self._message = {**request, "seq": self._seq, "segment": self._shm_id,
+                         "segment_size": len(self._shm), "artifacts": listed}
+        if "job" not in request:  # (a job's save began with its announce)
+            self._announce, self._sent_to, self._replaced = None, {}, False
+        self._step, self._taken = request.get("step"), False
+        self._deliver("handed over")
+
+    def _deliver(self, what: str) -> None:
+        """Send the save's announce and request to a persisting process that is ready, each
+        once; if it ended before it took the request, once more to a new one (`_replace`)."""
         try:
-            sock = self._ready()
-            _wire.send(sock, message, None if self._shm_sent else self._shm_fd)
+            self._send()
         except (OSError, _wire.Closed, ValueError) as e:
-            raise self._fail("the save could not be handed over", e) from e
-        self._shm_sent = True
+            if not self._replace(e):
+                raise self._fail(f"the save could not be {what}", e) from e
+            try:
+                self._send()
+            except (OSError, _wire.Closed, ValueError) as e2:
+                raise self._fail(f"the save could not be {what}", e2) from e2
+
+    def _send(self) -> None:
+        sock = self._ready()
+        if self._announce is not None and self._sent_to.get("announce") != self._started:
+            _wire.send(sock, self._announce)
+            self._sent_to["announce"] = self._started
+        if self._message is not None and self._sent_to.get("request") != self._started:
+            _wire.send(sock, self._message, None if self._shm_sent else self._shm_fd)
+            self._shm_sent = True
+            self._sent_to["request"] = self._started
+
+    def _replace(self, e: BaseException) -> bool:
+        """After the connection failed (``e``): whether the persisting process has ended
+        without taking the save under way, and no other was started for this save yet; then
+        the next `_send` starts one (with a warning that names the one that ended)."""
+        proc = self._proc
+        if proc is None or self._taken or self._replaced:
+            return False
+        try:
+            code = proc.wait(timeout=_ENDING_S)  # (its socket is closed: it is ending)
+        except subprocess.TimeoutExpired:
+            return False
+        self._proc, self._replaced = None, True  # (the next `_ready` starts one)
+        warnings.warn(f"{self._store.root}: the persisting process {proc.pid} had ended (exit "
+                      f"code {code}: {e}) before it took the save of generation {self._step}; "
+                      "a new one takes it", UnbrokenWarning, stacklevel=2)
+        return True
 
     def result(self) -> dict[str, Any]:
         """Block until the save handed over ended; its reply, or raise its error (``died``
         tells whether the persisting process ended without replying)."""
         assert self._sock is not None and self._proc is not None
         self.died = False
-        try:
-            while True:
+        while True:
+            try:
                 reply = _wire.receive(self._sock)
-                if reply.get("seq") == self._seq:
-                    break
-        except (OSError, _wire.Closed, ValueError) as e:
-            code = self._proc.wait()
-            self.died = True
-            raise self._fail(f"it ended with exit code {code} before it replied (the "
-                             "generation may be committed or not: a restore verifies it)",
-                             e) from None
+            except (OSError, _wire.Closed, ValueError) as e:
+                if self._replace(e):
+                    self.died = True  # (until the new one holds the save)
+                    self._deliver("handed over")
+                    self.died = False
+                    continue
+                code = self._proc.wait()
+                self.died = True
+                raise self._fail(f"it ended with exit code {code} before it replied (the "
+                                 "generation may be committed or not: a restore verifies it)",
+                                 e) from None
+            if reply.get("took") == self._seq:
+                self._taken = True
+            elif reply.get("seq") == self._seq:
+                break
         if not reply.get("ok"):
             raise rebuild(reply)
         self.io_ops = int(reply.get("ops", 0))

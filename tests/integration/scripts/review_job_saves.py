@@ -5,8 +5,10 @@ for each other. Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; ``MO
 
 Save 1 succeeds; at save 2 the extras part is nested deeper than a generation can store, on
 every rank alike (so the replicas agree), and only the leader encodes it; save 3 succeeds.
-With ``process``, rank 1's persisting process is then stopped, handed save 4 and SIGKILLed:
-every rank's ``wait()`` must fail at once, not when the others give up waiting for it."""
+With ``process``, rank 1's persisting process is then stopped, handed save 4 and SIGKILLed
+before it took it: a new one takes it, and the job commits it. Then it takes save 5 and is
+SIGKILLed while it waits for rank 0's: every rank's ``wait()`` must fail at once, not when the
+others give up waiting for it."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -39,6 +42,17 @@ class Deep:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         pass
+
+
+def outcome(ckpt: unbroken.Checkpointer, tag: str) -> dict[str, object]:
+    """How ``ckpt.wait()`` ended (``raised<tag>``: None or the error) and how long it took."""
+    started = time.monotonic()
+    try:
+        ckpt.wait()
+        raised = None
+    except unbroken.UnbrokenError as e:
+        raised = {"type": type(e).__name__, "message": str(e)}
+    return {f"raised{tag}": raised, f"seconds{tag}": time.monotonic() - started}
 
 
 def main() -> None:
@@ -72,21 +86,37 @@ def main() -> None:
     extra.deep = False
     ckpt.save(3)
     result = {"raised": raised, "seconds": seconds}
-    if mode == "process":  # rank 1's persisting process dies before it takes save 4 up
+    if mode == "process":
         ckpt.wait()
+        # save 4: rank 1's persisting process is stopped, handed the save and SIGKILLed before
+        # it took it: a new one takes it (with a warning), and the job commits generation 4
         persister = ckpt._persister._proc
-        if rank == 1:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if rank == 1:
+                os.kill(persister.pid, signal.SIGSTOP)
+            ckpt.save(4)
+            if rank == 1:
+                os.kill(persister.pid, signal.SIGKILL)
+            result.update(outcome(ckpt, "4"))
+        result["warned4"] = [str(w.message) for w in caught]
+        # save 5: rank 1's persisting process takes the save, then waits for rank 0's (stopped
+        # before the save) to write its files too, and is SIGKILLed there: every rank's wait()
+        # must fail at once, not when the others give up waiting for it
+        persister = ckpt._persister._proc
+        if rank == 0:
             os.kill(persister.pid, signal.SIGSTOP)
-        ckpt.save(4)
+        ckpt.save(5)
         if rank == 1:
+            deadline = time.monotonic() + 20
+            while not ckpt._persister._taken:
+                assert time.monotonic() < deadline, "save 5 was never taken"
+                time.sleep(0.01)
             os.kill(persister.pid, signal.SIGKILL)
-        started = time.monotonic()
-        try:
-            ckpt.wait()
-            result["raised4"] = None
-        except unbroken.UnbrokenError as e:
-            result["raised4"] = {"type": type(e).__name__, "message": str(e)}
-        result["seconds4"] = time.monotonic() - started
+        dist.barrier()
+        if rank == 0:
+            os.kill(persister.pid, signal.SIGCONT)
+        result.update(outcome(ckpt, "5"))
     ckpt.close()
     with open(os.path.join(args.out, f"result.rank{rank}.json"), "w") as f:
         json.dump({**result, "folder": sorted(os.listdir(args.folder))}, f)
