@@ -83,8 +83,8 @@ class ProcessPersister:
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
         self.died = False  # the persisting process ended before replying to the last save
         # what the save under way tells the persisting process (its announce, its request),
-        # the process each went to (by `_started`), whether it said it took the request, and whether one
-        # that ended before taking it was replaced yet (once a save)
+        # the process each went to (by `_started`), whether it said it took the request, and
+        # whether one that ended before taking it was replaced yet (once a save)
         self._announce: dict[str, Any] | None = None
         self._message: dict[str, Any] | None = None
         self._sent_to: dict[str, int] = {}
@@ -296,8 +296,9 @@ class ProcessPersister:
         without taking the save under way, and no other was started for this save yet; then
         the next `_send` starts one (with a warning that names the one that ended)."""
         proc = self._proc
-        if proc is None or self._taken or self._replaced:
-            return False
+        if (proc is None or self._taken or self._replaced
+                or not isinstance(e, (_wire.Closed, ConnectionError))):
+            return False  # (a garbled message or a timeout: not a process that ended)
         try:
             code = proc.wait(timeout=_ENDING_S)  # (its socket is closed: it is ending)
         except subprocess.TimeoutExpired:
