@@ -46,60 +46,12 @@ import torch.utils.data
 
 from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
 from ._keyed import TAG_WORKERS, mix
+from ._loader_pass import _LoaderIterator, _Pass
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
 from .seeding import _RecordKeys, _SeededCollate
 
 _END = object()  # an iterable pass's peek found the end of the stream
-
-
-class _Pass:
-    """One ``iter()`` of the loader: where it started and how many batches it handed out."""
-
-    def __init__(self, epoch: int, start: int, total: int | None, accumulation: int) -> None:
-        self.epoch = epoch
-        self.start = start  # global samples (or items) consumed when the pass began
-        self.total = total  # batches this pass will yield; None until an iterable's end is seen
-        self.n = accumulation
-        self.yielded = 0
-        self.iterator: Iterator[Any] | None = None
-        self.pending: Any = None  # iterable passes look one batch ahead to know the last one
-        self.started = False
-        # Iterable passes: sample ids of the last batch, of the open window, of the last
-        # completed window (a sampler computes them from positions instead).
-        self.batch_ids: list[int] = []
-        self.window_ids: list[int] = []
-        self.update_ids: list[int] = []
-
-    def completed(self) -> int:
-        """Batches of this pass that belong to completed update windows."""
-        k = self.yielded
-        if self.total is not None and k == self.total:
-            return k  # the epoch's last window closes early: windows never span epochs
-        return k - k % self.n
-
-    def window(self) -> tuple[int, int]:
-        """(micro-batches of the current window handed out, size of that window)."""
-        k = self.yielded
-        if k == 0:
-            return 0, self.n if self.total is None else min(self.n, self.total)
-        first = (k - 1) // self.n * self.n
-        size = self.n if self.total is None else min(self.n, self.total - first)
-        return k - first, size
-
-
-class _LoaderIterator:
-    """Iterator over one pass; refuses to continue once superseded."""
-
-    def __init__(self, loader: ResumableLoader, p: _Pass) -> None:
-        self._loader = loader
-        self._pass = p
-
-    def __iter__(self) -> _LoaderIterator:
-        return self
-
-    def __next__(self) -> Any:
-        return self._loader._next(self._pass)
 
 
 class ResumableLoader:

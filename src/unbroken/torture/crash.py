@@ -19,7 +19,6 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -28,80 +27,16 @@ from ..store.backends.killpoints import KILL_ENV, KILL_NOTE_ENV, KILL_OP_ENV
 from ..store.lock import persister_gone
 from ._disk import POINT_PHASE, DiskState, inspect_run, phase_of_note, phase_of_state
 from ._events import EVENTS, Episode, Events
+from ._figures import KINDS, Figures
 from ._job import KEEP_LAST, STEPS, prepare_parent, start_without_restore, train
 from ._life import count_lines, read_events, read_lines, run_life, tail
 
-KINDS = ("op", "timer", "point")
 # Kill kinds in a fixed rotation (half numbered I/O operations, 30% timers, 20% named points),
 # and the named points in a fixed order, so that every run of 10 kills covers all kinds and the
 # first named-point kills cover the commit and retention.
 _ROTATION = ("op", "timer", "point", "op", "op", "timer", "op", "point", "timer", "op")
 POINTS = ("before-rename", "retention-unlinked", "artifact-1-written", "after-rename",
            "manifest-written", "artifact-2-written", "step-done", "artifact-4-written")
-
-
-@dataclass
-class Figures:
-    seed: int
-    kills_requested: int
-    kills: int = 0
-    kills_by_kind: dict[str, int] = field(default_factory=lambda: {k: 0 for k in KINDS})
-    kills_by_phase: dict[str, int] = field(default_factory=dict)
-    lives: int = 0
-    recoveries: int = 0
-    restored_from_nothing: int = 0
-    fell_back: int = 0
-    torn_seen: int = 0
-    torn_refused: int = 0
-    corrupt_seen: int = 0
-    corrupt_refused: int = 0
-    staging_debris_seen: int = 0
-    trash_debris_seen: int = 0
-    generations_reported: int = 0
-    generations_lost: int = 0
-    rots: int = 0  # a newer generation rotted between lives (one byte of tensor data)
-    rots_refused: int = 0  # ... and the next life did not load it
-    rots_only_generation: int = 0  # ... it was the only verified one: the run was refused
-    no_restore_starts: int = 0  # lives that tried to save without restore() in a used folder
-    no_restore_refused: int = 0  # ... and got RunNotRestored
-    no_restore_changed: int = 0  # ... and changed the folder anyway
-    aside_explained: int = 0  # aside/ entries: a rot's or a restore's refusal
-    aside_unexplained: int = 0
-    torn_or_corrupt_loaded: int = 0
-    wrong_state_restored: int = 0
-    async_save: str = "off"
-    persist_share: float | None = None
-    # async saves: kills right after save() returned ("step-done" at a save step), and how
-    # many of those generations were committed all the same (by the persisting process)
-    kills_after_save_returned: int = 0
-    committed_after_save_returned: int = 0
-    # any kill while a save was handed over and not yet confirmed, and how many committed
-    kills_in_flight: int = 0
-    committed_in_flight: int = 0
-    episodes: int = 0
-    episodes_equal: int = 0
-    final_equal: bool = False
-    reference_ops: int = 0
-    reference_seconds: float = 0.0
-    seconds: float = 0.0
-    failures: list[str] = field(default_factory=list)
-    kills_log: list[dict[str, Any]] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return (not self.failures and self.generations_lost == 0 and self.final_equal
-                and self.torn_or_corrupt_loaded == 0 and self.wrong_state_restored == 0
-                and self.kills >= self.kills_requested and self.recoveries == self.kills
-                and self.torn_refused == self.torn_seen
-                and self.corrupt_refused == self.corrupt_seen
-                and self.rots_refused == self.rots and self.no_restore_changed == 0
-                and self.no_restore_refused == self.no_restore_starts
-                and self.aside_unexplained == 0)
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in self.__dict__.items()}
-        d["ok"] = self.ok
-        return d
 
 
 class Torture(Events):
