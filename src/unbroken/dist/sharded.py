@@ -24,7 +24,6 @@ import contextlib
 import copy
 import json
 import math
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -33,23 +32,16 @@ from typing import Any
 import torch
 from torch.futures import Future
 
-from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenError, UnsupportedValue
-from ..state.jsontext import dumps_json, loads_json
+from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
+from ..state.jsontext import dumps_json
 from ..state.tensorfile import ST_DTYPES, decode_safetensors, encode_safetensors
+from ._shard_index import _DTYPE_BY_NAME, _SHARD_FILE, SHARDS_FILE, _merge, _name, shard_file
+from ._shard_index import SHARDS_SCHEMA as SHARDS_SCHEMA
+from ._shard_index import read_index as read_index
 from .group import Group
 
-SHARDS_FILE = "shards.json"
-SHARDS_SCHEMA = "unbroken.shards/1"
-_MAX_INDEX_BYTES = 64 * 1024 * 1024
-_DTYPE_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 # (No DTensor is of these types: a Parameter made of a DTensor is of the DTensor's type.)
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_SHARD_FILE = re.compile(r"rank([0-9]{5})\.shards\.safetensors", re.ASCII)
-
-
-def shard_file(rank: int) -> str:
-    """One rank's chunks of every sharded tensor."""
-    return f"rank{rank:05d}.shards.safetensors"
 
 
 def is_sharded(value: Any) -> bool:
@@ -186,60 +178,7 @@ class _Writer:
         return True
 
 
-def _merge(everyone: list[list[dict[str, Any]]], meta: Mapping[str, str]) -> dict[str, Any]:
-    """``shards.json``: per DCP key, the global size, dtype and every rank's chunks."""
-    tensors: dict[str, Any] = {}
-    for rank, index in enumerate(everyone):
-        for c in index:
-            entry = tensors.setdefault(c["key_path"], {"dtype": c["dtype"], "size": c["size"],
-                                                       "chunks": []})
-            if (entry["dtype"], entry["size"]) != (c["dtype"], c["size"]):
-                raise StateMismatch(f"sharded tensor {_name(c['key_path'])}: rank {rank} holds "
-                                    f"{c['dtype']} {c['size']}, another rank "
-                                    f"{entry['dtype']} {entry['size']}")
-            if any(x["offsets"] == c["offsets"] for x in entry["chunks"]):
-                continue  # a replica of a chunk (HSDP): the lowest rank's copy is read
-            entry["chunks"].append({"offsets": c["offsets"], "sizes": c["sizes"],
-                                    "file": shard_file(rank), "key": c["key"]})
-    return {"schema": SHARDS_SCHEMA, "meta": dict(meta), "tensors": tensors}
-
-
 # -- restoring ---------------------------------------------------------------------------------
-
-
-def read_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
-    """``shards.json``, validated: every chunk inside its tensor, every dtype known."""
-    doc = loads_json(data, where, _MAX_INDEX_BYTES)
-    try:
-        if doc["schema"] != SHARDS_SCHEMA:
-            raise CorruptCheckpoint(f"{where}: schema {doc['schema']!r}, expected "
-                                    f"{SHARDS_SCHEMA!r}")
-        for key, entry in doc["tensors"].items():
-            path = json.loads(key)
-            size, chunks = entry["size"], entry["chunks"]
-            ok = (isinstance(path, list) and len(path) >= 2 and isinstance(path[0], str)
-                  and all(type(k) in (str, int) for k in path)
-                  and entry["dtype"] in _DTYPE_BY_NAME and _ints(size) and chunks
-                  and all(_ints(c["offsets"]) and _ints(c["sizes"])
-                          and len(c["offsets"]) == len(c["sizes"]) == len(size)
-                          and all(o + s <= n for o, s, n in zip(c["offsets"], c["sizes"], size))
-                          and _SHARD_FILE.fullmatch(c["file"]) is not None
-                          and isinstance(c["key"], str)
-                          for c in chunks))
-            # Each element is saved in exactly one chunk: chunks that do not add up to the
-            # tensor would leave part of it unread (and an edited size would allocate it).
-            if ok and sum(math.prod(c["sizes"]) for c in chunks) != math.prod(size):
-                raise CorruptCheckpoint(f"{where}: tensor {key}: its chunks hold "
-                                        f"{sum(math.prod(c['sizes']) for c in chunks)} "
-                                        f"elements, its size {list(size)} needs "
-                                        f"{math.prod(size)}")
-            if not ok:
-                raise ValueError(key)
-    except CorruptCheckpoint:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CorruptCheckpoint(f"{where}: not an unbroken shard index ({e!s:.100})") from None
-    return doc
 
 
 def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mapping[str, Any],
@@ -403,17 +342,6 @@ def _quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
-
-
-def _ints(v: Any) -> bool:
-    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
-
-
-def _name(key: str) -> str:
-    try:
-        return ".".join(str(k) for k in json.loads(key))
-    except ValueError:
-        return key
 
 
 def _first_line(e: BaseException) -> str:
