@@ -11,5 +11,41 @@ zygote and every script the tests start."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+HANG_LIMIT_S = 60  # a test that uses `hang_watchdog` and runs longer hangs
+
+
+@pytest.fixture
+def hang_watchdog():
+    """Fail the test with TimeoutError after `HANG_LIMIT_S` seconds (SIGALRM in the main
+    thread): for tests of processes that could wait on each other forever."""
+    def boom(*_):
+        raise TimeoutError(f"test ran past {HANG_LIMIT_S} s (a hang)")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(HANG_LIMIT_S)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def fast_tmp(tmp_path):
+    """A memory-backed folder where one exists: for tests that inject faults or race
+    processes rather than measure the disk."""
+    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
+        d = tempfile.mkdtemp(prefix="unbroken-test-", dir="/dev/shm")
+        yield Path(d)
+        shutil.rmtree(d, ignore_errors=True)
+    else:
+        yield tmp_path

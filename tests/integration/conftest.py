@@ -2,7 +2,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -106,18 +105,6 @@ def pytest_sessionfinish(session, exitstatus):
 
 def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-@pytest.fixture
-def fast_tmp(tmp_path):
-    """A memory-backed folder where one exists: for tests that inject faults or race
-    processes rather than measure the disk."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        d = tempfile.mkdtemp(prefix="unbroken-test-", dir="/dev/shm")
-        yield Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-    else:
-        yield tmp_path
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ memory. Attacked: a state whose shape changes between saves, the loop mutating e
 right after ``save()`` returned, the persisting process SIGKILLed idle and mid-save,
 ``close()`` with a paced save in flight, a fork of the trainer, two writers on one folder,
 the same step saved twice, incremental saves with retention under kills; every restored state
-compared bit for bit, and the persisting process never maps libtorch. Every wait is bounded (SIGALRM per test)."""
+compared bit for bit, and the persisting process never maps libtorch. Every wait is bounded
+(SIGALRM per test)."""
 
 from __future__ import annotations
 
@@ -20,21 +21,7 @@ import torch
 import unbroken
 from unbroken.errors import UnbrokenError
 
-LIMIT_S = 60  # per test: nothing may hang
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    def boom(*_):
-        raise TimeoutError(f"test ran past {LIMIT_S} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+pytestmark = pytest.mark.usefixtures("hang_watchdog")  # (60 s a test: nothing may hang)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import warnings
@@ -28,31 +26,7 @@ import unbroken
 from unbroken.errors import SaveFailed, UnbrokenError, UnbrokenWarning
 from unbroken.persist.process import ProcessPersister
 
-LIMIT_S = 60  # per test: nothing may hang
-
-
-@pytest.fixture(autouse=True)
-def watchdog():
-    def boom(*_):
-        raise TimeoutError(f"test ran past {LIMIT_S} s (a hang)")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(LIMIT_S)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
-
-@pytest.fixture
-def fast_tmp(tmp_path):
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
-        d = tempfile.mkdtemp(prefix="unbroken-review-", dir="/dev/shm")
-        yield Path(d)
-        shutil.rmtree(d, ignore_errors=True)
-    else:
-        yield tmp_path
+pytestmark = pytest.mark.usefixtures("hang_watchdog")  # (60 s a test: nothing may hang)
 
 
 # -- helpers ---------------------------------------------------------------------------------
