@@ -1,14 +1,16 @@
 """The single writer of a run on an object store: a lease object, ``RUN/LEASE.json``.
 
 An object store has no ``fcntl`` lock that dies with its process, so the writer holds a lease:
-an object created only if absent (`ObjectFS.create_file`), naming its holder (pid, host) and an
-expiry, renewed by a heartbeat thread every third of its length and at every commit. A second
-writer is refused (`StoreLocked`) while the lease is live; it takes over a lease past its
-expiry (its writer stopped renewing: dead, or cut off) or one whose holder was a process of
-this machine that is gone (a crashed writer restarted here need not wait). A writer whose
-lease was taken over learns it at its next renewal and stops. Two writers that both take an
-expired lease at once are possible; the conditional manifest upload still lets only one
-commit each generation (`objects.ObjectStore.publish`)."""
+an object created only if absent (`ObjectFS.create_file`), naming its holder (pid and start
+time; host name, boot and pid namespace) and an expiry, renewed by a heartbeat thread every
+third of its length and at every commit. A second writer is refused (`StoreLocked`) while the
+lease is live; it takes over a lease past its expiry (its writer stopped renewing: dead, or
+cut off) or one whose holder was a process of this machine that is gone (a crashed writer
+restarted here need not wait; a pid of another container under the same host name is never
+taken for one of this machine). A writer whose lease was taken over learns it at its next
+renewal and stops. Two writers that both take an expired lease at once are possible; the
+conditional manifest upload still lets only one commit each generation
+(`objects.ObjectStore.publish`)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+from .._procs import _started, _stat
 from ..errors import CorruptCheckpoint, StoreLocked
 from .backends.objects import ObjectFS
 
@@ -41,7 +44,9 @@ class Lease:
         return self.token is not None
 
     def _bytes(self, token: str) -> bytes:
-        return json.dumps({"lease": token, "pid": os.getpid(), "host": socket.gethostname(),
+        pid = os.getpid()
+        return json.dumps({"lease": token, "pid": pid, "host": socket.gethostname(),
+                           **_machine(), "started": _started(pid),
                            "expires": time.time() + self.seconds}).encode()
 
     def _read(self) -> dict[str, Any] | None:
@@ -132,18 +137,47 @@ class Lease:
                     pass  # it expires
 
 
+def _machine() -> dict[str, str | None]:
+    """What makes a pid mean one process: this boot of this kernel and this pid namespace.
+    Two containers may share a host name (host networking) but not a pid namespace, where
+    the other's pid names nothing, or another process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot: str | None = f.read().strip()
+    except OSError:
+        boot = None
+    try:
+        pidns: str | None = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"boot": boot, "pidns": pidns}
+
+
 def _dead_here(holder: Mapping[str, Any]) -> bool:
-    """Whether the lease's holder was a process of this machine that is gone."""
+    """Whether the lease's holder was a process of this machine that is gone. This machine:
+    the same host name and, where the lease names them, the same boot and pid namespace.
+    Gone: no such process; or, where the lease names them, one that died and was not reaped
+    yet, or another process that was given its pid since (its start time differs)."""
     pid = holder.get("pid")
     if holder.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
         return False  # (`Lease._read` sets an impossible pid to None)
+    here = _machine()
+    placed = all(holder.get(k) is not None for k in here)
+    if placed and any(holder.get(k) != v for k, v in here.items()):
+        return False  # another machine or container under the same name: cannot tell
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
     except OSError:
         return False
-    return False
+    fields = _stat(pid) if placed else None  # (an older lease: only a missing process)
+    if fields is None:
+        return False
+    if fields[0] in ("Z", "X"):
+        return True  # dead, its parent has not reaped it yet
+    started = holder.get("started")
+    return type(started) is int and int(fields[19]) != started  # the pid was reused
 
 
 class _Heartbeat:
