@@ -89,8 +89,10 @@ class Lease:
                 holder = self._read()  # unreadable (an I/O error) is never taken over
                 if holder is not None and holder["expires"] > time.time() and \
                         not _dead_here(holder):
+                    who = (f"pid {holder['pid']}" if holder.get("pid") is not None
+                           else "a process it cannot name")
                     raise StoreLocked(
-                        f"{self.path}: the run is leased by pid {holder.get('pid')} on "
+                        f"{self.path}: the run is leased by {who} on "
                         f"{holder.get('host')} until {time.ctime(float(holder['expires']))}; "
                         "one writer per run: stop that one, or wait for its lease to expire"
                         ) from None
