@@ -63,18 +63,20 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 # The tools' commands: each one's module in `unbroken.tools` and its one-line help. The command
-# line lists them from here and imports only the module of the command it runs: three of the
-# tools import torch (2 s), which ``unbroken --help``, ``plan`` or ``audit`` never need.
+# line lists them from here and imports only the module of the command it runs. The tools that
+# need torch (2 s to import) declare their commands in `tools._entries`, which imports each
+# tool when its command runs: ``--help`` and usage errors never wait for torch.
 TOOLS: dict[str, tuple[str, str]] = {
     "audit": ("audit", "read a foreign checkpoint safely and say which continuation state it "
                        "lacks"),
-    "diff": ("diff", "what differs between two generations: tensors, counters, RNG, learning "
-                     "rates"),
-    "export": ("export", "write a generation's weights for inference (safetensors + identity)"),
-    "verify-export": ("export", "reload an export into a rebuilt model and re-run its fixed "
-                                "inputs"),
-    "import": ("importing", "turn a Trainer, Accelerate, Lightning or torch.save checkpoint "
-                            "into an unbroken warm-start run"),
+    "diff": ("_entries", "what differs between two generations: tensors, counters, RNG, "
+                         "learning rates"),
+    "export": ("_entries", "write a generation's weights for inference (safetensors + "
+                           "identity)"),
+    "verify-export": ("_entries", "reload an export into a rebuilt model and re-run its fixed "
+                                  "inputs"),
+    "import": ("_entries", "turn a Trainer, Accelerate, Lightning or torch.save checkpoint "
+                           "into an unbroken warm-start run"),
     "plan": ("plan", "save interval, overhead fraction and expected lost work"),
 }
 

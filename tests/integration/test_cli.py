@@ -151,10 +151,13 @@ def test_inspect_answers_without_importing_torch(run: Path) -> None:
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["plan", "--help"], ["audit", "--help"],
-                                  ["frobnicate"], ["--version"]])
+                                  ["frobnicate"], ["--version"], ["diff", "--help"],
+                                  ["export", "--help"], ["verify-export", "--help"],
+                                  ["import", "--help"], ["export", "only-one-argument"]])
 def test_the_command_list_and_torch_free_tools_never_import_torch(argv: list[str]) -> None:
-    """The command list comes from `TOOLS`: ``unbroken --help`` and the tools that need no
-    torch (plan, audit) answer without it; ``unbroken diff`` imports it to run."""
+    """The command list comes from `TOOLS`: ``unbroken --help``, the tools that need no
+    torch (plan, audit), and the help and usage errors of those that do (`tools._entries`)
+    answer without it; ``unbroken diff`` imports it to run."""
     code = ("import json, sys; from unbroken.cli import main\n"
             "try:\n    rc = main(json.loads(sys.argv[1]))\nexcept SystemExit as e:\n"
             "    rc = e.code\n"
@@ -162,9 +165,17 @@ def test_the_command_list_and_torch_free_tools_never_import_torch(argv: list[str
     p = subprocess.run([sys.executable, "-c", code, json.dumps(argv)], capture_output=True,
                        text=True, timeout=120)
     seen = json.loads(p.stderr.strip().splitlines()[-1])
-    assert seen == {"rc": 2 if argv == ["frobnicate"] else 0, "torch": False}, p.stderr
+    usage_error = argv in (["frobnicate"], ["export", "only-one-argument"])
+    assert seen == {"rc": 2 if usage_error else 0, "torch": False}, p.stderr
     if argv == ["--help"]:
         assert all(f"    {name}" in p.stdout for name in TOOLS), p.stdout
+
+
+def test_the_export_dtypes_the_command_line_offers_are_the_ones_export_casts_to() -> None:
+    from unbroken.tools._entries import EXPORT_DTYPES
+    from unbroken.tools._export_io import DTYPES
+
+    assert EXPORT_DTYPES == tuple(DTYPES)
 
 
 def test_every_tool_registers_its_commands_in_the_module_tools_names() -> None:

@@ -11,7 +11,6 @@ slice are widened to float64, so the scratch memory stays bounded whatever the m
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import reprlib
@@ -22,7 +21,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._commands import arg, emit, tool
 from .._runview import UsageError, open_run
 from .._table import table
 from ..dist.sharded import SHARDS_FILE
@@ -368,37 +366,3 @@ def _text(payload: dict[str, Any]) -> str:
 def _cut(cell: Any, width: int = 48) -> Any:
     text = "-" if cell is None else str(cell)
     return text if len(text) <= width else text[:width - 1] + "…"
-
-
-@tool("diff",
-      arg("a", metavar="A", help="a run (folder or URL: its newest verified generation) or "
-                                 "a generation (RUN/gen-NNNNNNNNN)"),
-      arg("b", metavar="B", nargs="?", help="the same; omitted: A's run"),
-      arg("--a-generation", type=int, metavar="N", help="generation N of run A"),
-      arg("--b-generation", type=int, metavar="N", help="generation N of run B"))
-def _diff(args: argparse.Namespace) -> int:
-    """Compare two generations part by part (model, optimizer, scheduler, scaler, data, rng,
-    counters, extras): tensors only in A or B, shape and dtype changes, and for tensors that
-    differ the count of differing elements and the max abs / max rel difference; plain values
-    (counters, data cursor, scheduler, learning rates in the optimizer's param groups) with
-    both values; random streams by digest. Equality is bitwise (NaN equals NaN).
-
-    A and B each name a run (a folder or URL such as s3://bucket/run: its newest generation
-    that verifies, or generation N with --a-generation / --b-generation N) or one generation
-    (a path or URL ending in gen-NNNNNNNNN). With B omitted both sides are generations of A's
-    run: B is --b-generation or the newest that verifies, A is --a-generation (or the one A's
-    path names) or else the newest verified generation before B's; so `unbroken diff RUN`
-    shows what the last save changed. Every byte read is verified; a named generation that
-    does not verify, or an input that is neither a run nor a generation, exits 2.
-    Exit 0 equal, 1 different."""
-    if args.b is None:
-        run_a, named = split_generation(args.a)
-        b = resolve("B", run_a, args.b_generation)
-        explicit = named is not None or args.a_generation is not None
-        a = resolve("A", args.a, args.a_generation,
-                    None if explicit else b.info.generation)
-    else:
-        a = resolve("A", args.a, args.a_generation)
-        b = resolve("B", args.b, args.b_generation)
-    payload = diff_sides(a, b)
-    return emit(args, payload, _text(payload), payload["equal"])

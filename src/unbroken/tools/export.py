@@ -18,7 +18,6 @@ Nothing is pickled, nothing is read with ``torch.load``."""
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -27,16 +26,14 @@ from typing import Any
 
 import torch
 
-from .._commands import arg, emit, tolerance, tool
-from .._runview import UsageError, open_run
+from .._runview import open_run
 from ..errors import CorruptCheckpoint, MissingState, NoCheckpoint, StateMismatch, UnsupportedValue
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
 from ..state.tensorfile import encode_safetensors
 from ..store.backends.local import LocalFS
 from . import _export_io as io
-from ._export_io import DTYPES, EXPORT_JSON, FIXED, SCHEMA, TOLERANCES, WEIGHTS
-from ._factory import load_factory
+from ._export_io import EXPORT_JSON, FIXED, SCHEMA, TOLERANCES, WEIGHTS
 
 __all__ = ["TOLERANCES", "export_generation", "export_model", "verify_export"]
 
@@ -302,71 +299,3 @@ def _why(row: dict[str, Any]) -> str:
         return f"{row['name']}: {row['elements_differing']} elements not bitwise equal"
     return (f"{row['name']}: max |diff| {row['max_abs_diff']:.3g} over the bound "
             f"{row['bound']:.3g}")
-
-
-# -- command line -----------------------------------------------------------------------------
-
-
-@tool("export",
-      arg("run", metavar="RUN", help="the run folder (or URL)"),
-      arg("out", metavar="OUT", help="the export folder to create (must not hold anything)"),
-      arg("--generation", type=int, metavar="N", help="export generation N (default: "
-          "the newest that verifies)"),
-      arg("--dtype", choices=tuple(DTYPES), help="cast floating weights (default: as saved)"),
-      arg("--adapter", action="append", metavar="NAME", help="export only this tensor "
-          "(repeatable; 'prefix*' selects by prefix); needs --base-revision"),
-      arg("--base-revision", metavar="REV", help="the immutable revision of the base model "
-          "(e.g. org/model@<commit>, sha256:<digest>)"))
-def _export(args: argparse.Namespace) -> int:
-    """Write the model weights of RUN's newest verified generation (or --generation N) into
-    the new folder OUT: model.safetensors (names as in the model's state_dict; any
-    safetensors reader loads it) and export.json (identity: config, tokenizer, base revision;
-    lineage: run, generation, step; each tensor's dtype and shape; the file's xxh3-128). No
-    optimizer, data, sample or RNG state is written. --dtype casts floating weights. Exit 1
-    when no generation verifies, 2 on a usage error or an OUT that holds anything."""
-    if args.adapter and not args.base_revision:
-        raise UsageError("--adapter exports only some tensors: name the immutable base model "
-                         "revision they apply to with --base-revision REV")
-    doc = export_generation(args.run, args.out, args.generation, args.dtype,
-                            adapter=args.adapter, base_revision=args.base_revision)
-    w, lin = doc["weights"], doc["lineage"]
-    payload = {"ok": True, "out": doc["path"], "kind": doc["kind"], "lineage": lin,
-               "dtype": w["dtype"], "tensors": len(w["tensors"]), "bytes": w["bytes"],
-               "xxh3_128": w["xxh3_128"], "identity": sorted(doc["identity"]),
-               "refused": doc["refused"]}
-    lines = [f"exported gen {lin['generation']} (step {lin['step']}) of run {lin['run_id']} "
-             f"to {doc['path']}",
-             f"  {len(w['tensors'])} tensors, {w['bytes']:,} bytes, dtype "
-             f"{w['dtype'] or 'as saved'}, xxh3-128 {w['xxh3_128']}",
-             f"  identity: {', '.join(sorted(doc['identity'])) or 'none recorded'}"]
-    lines += [f"  skipped {r['path']}: {r['reason']}" for r in doc["refused"]]
-    return emit(args, payload, "\n".join(lines), True)
-
-
-@tool("verify-export",
-      arg("out", metavar="OUT", help="the export folder"),
-      arg("--factory", required=True, metavar="MODULE:FUNCTION",
-          help="a function that builds the model (imported; called without arguments)"),
-      arg("--rtol", type=tolerance, help="relative tolerance (default: bitwise, or per "
-          "dtype)"),
-      arg("--atol", type=tolerance, help="absolute tolerance (default: per dtype)"))
-def _verify_export(args: argparse.Namespace) -> int:
-    """Re-hash OUT's files against its export.json, build the model with the named factory
-    (MODULE:FUNCTION, imported from the current folder or the Python path: this runs your
-    code, never anything from OUT), load model.safetensors into it (strict) and re-run the
-    fixed inputs recorded at export, comparing the outputs bitwise (an uncast export on the
-    CPU) or within a tolerance per dtype. Exit 1 when a file or an output differs."""
-    model = load_factory(args.factory)()
-    if not isinstance(model, torch.nn.Module):
-        raise UsageError(f"--factory {args.factory}: returned a {type(model).__name__}, not a "
-                         "torch.nn.Module")
-    report = verify_export(args.out, model, rtol=args.rtol, atol=args.atol)
-    lines = [f"export {report['out']}: weights verified ({report['weights']['xxh3_128']}), "
-             f"{report['loaded']} tensors loaded"]
-    if report["mode"] is None:
-        lines.append("  no fixed inputs recorded: outputs not checked")
-    for row in report["outputs"]:
-        lines.append(f"  {row['name']}: {row['mode']} ok" + (
-            f" (max |diff| {row['max_abs_diff']:.3g} <= {row['bound']:.3g})"
-            if row["mode"] == "tolerance" else ""))
-    return emit(args, report, "\n".join(lines), True)

@@ -16,7 +16,6 @@ refuses, naming the missing parts). The generation's manifest names the source i
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +27,6 @@ import safetensors.torch
 import torch
 import xxhash
 
-from .._commands import arg, emit, tool
 from .._runview import UsageError
 from ..errors import CorruptCheckpoint, UnbrokenError
 from ..state.identity import Identity
@@ -233,20 +231,3 @@ def import_checkpoint(src: str, run: str) -> dict[str, Any]:
             "step": step, "tensors": len(source["tensors"]),
             "bytes": sum(t.numel() * t.element_size() for t in source["tensors"].values()),
             "config": config is not None}
-
-
-@tool("import",
-      arg("source", metavar="SRC", help="a checkpoint file or folder"),
-      arg("run", metavar="RUN", help="a new run folder or URL"))
-def _import(args: argparse.Namespace) -> int:
-    """Read the model weights of SRC without executing anything (safetensors, or a torch.save
-    zip archive whose pickle is interpreted, never run) and write them as the first
-    generation of the new run RUN, its manifest naming the source and the hash of every file
-    read. Continue training with restore(intent="warm_start", source=RUN): the source's
-    optimizer, scheduler, RNG and data position are not imported."""
-    done = import_checkpoint(args.source, args.run)
-    text = (f"imported {done['tensors']} tensors ({done['bytes']} bytes) from {done['source']} "
-            f"({done['format']}, step {done['step']}) into {done['run']} as generation "
-            f"{done['step']}; warm-start from it: restore(intent=\"warm_start\", "
-            f"source={done['run']!r})")
-    return emit(args, done, text, True)
