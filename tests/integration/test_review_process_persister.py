@@ -17,6 +17,7 @@ import time
 
 import pytest
 import torch
+from _persisting import assert_bitwise, gens, restored, snapshot, worker_pid, workers_of_me
 
 import unbroken
 from unbroken.errors import UnbrokenError
@@ -27,49 +28,8 @@ pytestmark = pytest.mark.usefixtures("hang_watchdog")  # (60 s a test: nothing m
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def snapshot(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
-    """Every tensor of the model and optimizer, cloned (keeping dtype and values)."""
-    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-    if opt is not None:
-        for i, st in opt.state_dict()["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    out[f"o.{i}.{k}"] = v.clone()
-    return out
 
 
-def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert got.keys() == want.keys(), (sorted(got.keys() ^ want.keys()))
-    for k in want:
-        a, b = got[k], want[k]
-        assert a.dtype == b.dtype, (k, a.dtype, b.dtype)
-        assert a.shape == b.shape, (k, a.shape, b.shape)
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                           b.contiguous().view(-1).view(torch.uint8)), k
-
-
-def worker_pid(ck: unbroken.Checkpointer) -> int:
-    proc = ck._persister._proc
-    assert proc is not None and proc.poll() is None, "no live persisting process"
-    return proc.pid
-
-
-def workers_of_me() -> list[int]:
-    """Live processes whose parent is this one running `unbroken.persist._worker`."""
-    me, found = os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == me and b"unbroken.persist._worker" in cmd:
-            found.append(int(d))
-    return found
 
 
 def assert_no_torch(pid: int) -> None:
@@ -82,16 +42,6 @@ def assert_no_torch(pid: int) -> None:
     assert "libc10" not in maps, f"persisting process {pid} mapped libc10"
 
 
-def gens(root) -> list[int]:
-    return sorted(int(p.name[4:]) for p in root.iterdir()
-                  if p.name.startswith("gen-") and p.name[4:].isdigit())
-
-
-def restored(root, build, generation: int | None = None) -> tuple[int, dict]:
-    model, opt = build()
-    with unbroken.Checkpointer(root, model=model, optimizer=opt) as reader:
-        step = reader.restore(generation=generation)
-    return step, snapshot(model, opt)
 
 
 def kill_and_reap(pid: int) -> None:

@@ -17,10 +17,10 @@ import signal
 import threading
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from _persisting import assert_bitwise, gens, restored, snapshot, worker_pid, workers_of_me
 
 import unbroken
 from unbroken.errors import SaveFailed, UnbrokenError, UnbrokenWarning
@@ -56,23 +56,6 @@ def step_(model, opt, seed: int) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def snapshot(model, opt) -> dict[str, torch.Tensor]:
-    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict(keep_vars=True).items()}
-    if opt is not None:
-        for i, st in opt.state_dict()["state"].items():
-            for k, v in st.items():
-                if torch.is_tensor(v):
-                    out[f"o.{i}.{k}"] = v.clone()
-    return out
-
-
-def assert_bitwise(got, want) -> None:
-    assert got.keys() == want.keys(), sorted(got.keys() ^ want.keys())
-    for k in want:
-        a, b = got[k], want[k]
-        assert a.dtype == b.dtype and a.shape == b.shape, (k, a.dtype, b.dtype, a.shape, b.shape)
-        assert torch.equal(a.contiguous().view(-1).view(torch.uint8),
-                           b.contiguous().view(-1).view(torch.uint8)), k
 
 
 def bitwise_equal(got, want) -> bool:
@@ -83,34 +66,7 @@ def bitwise_equal(got, want) -> bool:
     return True
 
 
-def restored(root, build, generation=None):
-    model, opt = build()
-    with unbroken.Checkpointer(root, model=model, optimizer=opt) as reader:
-        step = reader.restore(generation=generation)
-    return step, snapshot(model, opt)
 
-
-def gens(root) -> list[int]:
-    return sorted(int(p.name[4:]) for p in Path(root).iterdir()
-                  if p.name.startswith("gen-") and p.name[4:].isdigit())
-
-
-def workers_of_me() -> list[int]:
-    """Live (not zombie) children of this process running `unbroken.persist._worker`."""
-    me, found = os.getpid(), []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                cmd = f.read()
-        except (OSError, IndexError, ValueError):
-            continue
-        if int(fields[1]) == me and fields[0] != "Z" and b"unbroken.persist._worker" in cmd:
-            found.append(int(d))
-    return found
 
 
 def unreaped(pids) -> list[int]:
@@ -134,11 +90,6 @@ def ended(pid: int) -> None:
     except ChildProcessError:
         pass  # reaped already
 
-
-def live_pid(ck) -> int:
-    proc = ck._persister._proc
-    assert proc is not None and proc.poll() is None, "no live persisting process"
-    return proc.pid
 
 
 def replaced_warnings(caught, pid: int | None = None, step: int | None = None) -> list[str]:
@@ -275,7 +226,7 @@ def test_random_kills_around_saves(fast_tmp, seed, share):
                 saved[step] = snapshot(model, opt)
                 assert ck.wait().generation == step
                 ok.add(step)
-                assert workers_of_me() == [live_pid(ck)]
+                assert workers_of_me() == [worker_pid(ck)]
         # no socket or segment of a replaced or failed persisting process left open here
         assert len(os.listdir("/proc/self/fd")) <= fds, os.listdir("/proc/self/fd")
         # and a last plain save after all of that
@@ -348,7 +299,7 @@ def test_a_replacement_that_also_dies_before_taking_the_save_is_save_failed(
         ck.save()
         first_state = snapshot(model, opt)
         assert ck.wait().generation == 1
-        first = live_pid(ck)
+        first = worker_pid(ck)
         step_(model, opt, 2)
         ck.step_done(2)
         stop = threading.Event()
@@ -396,7 +347,7 @@ def test_a_replacement_that_also_dies_before_taking_the_save_is_save_failed(
             want = snapshot(model, opt)
             assert ck.wait().generation == 3
         assert replaced_warnings(caught) == []
-        third = live_pid(ck)
+        third = worker_pid(ck)
         assert third not in (first, extra[0])
         assert workers_of_me() == [third]
     finally:
@@ -426,7 +377,7 @@ def test_close_right_after_a_save_whose_process_died_before_taking_it(fast_tmp):
     ck.step_done(1)
     ck.save()
     ck.wait()
-    first = live_pid(ck)
+    first = worker_pid(ck)
     step_(model, opt, 2)
     ck.step_done(2)
     os.kill(first, signal.SIGSTOP)
@@ -466,7 +417,7 @@ def test_restore_on_the_writer_right_after_a_replaced_save(fast_tmp):
         assert ck.wait().generation == 1
         step_(model, opt, 2)
         ck.step_done(2)
-        first = live_pid(ck)
+        first = worker_pid(ck)
         os.kill(first, signal.SIGSTOP)  # it never reads the request
         # (the warning comes from the save's background thread, once the kill is seen)
         with warnings.catch_warnings(record=True) as caught:
@@ -478,7 +429,7 @@ def test_restore_on_the_writer_right_after_a_replaced_save(fast_tmp):
             assert ck.restore() == 2
         assert len(replaced_warnings(caught, first, 2)) == 1
         assert_bitwise(snapshot(model, opt), want)
-        second = live_pid(ck)
+        second = worker_pid(ck)
         assert second != first and workers_of_me() == [second]
         # and it goes on saving from the restored state
         step_(model, opt, 3)
@@ -509,7 +460,7 @@ def test_incremental_frozen_saves_across_replacements(fast_tmp):
         for s in range(1, 7):
             step_(model, opt, s)
             ck.step_done(s)
-            pid = live_pid(ck) if 1 < s < 6 else None
+            pid = worker_pid(ck) if 1 < s < 6 else None
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 if s in (2, 4):  # replaced before it took the save
@@ -544,7 +495,7 @@ def test_incremental_frozen_saves_across_replacements(fast_tmp):
             elif s in (1, 6):
                 assert said == []  # (6: the one killed at 5 was seen dead: started silently)
             if s != 5:
-                assert workers_of_me() == [live_pid(ck)]
+                assert workers_of_me() == [worker_pid(ck)]
     assert workers_of_me() == []
     assert ok == [1, 2, 3, 4, 5, 6]
     assert gens(root) == [5, 6]
