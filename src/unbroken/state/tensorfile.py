@@ -251,12 +251,25 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
+# A validated header entry: (key, safetensors dtype name, shape, begin, end), in the header's
+# order (`_read_header`).
+_Entry = tuple[str, str, list[int], int, int]
+
+
 def read_safetensors_header(data: bytes | memoryview, where: str,
                             limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], dict[str, str]]:
     """Validate a safetensors header against the buffer and return (entries, metadata).
 
     Checks everything the format promises (size limit, dtypes, shapes, offsets that tile the
     data exactly) so that the parser behind it only ever sees a well-formed file."""
+    header, metadata, _ = _read_header(data, where, limit)
+    return header, metadata
+
+
+def _read_header(data: bytes | memoryview, where: str, limit: int
+                 ) -> tuple[dict[str, Any], dict[str, str], list[_Entry]]:
+    """`read_safetensors_header`, and each entry's fields as checked (`_Entry`): a reader
+    of 10,000 small tensors looks each entry up once."""
     if len(data) < 8:
         raise CorruptCheckpoint(f"{where}: {len(data)} bytes, too short for a safetensors header")
     (n,) = struct.unpack("<Q", bytes(data[:8]))
@@ -272,7 +285,8 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
     if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
-    spans = []
+    entries: list[_Entry] = []
+    expected = 0  # (where the next tensor starts if they tile the data in the header's order)
     for key, entry in header.items():
         # (a plain loop, not all()/math.prod over generators: headers list 10,000 tensors)
         try:
@@ -297,17 +311,22 @@ def read_safetensors_header(data: bytes | memoryview, where: str,
             raise CorruptCheckpoint(
                 f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
                 f"{shape} need {count * _ITEMSIZE[dtype]}")
-        spans.append((begin, end, key))
-    expected = 0
-    for begin, end, key in sorted(spans):
-        if begin != expected:
-            raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, expected "
-                                    f"{expected} (overlapping or missing data)")
-        expected = end
+        entries.append((key, dtype, shape, begin, end))
+        if expected >= 0:
+            expected = end if begin == expected else -1
     if expected != len(data) - 8 - n:
-        raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file holds "
-                                f"{len(data) - 8 - n}")
-    return header, metadata
+        # Not tiling in the header's order (as written): in the order of the data, which
+        # names the first gap or overlap.
+        expected = 0
+        for key, _, _, begin, end in sorted(entries, key=lambda e: (e[3], e[4], e[0])):
+            if begin != expected:
+                raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, "
+                                        f"expected {expected} (overlapping or missing data)")
+            expected = end
+        if expected != len(data) - 8 - n:
+            raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file "
+                                    f"holds {len(data) - 8 - n}")
+    return header, metadata, entries
 
 
 def decode_safetensors(data: bytes | memoryview, where: str
@@ -320,7 +339,7 @@ def decode_safetensors(data: bytes | memoryview, where: str
     restored run must compute exactly as the uninterrupted one did."""
     from safetensors.torch import load
 
-    header, metadata = read_safetensors_header(data, where)
+    header, metadata, entries = _read_header(data, where, MAX_HEADER_BYTES)
     if not header:
         return {}, metadata
     if isinstance(data, memoryview) and not data.readonly:
@@ -328,17 +347,18 @@ def decode_safetensors(data: bytes | memoryview, where: str
         # for its dtype and shape.
         base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
         address = np.frombuffer(data, dtype=np.uint8).ctypes.data + base
-        return _views(data, header, base, address), metadata
+        return _views(data, entries, base, address), metadata
     try:
         return load(bytes(data)), metadata
     except Exception as e:  # the parser's own error type; we already validated the header
         raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None
 
 
-def _views(data: memoryview, header: dict[str, Any], base: int, address: int
+def _views(data: memoryview, entries: list[_Entry], base: int, address: int
            ) -> dict[str, torch.Tensor]:
-    """Every tensor of a validated header as a view into ``data`` (whose data section starts
-    at byte ``base``, at ``address`` in memory), without a copy where it sits 64-byte aligned.
+    """Every tensor of a validated header (its `_Entry`s) as a view into ``data`` (whose data
+    section starts at byte ``base``, at ``address`` in memory), without a copy where it sits
+    64-byte aligned.
 
     Each tensor gets a storage of exactly its own bytes: a view of a larger storage would be
     copied whole by ``copy.deepcopy`` (torch deep-copies param_groups, extras may deep-copy
@@ -349,8 +369,7 @@ def _views(data: memoryview, header: dict[str, Any], base: int, address: int
     out: dict[str, torch.Tensor] = {}
     arrays: dict[str, Any] = {}
     from_numpy = torch.from_numpy
-    for key, e in header.items():
-        name, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+    for key, name, shape, begin, end in entries:
         dtype = _ST_BY_NAME[name]
         if end == begin:
             out[key] = torch.empty(shape, dtype=dtype)
