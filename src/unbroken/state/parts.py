@@ -30,6 +30,13 @@ from .optim import (
     optimizer_state_to_torch,
     validate_model,
 )
+from .wellformed import (
+    number,
+    optimizer_state_problems,
+    scaler_problems,
+    scheduler_problems,
+    show,
+)
 
 # State keys: the part names of a generation (and the stem of their tensor files).
 MODEL = "model"
@@ -175,7 +182,50 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
                                     f"{sorted(map(str, got - live))}, which the live "
                                     f"{type(obj).__name__} has not (is it disabled?); build it "
                                     "as in the saved run")
+    _refuse_malformed(saved, ready, parts, where)
+    for name in (SCHEDULER, SCALER):  # (after: a value no run holds is corrupt, not changed)
+        obj = parts.get(name)
+        if isinstance(obj, Stateful) and type(obj).__module__.startswith("torch."):
+            _same_kinds(ready[name], obj.state_dict(), f"{where} [{name}]")
     return ready
+
+
+def _same_kinds(saved: Mapping[str, Any], live: Mapping[str, Any], where: str) -> None:
+    """A scheduler or scaler setting that the live object holds as a number and the saved
+    state as something else (a string, a list): torch would take it, and fail or compute
+    nonsense at the next step."""
+    for key, value in live.items():
+        got = saved.get(key)
+        if (isinstance(value, (int, float)) and not isinstance(value, bool)
+                and got is not None and number(got) is None):
+            raise StateMismatch(f"{where}: {key!r} is {show(got)}, where the live "
+                                f"{type(value).__name__} is {show(value)}; build it as in the "
+                                "saved run")
+
+
+def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
+                      parts: Mapping[str, Any], where: str) -> None:
+    """Refuse, as corrupt, a torch optimizer, LR scheduler or GradScaler state that torch's
+    own classes never hold (`wellformed`): a writer's bug or a forged generation, which
+    torch would load and fail on (or follow silently) at the next step."""
+    problems: list[str] = []
+    opt = saved.get(OPTIMIZER) if OPTIMIZER in parts else None
+    if isinstance(opt, Mapping):  # (validated by optimizer_state_to_torch)
+        model = ready.get(MODEL) if MODEL in parts else None  # (its tensors: their shapes)
+        at = f"{where} [{OPTIMIZER}]"
+        problems += optimizer_state_problems(
+            opt.get("class"), opt["state"], opt["param_groups"],
+            model if isinstance(model, Mapping) else None, at, at)
+    if SCHEDULER in parts and isinstance(parts[SCHEDULER], Stateful):
+        groups = len(opt["param_groups"]) if isinstance(opt, Mapping) else None
+        scheduler_problems(ready[SCHEDULER], "scheduler", groups, f"{where} [{SCHEDULER}]",
+                           problems)
+    if SCALER in parts and isinstance(parts[SCALER], Stateful):
+        scaler_problems(ready[SCALER], f"{where} [{SCALER}]", problems)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CorruptCheckpoint("; ".join(problems[:3]) + more + "; torch's own classes never "
+                                "hold such a state: the generation is refused")
 
 
 def scheduler_class(scheduler: Any) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,6 +24,15 @@ import torch
 
 from ..errors import shown
 from ..state.parts import MODEL, OPTIMIZER, SCALER, SCHEDULER, STATE_FILE
+from ..state.wellformed import (
+    MAX_DEPTH,
+    judges,
+    number,
+    optimizer_state_problems,
+    scaler_problems,
+    scheduler_problems,
+    show,
+)
 from ..store.manifest import Manifest
 
 __all__ = ["deep_problems"]
@@ -36,18 +44,6 @@ SHARDS_FILE = "shards.json"  # (as `unbroken.dist.sharded`, without importing to
 _CHUNK = 1 << 24
 _NATIVE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64,
                      torch.complex64, torch.complex128})  # isfinite/isnan/isinf run on these
-_MAX_DEPTH = 64
-
-# Per-parameter state that torch's own optimizers keep elementwise, with the parameter's shape
-# exactly (checked in torch 2.13: Adam, AdamW, Adamax, NAdam, RAdam, SGD, RMSprop, Adagrad,
-# Adadelta, ASGD, Rprop, SparseAdam, Muon; Adafactor's ``variance`` of 0-d and 1-d parameters).
-_MIRRORS = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                      "square_avg", "grad_avg", "acc_delta", "sum", "ax", "exp_inf", "prev",
-                      "step_size", "variance"})
-_TORCH_OPTIM = "torch.optim."  # the module prefix of the classes whose layouts are known here
-
-_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
-                "_growth_tracker")  # torch.amp.GradScaler.state_dict() when enabled
 
 
 def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
@@ -77,8 +73,11 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
     groups = None
     later: list[str] = []  # the optimizer's problems, reported after the model's
     if OPTIMIZER in tree:
+        # (a sharded generation read without its shards.json: what each parameter holds is
+        # not all in the tree)
+        complete = SHARDS_FILE not in names or shards is not None
         groups = _optimizer(tree[OPTIMIZER], shapes, sharded, _file(where, names, OPTIMIZER),
-                            state_json, trained, later)
+                            state_json, trained, later, complete)
     if isinstance(model, Mapping):
         file = _file(where, names, MODEL)
         for key, t in model.items():
@@ -89,9 +88,9 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
                                    allow_inf=key not in trained))
     out.extend(later)
     if SCHEDULER in tree:
-        _scheduler(tree[SCHEDULER], "scheduler", groups, state_json, out, 0)
+        scheduler_problems(tree[SCHEDULER], "scheduler", groups, state_json, out)
     if SCALER in tree:
-        _scaler(tree[SCALER], state_json, out)
+        scaler_problems(tree[SCALER], state_json, out)
     return out
 
 
@@ -100,9 +99,10 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
 
 def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
                sharded: Mapping[tuple[Any, ...], tuple[int, ...]], file: str, state_json: str,
-               trained: set[str], out: list[str]) -> int | None:
+               trained: set[str], out: list[str], complete: bool) -> int | None:
     """Check the optimizer part (name-keyed, see `unbroken.state.optim`); fill ``trained``
-    with the parameter names its groups list; return the number of groups (None: unknown)."""
+    with the parameter names its groups list; return the number of groups (None: unknown).
+    ``complete``: the tree (with ``sharded``) holds every tensor of the state."""
     groups = opt.get("param_groups") if isinstance(opt, Mapping) else None
     state = opt.get("state") if isinstance(opt, Mapping) else None
     if (not isinstance(groups, list) or not all(isinstance(g, Mapping) for g in groups)
@@ -111,7 +111,17 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
                    f"mappings) and 'state' (a mapping); found {shown(_kinds(opt), 80)}")
         return None
     cls = opt.get("class")
-    known = isinstance(cls, str) and cls.startswith(_TORCH_OPTIM)
+    judged = judges(cls)
+    # (a sharded parameter's state is not in the tree: DCP holds it, `shards.json` its shape,
+    # which a tensor on the meta device stands for)
+    held = dict(state)
+    for at, shape in sharded.items():
+        if len(at) == 4 and at[:2] == (OPTIMIZER, "state"):
+            entry = held.get(at[2], {})
+            if isinstance(entry, Mapping):
+                held[at[2]] = {**entry, at[3]: torch.empty(shape, device="meta")}
+    out.extend(optimizer_state_problems(cls, held, groups, shapes, file, state_json,
+                                        complete))
     for gi, g in enumerate(groups):
         params = g.get("params")
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
@@ -134,37 +144,17 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
                        "a parameter the optimizer does not train could never load")
         if shapes is not None and name not in shapes:
             out.append(f"{state_json}: {label}: the model has no parameter {name!r}")
-        param = shapes.get(name) if shapes is not None else None
-        found = {k: tuple(v.shape) for k, v in entry.items() if isinstance(v, torch.Tensor)}
-        found.update({p[3]: s for p, s in sharded.items()
-                      if len(p) == 4 and p[:3] == (OPTIMIZER, "state", name)})
-        for key, shape in found.items():
-            want = _expected(key, param) if known and param is not None else None
-            if want is not None and shape != want:
-                out.append(f"{file}: {label}[{key!r}] has shape {list(shape)}; expected "
-                           f"{list(want)}, as {cls} keeps it for parameter {name!r} of "
-                           f"shape {list(param or ())}")
-        if "step" in entry:
-            step = _number(entry["step"])
+        # (a step that is no number at all: optimizer_state_problems said so)
+        if "step" in entry and not (judged and number(entry["step"]) is None
+                                    and not isinstance(entry["step"], torch.Tensor)):
+            step = number(entry["step"])
             if step is None or not math.isfinite(step) or step < 0:
                 out.append(f"{_at(entry['step'], file, state_json)}: {label}['step'] is "
-                           f"{_show(entry['step'])}; expected a finite scalar >= 0")
+                           f"{show(entry['step'])}; expected a finite scalar >= 0")
         for path, t in _tensors(entry, label):
             if not path.endswith("['step']"):  # (reported above, with its own bound)
                 out.extend(_finite(t, path, file))
     return len(groups)
-
-
-def _expected(key: str, param: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The shape torch's optimizers give state ``key`` of a parameter of shape ``param``;
-    None where it is not fixed by the parameter (scalars, LBFGS's flat vectors, ...)."""
-    if key in _MIRRORS:
-        return param
-    if key == "row_var" and len(param) > 1:  # Adafactor's factored second moment
-        return (*param[:-1], 1)
-    if key == "col_var" and len(param) > 1:
-        return (*param[:-2], 1, param[-1])
-    return None
 
 
 # Group settings whose valid range torch's optimizers check when they are built (a resealed
@@ -182,7 +172,7 @@ def _hyperparameters(g: Mapping[str, Any], gi: int, file: str, state_json: str,
         # betas (and Adafactor's eps) are tuples; None inside one means "not used"
         items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
         for i, v in items:
-            x = _number(v)
+            x = number(v)
             if v is None or (x is None and not isinstance(v, torch.Tensor)):
                 continue  # not a number: another optimizer's meaning of the name
             ok = (x is not None and math.isfinite(x) and (x >= low if inclusive else x > low)
@@ -192,87 +182,7 @@ def _hyperparameters(g: Mapping[str, Any], gi: int, file: str, state_json: str,
                         + (f" and < {high:g}" if high is not None else ""))
                 at = "" if i is None else f"[{i}]"
                 out.append(f"{_at(v, file, state_json)}: optimizer param group {gi} "
-                           f"{key!r}{at} is {_show(v)}; expected {span}")
-
-
-# -- the scheduler and the scaler ---------------------------------------------------------------
-
-
-def _scheduler(state: Any, label: str, groups: int | None, state_json: str, out: list[str],
-               depth: int) -> None:
-    """A torch LR scheduler's state (recognised by its keys: the part holds no class name).
-    Every ``LRScheduler`` subclass of torch 2.13 keeps ``last_epoch``, ``base_lrs`` and
-    ``_last_lr`` (ReduceLROnPlateau and SequentialLR lack ``base_lrs``, ChainedScheduler also
-    ``last_epoch``; the last two nest their schedulers' states in ``_schedulers``)."""
-    if not isinstance(state, Mapping):
-        out.append(f"{state_json}: {label} state is a {type(state).__name__}; expected a "
-                   "mapping")
-        return
-    if not any(k in state for k in ("base_lrs", "_last_lr", "last_epoch", "_schedulers")):
-        return  # a scheduler of the user's own: its keys are its business
-    if "base_lrs" in state:
-        lacks = [k for k in ("last_epoch", "_last_lr") if k not in state]
-        if lacks:
-            out.append(f"{state_json}: {label} state has 'base_lrs' but lacks {lacks}, which "
-                       "every torch LR scheduler with base_lrs holds")
-    for key in ("base_lrs", "_last_lr"):
-        if key not in state:
-            continue
-        lrs = state[key]
-        if not isinstance(lrs, (list, tuple)):
-            out.append(f"{state_json}: {label} {key!r} is {_show(lrs)}; expected a list of "
-                       "learning rates, one per optimizer param group")
-            continue
-        # (fewer: groups added by add_param_group after the scheduler was built)
-        if groups is not None and len(lrs) > groups:
-            out.append(f"{state_json}: {label} {key!r} has {len(lrs)} entries; expected at "
-                       f"most {groups}, one per optimizer param group")
-        for i, v in enumerate(lrs):
-            x = _number(v)
-            if x is None or not math.isfinite(x) or x < 0:
-                out.append(f"{state_json}: {label} {key!r}[{i}] is {_show(v)}; expected a "
-                           "finite learning rate >= 0")
-    if "last_epoch" in state:
-        x = _number(state["last_epoch"])
-        if x is None or not math.isfinite(x) or x < -1:  # torch starts at -1, then steps
-            out.append(f"{state_json}: {label} 'last_epoch' is {_show(state['last_epoch'])}; "
-                       "expected a finite number >= -1")
-    subs = state.get("_schedulers")
-    if subs is not None:
-        if not isinstance(subs, (list, tuple)) or depth >= _MAX_DEPTH:
-            out.append(f"{state_json}: {label} '_schedulers' is {_show(subs)}; expected a "
-                       "list of the chained schedulers' states")
-            return
-        for i, sub in enumerate(subs):
-            _scheduler(sub, f"{label} '_schedulers'[{i}]", groups, state_json, out, depth + 1)
-
-
-def _scaler(state: Any, state_json: str, out: list[str]) -> None:
-    """torch.amp.GradScaler's state: empty when disabled, else all of `_SCALER_KEYS`
-    (``load_state_dict`` reads each one), a positive finite scale and factors, and integer
-    counters."""
-    if not isinstance(state, Mapping):
-        out.append(f"{state_json}: scaler state is a {type(state).__name__}; expected a "
-                   "mapping")
-        return
-    if not any(k in state for k in _SCALER_KEYS):
-        return  # disabled (empty), or a scaler of the user's own
-    lacks = [k for k in _SCALER_KEYS if k not in state]
-    if lacks:
-        out.append(f"{state_json}: scaler state lacks {lacks}; GradScaler.load_state_dict "
-                   "reads every one of them")
-    for key in ("scale", "growth_factor", "backoff_factor"):
-        if key in state:
-            x = _number(state[key])
-            if x is None or not math.isfinite(x) or x <= 0:
-                out.append(f"{state_json}: scaler {key!r} is {_show(state[key])}; expected a "
-                           "finite number > 0")
-    for key, low in (("growth_interval", 1), ("_growth_tracker", 0)):
-        if key in state:
-            v = state[key]
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < low:
-                out.append(f"{state_json}: scaler {key!r} is {_show(v)}; expected an integer "
-                           f">= {low}")
+                           f"{key!r}{at} is {show(v)}; expected {span}")
 
 
 # -- tensors and values -------------------------------------------------------------------------
@@ -325,35 +235,12 @@ def _tensors(node: Any, label: str, depth: int = 0) -> Iterator[tuple[str, torch
     """Every tensor inside ``node`` (nested mappings, lists and tuples), with its path."""
     if isinstance(node, torch.Tensor):
         yield label, node
-    elif depth < _MAX_DEPTH and isinstance(node, Mapping):
+    elif depth < MAX_DEPTH and isinstance(node, Mapping):
         for k, v in node.items():
             yield from _tensors(v, f"{label}[{k!r}]", depth + 1)
-    elif depth < _MAX_DEPTH and isinstance(node, (list, tuple)):
+    elif depth < MAX_DEPTH and isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
             yield from _tensors(v, f"{label}[{i}]", depth + 1)
-
-
-def _number(v: Any) -> float | None:
-    """``v`` as a float (inf or NaN included) if it is a real number or a one-element real
-    tensor; None otherwise. An int too large for a float is an infinity."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
-            return None
-        return float(v.reshape(()).to(torch.float64))
-    if isinstance(v, bool) or not isinstance(v, numbers.Real):
-        return None
-    try:
-        return float(v)
-    except OverflowError:
-        return -math.inf if isinstance(v, int) and v < 0 else math.inf
-
-
-def _show(v: Any) -> str:
-    if isinstance(v, torch.Tensor):
-        if v.numel() == 1:
-            return f"tensor({shown(v.reshape(()).item())}) of shape {list(v.shape)}"
-        return f"a tensor of shape {list(v.shape)}"
-    return shown(v)
 
 
 def _kinds(opt: Any) -> Any:
