@@ -131,6 +131,26 @@ def test_scan_orders_generations_and_ignores_other_entries(root, stores):
     assert all(i.ok for i in store.scan())
 
 
+def test_a_generation_under_a_name_with_more_zeros_is_not_a_second_one(root, stores):
+    """gen-0000000003 beside gen-000000003 (a copy, a hand-made name) would be a second
+    generation 3, and which one a restore continued from would depend on the listing's order;
+    alone, a padded name is no generation either. Neither is listed, moved or removed, as the
+    object store ignores such prefixes."""
+    import shutil
+
+    store = stores(root)
+    commit(store, 3)
+    shutil.copytree(gen_dir(root, 3), root / "gen-0000000003")
+    shutil.copytree(gen_dir(root, 3), root / "gen-00000000004")
+    (root / "gen-00000000004" / MANIFEST).write_bytes(
+        seal(json.loads((gen_dir(root, 3) / MANIFEST).read_bytes()) | {"generation": 4}))
+    assert [(i.generation, i.path) for i in store.scan()] == [(3, str(gen_dir(root, 3)))]
+    assert store.scan()[0].ok
+    store.unlock()
+    store.lock()  # (the debris sweep leaves them alone)
+    assert (root / "gen-0000000003").is_dir() and (root / "gen-00000000004").is_dir()
+
+
 def test_scan_of_a_missing_root(tmp_path):
     assert GenerationStore(tmp_path / "nope").scan() == []
 

@@ -52,9 +52,16 @@ def generation_name(generation: int) -> str:
     return f"gen-{generation:09d}"
 
 
-def _number(folder: str) -> int:
-    m = _GEN.fullmatch(os.path.basename(folder))
-    return int(m.group(1)) if m else -1
+def generation_number(name: str) -> int | None:
+    """The generation a folder (or object prefix) of this name holds: N for exactly
+    ``generation_name(N)``; None for any other name. ``gen-0000000003`` beside
+    ``gen-000000003`` (a copy, a hand-made name) would be a second generation 3, and which
+    one a restore continued from would depend on the listing's order: it is not one."""
+    m = _GEN.fullmatch(name)
+    if m is None:
+        return None
+    number = int(m.group(1))
+    return number if name == generation_name(number) else None
 
 
 class GenerationStore(AsideFolder, Verifying):
@@ -121,9 +128,9 @@ class GenerationStore(AsideFolder, Verifying):
             return []
         found = []
         for name in os.listdir(self.root):
-            m = _GEN.fullmatch(name)
-            if m:
-                info = self._check(int(m.group(1)), os.path.join(self.root, name))
+            number = generation_number(name)
+            if number is not None:
+                info = self._check(number, os.path.join(self.root, name))
                 if info is not None:  # None: deleted while we looked at it
                     found.append(info)
         return sorted(found, key=lambda g: g.generation)
@@ -147,9 +154,9 @@ class GenerationStore(AsideFolder, Verifying):
         except FileNotFoundError:
             return None
         if not stat.S_ISDIR(mode):
-            return GenerationInfo(generation, path, "corrupt", f"{path}: not a folder (mode "
-                                  f"{oct(mode)}); a generation is a real folder inside the run, "
-                                  "never a symbolic link")
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else f"not a folder (mode {oct(mode)})"
+            return GenerationInfo(generation, path, "corrupt", f"{path}: {kind}; a generation "
+                                  "is a real folder inside the run, never a symbolic link")
         if not os.path.lexists(where):
             if not os.path.lexists(path):
                 return None

@@ -38,14 +38,13 @@ from ._objects_aside import _AsideOps
 from .backends.killpoints import fault_point
 from .backends.objects import ObjectFS, is_checksum, version_of
 from .cache import ReadCache
-from .generations import GenerationInfo, GenerationStore, generation_name
+from .generations import GenerationInfo, GenerationStore, generation_name, generation_number
 from .lease import LEASE, Lease
 from .lock import errno_text
 from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
 from .sources import Linked
 
 UPLOAD_PREFIX = "u-"
-_GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
 _UPLOAD = re.compile(r"u-[0-9a-f]{16}", re.ASCII)
 
 
@@ -115,7 +114,7 @@ class ObjectStore(_AsideOps, GenerationStore):
         for url, info in self.fs.listing(self.root).items():
             if url.startswith(base):
                 head, _, rest = url[len(base):].partition("/")
-                if rest and _GEN.fullmatch(head) and head == generation_name(int(head[4:])):
+                if rest and generation_number(head) is not None:
                     out.setdefault(head, {})[rest] = info
         return out
 
