@@ -86,8 +86,8 @@ def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None =
     m = _peek_manifest(store, info)
     status, reason = info.status, info.reason or None
     if info.ok and m is not None and run is not None and not run.accepts(m.run_id):
-        status, reason = "foreign", (f"{info.path}: written by run {m.run_id}; this folder "
-                                     f"holds run {run.run_id}: restore refuses it unless "
+        status, reason = "foreign", (f"{info.path}: written by run {m.run_id!r}; this folder "
+                                     f"holds run {run.run_id!r}: restore refuses it unless "
                                      "adopted (restore(adopt=True))")
     return {
         "generation": info.generation, "path": info.path, "status": status,

@@ -118,8 +118,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
     manifest = info.manifest
     if intent == "continue" and not adopt and not run.accepts(manifest.run_id):
         raise ForeignGeneration(
-            f"{info.path}: written by run {manifest.run_id}, but this folder holds run "
-            f"{run.run_id} (RUN.json) and its lineage {run.lineage or 'is empty'}: a "
+            f"{info.path}: written by run {manifest.run_id!r}, but this folder holds run "
+            f"{run.run_id!r} (RUN.json) and its lineage {run.lineage or 'is empty'}: a "
             "generation copied from another run is never continued silently; "
             "restore(adopt=True) continues from it deliberately")
     G.check_sizes(manifest, info.path)  # before reading a byte

@@ -316,6 +316,20 @@ def test_a_generation_copied_from_another_run_is_refused_and_moved_aside(tmp_pat
     ckpt.close()
 
 
+def test_run_ids_that_look_alike_are_told_apart_in_the_refusal(tmp_path):
+    """A run id read from a file is shown escaped: one with a NUL at its end, printed raw,
+    reads as the other, and the refusal as nonsense."""
+    a, b = two_runs(tmp_path)
+    record = json.loads((b / "RUN.json").read_text())
+    ours = record["run_id"]
+    theirs = json.loads((a / "gen-000000004" / "MANIFEST.json").read_text())["run_id"]
+    model, opt, ckpt = build(b)
+    ckpt.restore()
+    why = ckpt.rejected[0][1]
+    assert f"written by run {theirs!r}, but this folder holds run {ours!r}" in why
+    ckpt.close()
+
+
 def test_adopt_continues_from_a_foreign_generation_and_records_the_lineage(tmp_path, capsys):
     a, b = two_runs(tmp_path)
     foreign_run = json.loads((a / RUN_FILE).read_bytes())["run_id"]

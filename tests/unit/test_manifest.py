@@ -116,6 +116,15 @@ def test_negative_integer_fields(field):
     refuse(raw(**{field: -1}), "negative")
 
 
+@pytest.mark.parametrize("field", ["generation", "step", "incarnation"])
+@pytest.mark.parametrize("value", [1 << 63, 10 ** 400], ids=["2**63", "10**400"])
+def test_integer_fields_past_int64_are_refused_without_printing_them(field, value):
+    """No save writes one (the counters are int64); a message printing 401 digits is none."""
+    why = refuse(raw(**{field: value}), "past 2**63 - 1")
+    assert str(value) not in why
+    assert getattr(parse(raw(**{field: (1 << 63) - 1})), field) == (1 << 63) - 1
+
+
 @pytest.mark.parametrize("field,value", [
     ("run_id", 5), ("run_id", None), ("run_id", _DELETE),
     ("artifacts", {}), ("artifacts", None), ("artifacts", _DELETE),

@@ -161,6 +161,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         "incarnation", int)
     if min(generation, step, incarnation) < 0:
         raise CorruptCheckpoint(f"{where}: negative generation, step or incarnation")
+    if max(generation, step, incarnation) >= 1 << 63:  # (what a save writes: int64 counters)
+        raise CorruptCheckpoint(f"{where}: generation, step or incarnation past 2**63 - 1; "
+                                "no save writes one")
     artifacts = []
     seen: set[str] = set()
     for entry in need("artifacts", list):

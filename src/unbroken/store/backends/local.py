@@ -67,8 +67,9 @@ def _open_regular(path: str, limit: int) -> tuple[int, os.stat_result]:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise CorruptCheckpoint(f"{path}: is a symbolic link; artifacts must be "
-                                    "regular files inside their generation") from None
+            raise CorruptCheckpoint(f"{path}: is a symbolic link; the files unbroken reads "
+                                    "(a generation's manifest and artifacts, the run's records) "
+                                    "must be regular files in place") from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
