@@ -147,6 +147,40 @@ def test_a_stream_that_feeds_nothing_is_a_note_not_a_divergence():
     assert any("rng.python differs from update 1" in n for n in result.notes)
 
 
+def test_an_unseeded_stream_is_never_blamed_for_a_later_divergence():
+    """Python's stream is never seeded (it differs from update 1 on, while nothing it feeds
+    does); after the resume, state the Checkpointer does not capture moves the loss. The
+    cause is that state, not the stream the script may not even use; the stream stays a
+    note, and is not listed again among the other differences."""
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update":
+            r["rng"]["python"] = f"unseeded{r['step']}"
+            if r["step"] > RESUME:
+                r["loss"] = (float.fromhex(r["loss"]) * 1.3).hex()
+                r["params"] += "!"
+    result = compare(ref, segments(bad))
+    d = result.first_divergence
+    assert result.verdict == "diverged" and (d.step, d.kind) == (RESUME + 1, "jump")
+    assert d.field == "loss" and d.state_part.endswith("(first differs: loss)")
+    assert not [a for a in d.also if "rng" in a or a == "loss"], d.also
+    assert any("rng.python differs from update 1" in n for n in result.notes)
+
+
+def test_a_stream_that_differs_only_after_the_resume_is_still_blamed():
+    """Reseeded (or drawn from) after restore(): equal before the kill, so not unseeded."""
+    ref = run_records()
+    bad = copy.deepcopy(run_records())
+    for r in bad:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["rng"]["python"] = "reseeded"
+            r["loss"] = (float.fromhex(r["loss"]) * 1.3).hex()
+    d = compare(ref, segments(bad)).first_divergence
+    assert d.state_part.startswith("rng (python: reseeded")
+    assert "rng (python)" not in d.also and "loss" in d.also
+
+
 def test_difference_before_the_resume_is_irreproducible():
     ref = run_records()
     bad = copy.deepcopy(run_records())

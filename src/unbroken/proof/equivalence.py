@@ -260,6 +260,10 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
     loss: list[tuple[int, float]] = []
     loss_diff: list[tuple[int, float]] = []
     notes: dict[str, str] = {}
+    # Streams that differed before any resume while nothing they feed did: never seeded, so
+    # noise in every later record too; naming one as the cause of a later divergence would
+    # blame a stream the script may not even use (its note says to seed it).
+    unseeded: set[str] = set()
     first: Divergence | None = None
     steps = sorted(ref_updates)
     for step in steps:
@@ -293,7 +297,10 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             for n in diff:
                 notes.setdefault(n, f"{n} differs from update {step} on while nothing it feeds "
                                  "does (seed every stream the script uses)")
+                if resume is None:
+                    unseeded.add(n)
             continue
+        diff = [n for n in diff if n not in unseeded] or diff
         if diff:
             first = _divergence(step, diff, ref, got, got_updates.get(step - 1), resume, exact)
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
@@ -347,6 +354,15 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
             named = (f"{NOT_CAPTURED}: non-persistent buffers, never saved, differ after the "
                      "restore (register_buffer(..., persistent=True) if they are state)")
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
-    also = sorted(({part_of_state(n) if n.startswith(("rng.", "state.")) else n for n in diff}
-                   | set(restore_differs[1:])) - {part}, key=_rank)
+    also = sorted((d for d in ({part_of_state(n) if n.startswith(("rng.", "state.")) else n
+                                for n in diff} | set(restore_differs[1:]))
+                   if not _names(part, d)), key=_rank)
     return Divergence(step, lead, part, kind, also, _flat(ref).get(lead), _flat(got).get(lead))
+
+
+def _names(part: str, field: str) -> bool:
+    """Whether the part a divergence is blamed on is ``field`` (shown once, not again among
+    the other differences): itself, a stream named with its explanation ("rng (python: ...)"),
+    or the first differing field of state not captured."""
+    return (part == field or field.endswith(")") and part.startswith(field[:-1] + ":")
+            or part.endswith(f"(first differs: {field})"))
