@@ -242,3 +242,51 @@ def test_faulty_fs_validates_its_arguments():
         FaultyFS(kind="chmod")
     with pytest.raises(ValueError):
         FaultyFS(nth=0)
+
+
+_FSIZE_CHILD = r"""
+import resource, sys, torch, unbroken
+root, limit = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+m = torch.nn.Linear(1024, 1024)  # AdamW state: an optimizer file of 8.4 MB, past O_DIRECT's 8 MiB
+o = torch.optim.AdamW(m.parameters())
+def step():
+    m(torch.ones(2, 1024)).sum().backward(); o.step(); o.zero_grad()
+ck = unbroken.Checkpointer(root, model=m, optimizer=o, keep=unbroken.Keep(last=2))
+ck.restore()
+step(); ck.step_done(1); ck.save(); ck.wait()
+saved = {k: v.clone() for k, v in m.state_dict().items()}
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+step(); ck.step_done(2)
+try:
+    ck.save()
+    ck.wait()
+except unbroken.SaveFailed as e:
+    print("FAILED", e)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+step(); ck.step_done(3); ck.save(); ck.wait(); ck.close()
+m2 = torch.nn.Linear(1024, 1024); o2 = torch.optim.AdamW(m2.parameters())
+r = unbroken.Checkpointer(root, model=m2, optimizer=o2, keep=unbroken.Keep(last=2))
+print("RESTORED", r.restore(), [g.generation for g in r.store.scan()])
+r.close()
+"""
+
+
+@pytest.mark.parametrize("limit", [6_000_000, 6_291_456], ids=["off-the-block-grid", "aligned"])
+def test_a_file_size_limit_fails_the_save_with_efbig_naming_the_file(tmp_path, limit):
+    """A write the file-size limit cuts (RLIMIT_FSIZE; Python ignores SIGXFSZ) fails with
+    EFBIG naming the file and the remedy, wherever the limit falls: an O_DIRECT write cut off
+    the 4 KiB grid was refused with EINVAL, which hid the cause. Nothing is lost, and the next
+    save succeeds once the limit is gone."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-c", _FSIZE_CHILD, str(root), str(limit)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    failed = next(line for line in out.stdout.splitlines() if line.startswith("FAILED"))
+    assert "File too large [EFBIG]" in failed and "ulimit -f" in failed, failed
+    assert "optimizer.safetensors" in failed and "EINVAL" not in failed, failed
+    assert "RESTORED 3 [1, 3]" in out.stdout, out.stdout
+    assert not [n for n in os.listdir(root) if n.startswith((STAGING_PREFIX, TRASH_PREFIX))]

@@ -18,6 +18,7 @@ files (`dist.filegroup`)."""
 
 from __future__ import annotations
 
+import errno
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict
@@ -145,11 +146,21 @@ def commit_staged(group: Group, store: GenerationStore, generation: int, staging
     return info
 
 
+# What to do before the next save, by the error a write failed on.
+_REMEDY = {errno.ENOSPC: "free space on the disk", errno.EDQUOT: "free space within the quota, or "
+           "raise it", errno.EFBIG: "raise the file-size limit (ulimit -f), or save to a "
+           "filesystem that takes files this large", errno.EROFS: "make the filesystem writable, "
+           "or save to another folder", errno.EACCES: "let this user write to the run folder",
+           errno.EPERM: "let this user write to the run folder (an immutable file or folder? "
+           "lsattr shows it)"}
+
+
 def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
     """The error of a save whose writing failed on ``e``."""
+    remedy = _REMEDY.get(e.errno or 0, "fix the disk")
     return SaveFailed(f"{root}: saving generation {step} failed: {errno_text(e)} "
                       f"({e.filename or 'run folder'}); older generations are untouched and "
-                      "training may continue; free space or fix the disk before the next save")
+                      f"training may continue; {remedy} before the next save")
 
 
 def read_back(group: Group, store: GenerationStore, info: GenerationInfo,

@@ -21,7 +21,7 @@ import numpy as np
 from ..._pacing import tick
 from ._buffers import borrowed
 
-_BLOCK = 4096  # the alignment O_DIRECT asks of offsets, sizes and memory on Linux
+BLOCK = 4096  # the alignment O_DIRECT asks of offsets, sizes and memory on Linux
 _BUFFER = 16 << 20  # bytes per write
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 # Pieces from this size are copied by NumPy, which lets go of the GIL while it copies (a
@@ -39,6 +39,11 @@ def try_direct(fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+def is_direct(fd: int) -> bool:
+    """Whether ``fd`` writes with ``O_DIRECT``."""
+    return bool(_O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & _O_DIRECT)
 
 
 def drop_direct(fd: int) -> None:
@@ -98,7 +103,7 @@ def _write_through(fd: int, chunks: Iterable[memoryview | bytes],
                     if failed:
                         raise failed[0]
         if fill:
-            padded = -(-fill // _BLOCK) * _BLOCK
+            padded = -(-fill // BLOCK) * BLOCK
             buf[fill:padded] = bytes(padded - fill)
             full.put(buf[:padded])
     finally:

@@ -20,7 +20,7 @@ import xxhash
 
 from ..._pacing import tick
 from ...errors import CorruptCheckpoint
-from ._direct import drop_direct, try_direct, write_direct
+from ._direct import BLOCK, drop_direct, is_direct, try_direct, write_direct
 from ._readahead import read_ahead
 from .killpoints import MUTATING, READ, io_fault_point
 
@@ -144,7 +144,19 @@ class LocalFS:
             def write(view: memoryview) -> None:
                 while view:
                     self._op("write", path, functools.partial(_write_half, fd, view))
-                    view = view[os.write(fd, view):]
+                    try:
+                        written = os.write(fd, view)
+                    except OSError as e:
+                        # O_DIRECT refuses a write that a limit (the file-size limit, a
+                        # quota) would cut off the block grid with EINVAL, hiding the cause:
+                        # written buffered, it fails with the real one (EFBIG).
+                        if e.errno != errno.EINVAL or not is_direct(fd):
+                            raise
+                        drop_direct(fd)
+                        continue
+                    view = view[written:]
+                    if view and written % BLOCK:  # (the same, cut short instead)
+                        drop_direct(fd)
 
             head, large = _head(hashed)
             if large and try_direct(fd):
@@ -157,6 +169,10 @@ class LocalFS:
                     tick()
             self._op("fsync", path)
             os.fsync(fd)
+        except OSError as e:  # (os.write and os.fsync name no file: the message must)
+            if e.filename is None:
+                e.filename = path
+            raise
         finally:
             os.close(fd)
         return size, h.hexdigest()
