@@ -18,6 +18,8 @@ from .store.objects import ObjectStore
 from .store.opening import is_url, open_store
 from .store.runrecord import RunRecord, folder_run
 
+# The status of a generation that a writer's retention deleted while `verify_one` read it.
+GONE = "deleted while checked"
 _GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)
 
 _DEBRIS = {STAGING_PREFIX: "in-progress or interrupted save, ignored",
@@ -271,4 +273,9 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
                                             f"({type(e).__name__}: {e})")
     else:
         rec.update(status="verified", reason=None)
+    if rec["status"] == "corrupt" and not store.present(info):
+        # (its files went with it: a live writer's retention, not corruption)
+        rec.update(status=GONE, reason=f"{info.path}: deleted while it was checked (by the "
+                                       "retention of a writer saving into the run); not a "
+                                       "failure")
     return rec

@@ -40,6 +40,7 @@ from ._commands import (
     tolerance,
 )
 from ._runview import (
+    GONE,
     UsageError,
     aside_entries,
     aside_lines,
@@ -234,7 +235,7 @@ def _verify(args: argparse.Namespace) -> int:
                for g in scanned]
     if args.factory:
         _replay_fixtures(args, store, scanned, records)
-    ok = all(r["status"] == "verified" for r in records)
+    ok = all(r["status"] in ("verified", GONE) for r in records)
     payload = {"run": store.root, "generations": records, "run_record_problem": run_problem,
                "ok": ok}
     head = [f"run {store.root}", *([f"warning: {run_problem}"] if run_problem else [])]
@@ -242,9 +243,11 @@ def _verify(args: argparse.Namespace) -> int:
         text = "\n".join([*head, "no generations to verify"])
     else:
         good = sum(r["status"] == "verified" for r in records)
+        gone = sum(r["status"] == GONE for r in records)
         text = "\n".join([*head, rows(store.root, records), "",
-                          f"{len(records)} checked: {good} verified, {len(records) - good} "
-                          "failed"])
+                          f"{len(records)} checked: {good} verified, "
+                          f"{len(records) - good - gone} failed"
+                          + (f", {gone} {GONE} (a writer's retention)" if gone else "")])
     return emit(args, payload, text, ok)
 
 

@@ -125,6 +125,35 @@ def test_verify_ok(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0 and [g["generation"] for g in doc["generations"]] == [4]
 
 
+def test_verify_beside_a_writer_whose_retention_deletes_a_generation_is_no_failure(
+        run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """verify lists the generations, then reads each: a writer's retention may delete one in
+    between. Its files are gone with its folder: that is reported as such, not as corruption,
+    and the exit is 0; a generation that lost a file but not its folder is still corrupt."""
+    from unbroken.store.generations import GenerationStore
+
+    real = GenerationStore.verify
+
+    def retention_meanwhile(self: GenerationStore, info: Any, *a: Any, **k: Any) -> Any:
+        if info.path.endswith("gen-000000003"):
+            shutil.rmtree(info.path)  # (as retention removes it, between listing and reading)
+        elif info.path.endswith("gen-000000004"):
+            os.remove(os.path.join(info.path, "model.safetensors"))  # (damage, not retention)
+        return real(self, info, *a, **k)
+
+    monkeypatch.setattr(GenerationStore, "verify", retention_meanwhile)
+    code, doc = cli_json(capsys, "verify", str(run))
+    status = {g["generation"]: g["status"] for g in doc["generations"]}
+    assert status == {3: "deleted while checked", 4: "corrupt", 5: "verified"}, doc
+    assert code == 1 and doc["ok"] is False  # (generation 4's missing file)
+    shutil.rmtree(run / "gen-000000004")
+    shutil.copytree(run / NEWEST, run / "gen-000000003")  # (a generation 3 to delete again)
+    m = json.loads((run / "gen-000000003" / "MANIFEST.json").read_text())
+    (run / "gen-000000003" / "MANIFEST.json").write_bytes(seal({**m, "generation": 3}))
+    code, out, _ = cli(capsys, "verify", str(run))
+    assert code == 0 and "2 checked: 1 verified, 0 failed, 1 deleted while checked" in out, out
+
+
 def test_subprocess_entry_point(run: Path) -> None:
     p = subprocess_cli("inspect", str(run), "--json")
     assert p.returncode == 0, p.stderr
