@@ -15,6 +15,7 @@ import os
 import pickle
 import pickletools
 import random
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +186,63 @@ def test_os_system_is_flagged_and_never_run(tmp_path, capsys, protocol):
     assert doc["would_import_code"] == [system] and doc["dangerous"] == [system]
     assert cli_main(["audit", str(tmp_path / "x.pt")]) == 1
     assert f"WOULD IMPORT CODE: {system}" in capsys.readouterr().out
+    assert not marker.exists()
+
+
+def _archive_with(tmp_path: Path, entries: list[tuple[str, bytes]], prefix: bytes = b""
+                  ) -> Path:
+    """A torch.save zip of ``basic_state()`` with ``entries`` added, after ``prefix``."""
+    import zipfile
+
+    torch.save(basic_state(), tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (zipfile warns of a duplicate name: that is the point)
+        for name, data in [*entries, *members]:
+            z.writestr(name, data)
+    path = tmp_path / "hostile.pt"
+    path.write_bytes(prefix + buf.getvalue())
+    return path
+
+
+def test_an_archive_behind_a_pickle_is_judged_by_the_pickle_torch_reads(tmp_path, capsys):
+    """torch.load reads a file as a zip only when it begins with one (else it unpickles it);
+    zipfile finds an archive anywhere. A payload pickle with a clean archive (or an empty end
+    record) appended was judged by the archive: clean."""
+    import zipfile
+
+    marker = tmp_path / "marker"
+    payload = pickle.dumps(Payload(marker), protocol=2)
+    system = f"{os.system.__module__}.system"
+    polyglot = _archive_with(tmp_path, [], prefix=payload)
+    empty = io.BytesIO()
+    zipfile.ZipFile(empty, "w").close()
+    (tmp_path / "eocd.pt").write_bytes(payload + empty.getvalue())
+    for path in (polyglot, tmp_path / "eocd.pt"):
+        assert zipfile.is_zipfile(path)  # (what was trusted)
+        rc, doc = audit(path, capsys)
+        assert rc == 1 and doc["dangerous"] == [system], doc
+        assert cli_main(["import", str(path), str(tmp_path / "run")]) != 0
+        capsys.readouterr()
+    assert not marker.exists()
+
+
+def test_a_second_data_pkl_in_an_archive_is_scanned_too(tmp_path, capsys):
+    """Two entries of one name: torch reads the first, a lookup by name the last, which was
+    all that was scanned."""
+    marker = tmp_path / "marker"
+    torch.save(basic_state(), tmp_path / "good.pt")
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "good.pt") as z:
+        pkl = next(n for n in z.namelist() if n.endswith("/data.pkl"))
+    path = _archive_with(tmp_path, [(pkl, pickle.dumps(Payload(marker), protocol=2))])
+    rc, doc = audit(path, capsys)
+    assert rc == 1 and doc["dangerous"] == [f"{os.system.__module__}.system"], doc
+    assert cli_main(["import", str(path), str(tmp_path / "run")]) == 1
+    assert "would import" in capsys.readouterr().err
     assert not marker.exists()
 
 

@@ -67,12 +67,20 @@ class PickleFile:
 
 
 def is_zip(path: str) -> bool:
-    """Whether ``path`` looks like a zip archive; one whose end record is broken counts (its
-    reading then says why), where ``zipfile.is_zipfile`` itself raises."""
+    """Whether ``torch.load`` reads ``path`` as a zip archive: it begins with a zip entry's
+    signature, as torch checks (``zipfile`` finds an archive anywhere in a file: a pickle
+    with an archive appended, which torch unpickles, would be judged by the archive). One
+    whose end record is broken counts (its reading then says why)."""
     try:
+        with open(path, "rb") as f:
+            if f.read(4) != _ZIP_MAGIC:
+                return False
         return zipfile.is_zipfile(path)
     except (zipfile.BadZipFile, ValueError, EOFError):
         return True
+
+
+_ZIP_MAGIC = b"PK\x03\x04"  # what torch.serialization._is_zipfile checks
 
 
 def read_pickle_file(path: str) -> PickleFile:
@@ -112,13 +120,23 @@ def _read_zip(path: str | BinaryIO) -> PickleFile:
                                  "torch.jit.load, which runs it")
             if not pkls:
                 out.notes.append("a zip archive without a pickle: not a torch.save file")
-            for n in sorted(pkls, key=lambda n: (not n.endswith("/data.pkl"), n)):
-                info = z.getinfo(n)
+            twice = sorted({n for n in pkls if pkls.count(n) > 1})
+            if twice:  # (torch reads one of them, zipfile's name lookup another: scan all)
+                out.notes.append(f"holds several entries named {twice[0]!r}: readers "
+                                 "disagree on which one is the archive's")
+            # (each entry by its own record: a lookup by name sees only the last of a name)
+            for info in sorted((i for i in z.infolist() if i.filename.endswith(".pkl")),
+                               key=lambda i: (not i.filename.endswith("/data.pkl"),
+                                              i.filename)):
+                n = info.filename
                 label = "data.pkl" if n.endswith("/data.pkl") and n.count("/") == 1 else n
                 if info.file_size > MAX_PICKLE_BYTES:
                     scan = PickleScan(error=f"{info.file_size} bytes: too large to scan")
                 else:
-                    scan = scan_pickle(io.BytesIO(z.read(n)))
+                    with z.open(info) as member:
+                        scan = scan_pickle(io.BytesIO(member.read()))
+                if twice and n in twice and not scan.error:
+                    scan.error = f"{n!r} appears more than once in the archive"
                 out.scans.append((label, scan))
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError) as e:
         out.scans.append(("archive", PickleScan(error=f"unreadable zip archive: {e}")))
