@@ -422,3 +422,28 @@ def test_lightning_ckpt(tmp_path, capsys):
     assert doc["dangerous"] == []
     assert rc == 0 or all(g.startswith(("lightning", "pytorch_lightning"))
                           for g in doc["would_import_code"])
+
+
+def test_a_dict_key_nested_past_any_stack_and_instruction_bombs_are_bounded(
+        tmp_path, capsys, monkeypatch):
+    """hash() of a tuple nested 300,000 deep overflows C's stack (the process died); a
+    20 KB pickle of 20 million empty dicts held 4 GB. Each gets a verdict, bounded (the
+    instruction cap lowered here, to keep the test short)."""
+    import resource
+    import zipfile
+
+    monkeypatch.setattr(ps, "MAX_INSTRUCTIONS", 200_000)
+
+    key = b"}" + b")" + b"\x85" * 300_000 + b"X\x01\x00\x00\x00vs."  # {((((),),...),): "v"}
+    bomb = b"\x80\x02(" + b"}" * (ps.MAX_INSTRUCTIONS + 10) + b"l."
+    for name, pkl in (("key.pt", b"\x80\x02" + key), ("bomb.pt", bomb)):
+        with zipfile.ZipFile(tmp_path / name, "w", zipfile.ZIP_DEFLATED) as z:
+            z.writestr("archive/data.pkl", pkl)
+            z.writestr("archive/version", "3\n")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rc, doc = audit(tmp_path / "key.pt", capsys)
+    assert rc in (0, 1) and doc["kind"] == "torch.save (zip)"
+    rc, doc = audit(tmp_path / "bomb.pt", capsys)
+    assert rc == 1 and any("instructions" in e for f in doc["files"] for e in f["errors"]), doc
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    assert grown_mib < 200, grown_mib

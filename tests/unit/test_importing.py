@@ -205,3 +205,80 @@ def test_damaged_archives_get_a_verdict_from_audit_and_import_never_a_crash(tmp_
             code = main(cmd)
             err = capsys.readouterr().err
             assert code in (0, 1, 2) and "unexpected" not in err, (i, cmd[0], err)
+
+
+def _archive(path, pkl: bytes, storages: dict[str, bytes]) -> None:
+    """A torch.save-style zip holding the pickle ``pkl`` and the raw ``storages``."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/version", "3\n")
+        for key, data in storages.items():
+            z.writestr(f"archive/data/{key}", data)
+
+
+def _record(shape: bytes, stride: bytes, dtype: str = "FloatStorage", offset: bytes = b"K\x00",
+            v3: str | None = None) -> bytes:
+    """A pickle of {"w": tensor} as torch writes it (_rebuild_tensor_v2 or, with ``v3``, the
+    dtype-naming _rebuild_tensor_v3), with the shape, stride and offset opcodes given."""
+    def glob(module: str, name: str) -> bytes:
+        return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+    def text(s: str) -> bytes:
+        return b"X" + len(s).to_bytes(4, "little") + s.encode()
+
+    storage = glob("torch.storage", "UntypedStorage") if v3 else glob("torch", dtype)
+    pid = b"(" + text("storage") + storage + text("0") + text("cpu") + b"K\x01tQ"
+    args = b"(" + pid + offset + shape + stride + b"\x89" + glob("collections", "OrderedDict") \
+        + b")R" + (glob("torch", v3) if v3 else b"") + b"t"
+    rebuild = glob("torch._utils", "_rebuild_tensor_v3" if v3 else "_rebuild_tensor_v2")
+    return b"\x80\x02}(" + text("w") + rebuild + args + b"Ru."
+
+
+@pytest.mark.parametrize("shape,stride,v3,words", [
+    (b"K\x01\x85", b"K\x01\x85", "qint8", "dtype 'qint8'"),  # (torch crashed the process)
+    (b"K\x01\x85", b"K\x01\x85", "uint1", "dtype 'uint1'"),
+    (b"J\xff\xff\xff\xff\x85", b"K\x01\x85", None, "shape (-1,)"),
+    (b"K\x00J\xfb\xff\xff\xff\x86", b"K\x01K\x01\x86", None, "shape (0, -5)"),
+    (b"\x8a\x09" + bytes(8) + b"\x01\x85", b"K\x01\x85", None, "under 2**62"),  # (2**64)
+    (b"\x8a\x05\x00\x00\x00\x40\x00\x85", b"K\x00\x85", None, "repeats a storage of 16"),
+], ids=["quantized", "sub-byte", "negative", "negative-after-0", "past-int64", "expanded-4-GiB"])
+def test_a_crafted_tensor_record_is_refused_typed(tmp_path, capsys, shape, stride, v3, words):
+    """A record torch's kernels would crash on (a quantized or sub-byte dtype), or reject
+    deep inside (a negative dimension, one past int64), or that would make 4 GiB of a
+    16-byte storage (a stride of 0): a CorruptCheckpoint naming the tensor, exit 1."""
+    _archive(tmp_path / "x.pt", _record(shape, stride, v3=v3), {"0": bytes(16)})
+    code, doc = run_import(tmp_path / "x.pt", tmp_path / "run", capsys)
+    assert code == 1 and "x.pt:w" in doc["error"] and words in doc["error"], doc
+    assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
+
+
+def test_views_of_one_storage_read_it_once_and_import_exactly(tmp_path, capsys):
+    """3,000 views of one 64 MiB storage: read once (each view re-read it: past a minute)."""
+    text = lambda s: b"X" + len(s).to_bytes(4, "little") + s.encode()  # noqa: E731
+    one = _record(b"K\x01\x85", b"K\x01\x85", offset=b"K\x03")
+    entry = one[one.index(b"}(") + 2 + len(text("w")):-2]  # (the rebuild of tensor w)
+    pkl = b"\x80\x02}(" + b"".join(text(f"t{i}") + entry for i in range(3000)) + b"u."
+    storage = torch.arange(16 << 20, dtype=torch.float32).numpy().tobytes()
+    _archive(tmp_path / "x.pt", pkl, {"0": storage})
+    code, doc = run_import(tmp_path / "x.pt", tmp_path / "run", capsys)
+    assert code == 0 and doc["tensors"] == 3000, doc
+
+
+def test_an_import_never_writes_into_its_source_or_onto_a_file(tmp_path, capsys):
+    """RUN the source folder itself, or inside it, turned the source into a run; RUN an
+    existing file (or a link to nothing) got a message about restoring from a folder."""
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"w": torch.ones(2)}, str(src / "model.safetensors"))
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    for run, words in ((src, "the source itself"), (src / "sub", "inside the source"),
+                       (tmp_path / "file", "not a folder"), (tmp_path / "dangling", "not a folder")):
+        code, doc = run_import(src, run, capsys)
+        assert code == 2 and words in doc["error"], (run, doc)
+    assert sorted(os.listdir(src)) == ["model.safetensors"]
+    assert not (tmp_path / "nowhere").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import shown
 from . import _pickle_scan as ps
 
 # -- finding the parts in an object tree, by the shape of the data ------------------------------
@@ -128,7 +129,7 @@ def find_parts(root: Any, prefix: str, found: Findings, rank: int | None) -> Non
         else:
             sep = "" if not where else ":" if depth == 0 else "."  # file:key.key
             for k, v in m.items():
-                path = f"{where}{sep}{k}" if isinstance(k, str) else f"{where}[{k!r}]"
+                path = f"{where}{sep}{k}" if isinstance(k, str) else f"{where}[{shown(k)}]"
                 if isinstance(k, str) and depth < 3:
                     key = k.lower()
                     if key in _DATA_KEYS and not isinstance(v, ps.Tensor):

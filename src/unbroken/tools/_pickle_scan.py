@@ -200,6 +200,8 @@ def _reduce(func: Any, args: Any) -> Any:
 
 def _setitem(target: Any, key: Any, value: Any) -> None:
     try:
+        if not _shallow(key):  # (hash() of a tuple nested 300,000 deep overflows C's stack)
+            raise TypeError
         hash(key)
     except TypeError:
         key = _Key()
@@ -207,6 +209,17 @@ def _setitem(target: Any, key: Any, value: Any) -> None:
         target[key] = value
     elif isinstance(target, Call):
         target.items[key] = value
+
+
+def _shallow(key: Any, depth: int = 0) -> bool:
+    """Whether ``key`` nests tuples at most `_MAX_KEY_DEPTH` deep (a dict key's hash recurses
+    into them in C, without a depth guard)."""
+    if type(key) is not tuple:
+        return True
+    return depth < _MAX_KEY_DEPTH and all(_shallow(k, depth + 1) for k in key)
+
+
+_MAX_KEY_DEPTH = 64
 
 
 def _extend(target: Any, values: list[Any]) -> None:
@@ -356,6 +369,10 @@ class _Machine:
         return False
 
 
+# Instructions interpreted per pickle: a torch.save of 100,000 tensors takes about 2.5 million.
+MAX_INSTRUCTIONS = 8_000_000
+
+
 def scan_pickle(stream: BinaryIO) -> PickleScan:
     """Read one pickle from ``stream`` (up to and including its STOP) without executing it.
 
@@ -365,7 +382,13 @@ def scan_pickle(stream: BinaryIO) -> PickleScan:
     scan = PickleScan()
     machine: _Machine | None = _Machine(scan)
     try:
-        for op, arg, _pos in genops(stream):
+        for ops, (op, arg, _pos) in enumerate(genops(stream)):
+            if machine is not None and ops >= MAX_INSTRUCTIONS:
+                # (each instruction may keep an object: a 20 KB file of 20 million empty
+                # dicts held 4 GB)
+                scan.error = (f"more than {MAX_INSTRUCTIONS:,} instructions: not interpreted "
+                              "further (its globals are still listed)")
+                machine = None
             if machine is not None:
                 try:
                     if machine.step(op.name, arg):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 import zipfile
 import zlib
 from typing import Any
@@ -28,7 +29,7 @@ import torch
 import xxhash
 
 from .._runview import UsageError
-from ..errors import CorruptCheckpoint, UnbrokenError
+from ..errors import CorruptCheckpoint, UnbrokenError, shown
 from ..state.identity import Identity
 from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
@@ -100,7 +101,8 @@ def _read_archive(path: str, kind: str) -> dict[str, Any]:
     try:
         with zipfile.ZipFile(path) as z:
             base = next(n for n in z.namelist() if n.endswith("/data.pkl")).rsplit("/", 1)[0]
-            tensors = {name: _materialize(z, base, t, f"{path}:{name}")
+            storages: dict[str, bytes] = {}  # (one read each, however many views)
+            tensors = {name: _materialize(z, base, t, f"{path}:{name}", storages)
                        for name, t in state.items()}
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError,
             StopIteration) as e:
@@ -120,36 +122,65 @@ def _state_dict(root: Any, path: str) -> dict[str, ps.Tensor]:
         if isinstance(c, dict) and c and all(isinstance(k, str) and isinstance(v, ps.Tensor)
                                              for k, v in c.items()):
             return c
-    raise UsageError(f"{path}: no flat state dict of tensors found (top-level keys: "
-                     f"{sorted(map(str, root))[:12] if isinstance(root, dict) else type(root)})")
+    keys = sorted(shown(k) for k in root)[:12] if isinstance(root, dict) else type(root)
+    raise UsageError(f"{path}: no flat state dict of tensors found (top-level keys: {keys})")
 
 
-def _materialize(z: zipfile.ZipFile, base: str, t: ps.Tensor, where: str) -> torch.Tensor:
+# The dtypes a record may name: plain numbers (a quantized, bit-packed or sub-byte dtype
+# makes torch's own kernels crash the process on a crafted record).
+_IMPORTED = frozenset(d for d in (getattr(torch, n, None) for n in (
+    "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32",
+    "int16", "int8", "uint8", "uint16", "uint32", "uint64", "bool", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")) if isinstance(d, torch.dtype))
+_DIM = range(1 << 62)  # a dimension, stride or offset torch can hold (int64, with room)
+# What an expanded record (a stride of 0) may make beyond its storage's own size.
+_EXPANDED_BYTES = 64 << 20
+
+
+def _materialize(z: zipfile.ZipFile, base: str, t: ps.Tensor, where: str,
+                 storages: dict[str, bytes]) -> torch.Tensor:
     """The tensor ``t`` describes, copied out of the archive's storage record, with its
-    shape, strides and offset checked against the storage's size."""
-    dtype = getattr(torch, t.dtype, None) if t.dtype else None
-    if not isinstance(dtype, torch.dtype) or t.key is None or t.shape is None or \
-            t.stride is None or len(t.stride) != len(t.shape) or t.offset < 0:
-        raise CorruptCheckpoint(f"{where}: a tensor record unbroken cannot read (dtype "
-                                f"{t.dtype}, shape {t.shape}, stride {t.stride})")
-    try:
-        raw = z.read(f"{base}/data/{t.key}")
-    except KeyError:
-        raise CorruptCheckpoint(f"{where}: storage {t.key!r} missing from the archive") from None
+    dtype, shape, strides and offset checked against the storage's size (each storage read
+    once, into ``storages``)."""
+    dtype = getattr(torch, t.dtype, None) if isinstance(t.dtype, str) else None
+    if dtype not in _IMPORTED:
+        raise CorruptCheckpoint(f"{where}: a tensor of dtype {shown(t.dtype)}, which unbroken "
+                                f"does not import (plain numeric dtypes only)")
+    if (t.key is None or t.shape is None or t.stride is None
+            or len(t.stride) != len(t.shape) or not all(
+                type(n) is int and n in _DIM for n in (*t.shape, *t.stride, t.offset))):
+        raise CorruptCheckpoint(f"{where}: a tensor record unbroken cannot read: shape "
+                                f"{shown(t.shape, 80)}, strides {shown(t.stride, 80)} and offset "
+                                f"{shown(t.offset)}, where non-negative integers under 2**62 "
+                                "go")
+    assert isinstance(dtype, torch.dtype)
+    raw = storages.get(t.key)
+    if raw is None:
+        try:
+            raw = storages[t.key] = z.read(f"{base}/data/{t.key}")
+        except KeyError:
+            raise CorruptCheckpoint(f"{where}: storage {t.key!r} missing from the archive") \
+                from None
     item = torch.empty((), dtype=dtype).element_size()
     if len(raw) % item:
         raise CorruptCheckpoint(f"{where}: storage of {len(raw)} bytes is not a whole number "
                                 f"of {t.dtype} elements")
     numel = math.prod(t.shape)
-    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True)) \
-        if numel else 0
-    if numel and (last >= len(raw) // item or min(t.stride) < 0):
+    if not numel:
+        return torch.empty(t.shape, dtype=dtype)
+    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True))
+    if last >= len(raw) // item:
         raise CorruptCheckpoint(f"{where}: shape {list(t.shape)} with strides "
                                 f"{list(t.stride)} at offset {t.offset} reaches past its "
                                 f"storage of {len(raw) // item} elements")
-    if not numel:
-        return torch.empty(t.shape, dtype=dtype)
-    flat = torch.frombuffer(bytearray(raw), dtype=dtype)
+    if numel * item > max(len(raw), _EXPANDED_BYTES):
+        raise CorruptCheckpoint(f"{where}: shape {list(t.shape)} with strides "
+                                f"{list(t.stride)} repeats a storage of {len(raw)} bytes into "
+                                f"{numel * item} bytes; an expanded view that large is not "
+                                "imported")
+    with warnings.catch_warnings():  # (read-only bytes: only read, by the clone)
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=dtype)
     return flat.as_strided(t.shape, t.stride, t.offset).clone()
 
 
@@ -210,6 +241,14 @@ def import_checkpoint(src: str, run: str) -> dict[str, Any]:
     module doc); returns what was imported."""
     from ..checkpointer import Checkpointer  # the tools sit above the checkpointer
 
+    where, into = os.path.realpath(src), os.path.realpath(run)
+    if into == where or into.startswith(where.rstrip(os.sep) + os.sep):
+        what = "the source itself" if into == where else "inside the source"
+        raise UsageError(f"{run}: is {what} {src}; an import never writes into what it reads: "
+                         "name a new run folder elsewhere")
+    if os.path.lexists(run) and not os.path.isdir(run):
+        raise UsageError(f"{run}: exists and is not a folder (a file, or a link to nothing); "
+                         "name a new run folder")
     source = read_source(src)
     config = source["config"]
     identity = Identity(config=config if isinstance(config, dict) else None)
