@@ -447,3 +447,30 @@ def test_a_dict_key_nested_past_any_stack_and_instruction_bombs_are_bounded(
     assert rc == 1 and any("instructions" in e for f in doc["files"] for e in f["errors"]), doc
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     assert grown_mib < 200, grown_mib
+
+
+@pytest.mark.parametrize("entries,words", [
+    ({"a": {"dtype": "X99", "shape": [1], "data_offsets": [0, 4]}}, "malformed header entry"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, "overlapping"),
+    ({"a": {"dtype": "F32", "shape": [2 ** 62, 2 ** 62], "data_offsets": [0, 4]}},
+     "malformed header entry"),
+    ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, "the file holds 8"),
+], ids=["unknown-dtype", "overlapping", "overflowing-shape", "past-the-end"])
+def test_a_safetensors_file_no_reader_accepts_is_refused_by_audit(tmp_path, capsys, entries,
+                                                                   words):
+    """audit read only the header's JSON: a file no reader takes passed as inference-only.
+    It checks the header as every reader does (never the tensors, never torch)."""
+    header = json.dumps(entries).encode()
+    (tmp_path / "x.safetensors").write_bytes(len(header).to_bytes(8, "little") + header
+                                             + bytes(8))
+    assert cli_main(["audit", str(tmp_path / "x.safetensors"), "--json"]) == 2
+    assert words in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_the_torch_free_header_check_knows_torch_s_element_sizes():
+    from unbroken.state.stheader import ITEMSIZE
+    from unbroken.state.tensorfile import ST_DTYPES
+
+    assert ITEMSIZE == {name: torch.empty(0, dtype=dt).element_size()
+                        for dt, name in ST_DTYPES.items()}

@@ -16,9 +16,9 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpoint, UnsupportedValue
-from .jsontext import loads_json
+from .stheader import ITEMSIZE, MAX_HEADER_BYTES, _Entry, read_header
+from .stheader import read_safetensors_header as read_safetensors_header
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 # safetensors dtype names; dtypes outside this table are stored as raw bytes (U8) with
 # the real dtype and shape kept in the skeleton reference.
 ST_DTYPES: dict[torch.dtype, str] = {
@@ -29,7 +29,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
-_ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for name, dt in _ST_BY_NAME.items()}
+_ITEMSIZE = ITEMSIZE
 _ITEMSIZE_OF = {dt: _ITEMSIZE[name] for name, dt in _ST_BY_NAME.items()}
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
 _STACKED = 8  # this many small tensors of one dtype and shape in a row: copied by one stack
@@ -251,84 +251,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data
 
 
-# A validated header entry: (key, safetensors dtype name, shape, begin, end), in the header's
-# order (`_read_header`).
-_Entry = tuple[str, str, list[int], int, int]
-
-
-def read_safetensors_header(data: bytes | memoryview, where: str,
-                            limit: int = MAX_HEADER_BYTES) -> tuple[dict[str, Any], dict[str, str]]:
-    """Validate a safetensors header against the buffer and return (entries, metadata).
-
-    Checks everything the format promises (size limit, dtypes, shapes, offsets that tile the
-    data exactly) so that the parser behind it only ever sees a well-formed file."""
-    header, metadata, _ = _read_header(data, where, limit)
-    return header, metadata
-
-
-def _read_header(data: bytes | memoryview, where: str, limit: int
-                 ) -> tuple[dict[str, Any], dict[str, str], list[_Entry]]:
-    """`read_safetensors_header`, and each entry's fields as checked (`_Entry`): a reader
-    of 10,000 small tensors looks each entry up once."""
-    if len(data) < 8:
-        raise CorruptCheckpoint(f"{where}: {len(data)} bytes, too short for a safetensors header")
-    (n,) = struct.unpack("<Q", bytes(data[:8]))
-    if n > limit or n > len(data) - 8:
-        raise CorruptCheckpoint(
-            f"{where}: header claims {n} bytes; the file has {len(data) - 8} after the length "
-            f"field and the limit is {limit}")
-    header = loads_json(bytes(data[8:8 + n]), where, limit)
-    if not isinstance(header, dict):
-        raise CorruptCheckpoint(f"{where}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise CorruptCheckpoint(f"{where}: __metadata__ must map strings to strings")
-    entries: list[_Entry] = []
-    expected = 0  # (where the next tensor starts if they tile the data in the header's order)
-    for key, entry in header.items():
-        # (a plain loop, not all()/math.prod over generators: headers list 10,000 tensors)
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            count = bound = 1
-            ok = (dtype in _ITEMSIZE and type(shape) is list and len(shape) <= 64
-                  and type(begin) is int and type(end) is int)
-            if ok:
-                for d in shape:
-                    if type(d) is not int or d < 0:
-                        ok = False
-                        break
-                    count *= d
-                    bound *= d or 1
-                # strides must fit torch's int64 even when a zero makes the count 0
-                ok = ok and bound < 1 << 62
-        except (TypeError, KeyError, ValueError):
-            ok = False
-        if not ok:
-            raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
-        if end - begin != count * _ITEMSIZE[dtype]:
-            raise CorruptCheckpoint(
-                f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
-                f"{shape} need {count * _ITEMSIZE[dtype]}")
-        entries.append((key, dtype, shape, begin, end))
-        if expected >= 0:
-            expected = end if begin == expected else -1
-    if expected != len(data) - 8 - n:
-        # Not tiling in the header's order (as written): in the order of the data, which
-        # names the first gap or overlap.
-        expected = 0
-        for key, _, _, begin, end in sorted(entries, key=lambda e: (e[3], e[4], e[0])):
-            if begin != expected:
-                raise CorruptCheckpoint(f"{where}: tensor {key!r} starts at byte {begin}, "
-                                        f"expected {expected} (overlapping or missing data)")
-            expected = end
-        if expected != len(data) - 8 - n:
-            raise CorruptCheckpoint(f"{where}: tensors cover {expected} data bytes, the file "
-                                    f"holds {len(data) - 8 - n}")
-    return header, metadata, entries
-
-
 def decode_safetensors(data: bytes | memoryview, where: str
                        ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Parse a safetensors buffer (validated first) into CPU tensors and its metadata.
@@ -339,7 +261,7 @@ def decode_safetensors(data: bytes | memoryview, where: str
     restored run must compute exactly as the uninterrupted one did."""
     from safetensors.torch import load
 
-    header, metadata, entries = _read_header(data, where, MAX_HEADER_BYTES)
+    header, metadata, entries = read_header(data, where, MAX_HEADER_BYTES)
     if not header:
         return {}, metadata
     if isinstance(data, memoryview) and not data.readonly:

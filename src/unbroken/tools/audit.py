@@ -23,6 +23,7 @@ from .._runview import UsageError
 from .._table import table
 from ..errors import CorruptCheckpoint
 from ..state.jsontext import loads_json
+from ..state.stheader import read_safetensors_header
 from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
 from ._audit_parts import Findings, find_parts, parts_table, verdict, where_text, why_text
@@ -93,17 +94,17 @@ class Audit:
         try:
             with open(full, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                n = int.from_bytes(f.read(8), "little")
-                if size < 8 or n > MAX_JSON_BYTES or n > size - 8:
-                    raise CorruptCheckpoint(f"{name}: header length {n} does not fit a "
-                                            f"{size}-byte file")
-                header = loads_json(f.read(n), name, MAX_JSON_BYTES)
-            if not isinstance(header, dict):
-                raise CorruptCheckpoint(f"{name}: the header is not a JSON object")
+                head = f.read(8)
+                n = int.from_bytes(head, "little")
+                # (what every reader checks: dtypes, shapes, offsets tiling the data; only
+                # the header is read, never the tensors)
+                header, _ = read_safetensors_header(
+                    head + (f.read(n) if len(head) == 8 and n <= min(MAX_JSON_BYTES, size)
+                            else b""), name, MAX_JSON_BYTES, size=size)
         except (CorruptCheckpoint, OSError) as e:
             self.files.append(FileReport(name, "safetensors", errors=[str(e)]))
             return None
-        count = len(header) - ("__metadata__" in header)
+        count = len(header)
         self.files.append(FileReport(name, f"safetensors ({count} tensors, header only)"))
         return count
 
