@@ -95,9 +95,9 @@ def optimizer_state_problems(cls: object, state: Mapping[str, Any], groups: Sequ
     for name, entry in state.items():
         if type(entry) is not dict and not isinstance(entry, Mapping) or not entry:
             continue  # (not a mapping: told apart by the callers; empty: no state yet)
-        param = getattr(shapes.get(name), "shape", None) if shapes is not None else None
-        if param is None and shapes is not None:
-            param = shapes.get(name)  # (a shape itself)
+        got = shapes.get(name) if shapes is not None else None
+        param = (got.shape if type(got) is plain or isinstance(got, plain)
+                 else got if isinstance(got, (tuple, list)) else None)
         for key, v in entry.items():
             if type(v) is plain or isinstance(v, plain):
                 if param is not None and (key in MIRRORS and v.shape != param
