@@ -21,7 +21,7 @@ from .errors import CorruptCheckpoint, NoCheckpoint, ReadOnlyRun, UnbrokenError,
 from .faults import DROP_ENV, drop_parts
 from .picking import Pick, pick_generation
 from .state import parts as S
-from .state.identity import Identity
+from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
 from .state.settings import param_group_changes, scheduler_changes
 from .store.generations import GenerationInfo, GenerationStore
@@ -143,6 +143,9 @@ class Restoring:
         changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
+        # A misnamed field in ``allow``, or ``allow`` on a continuation, is the caller's
+        # error: said before any generation is read, not as a failure of every generation.
+        check_identity({}, {}, intent=intent, allow=allow)
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":

@@ -230,7 +230,40 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
                                 f"{t.dtype} (live model), found {found}")
+        if s.dtype != t.dtype and (peak := _overflows(s, t.dtype)) is not None:
+            # (a warm start's cast: load_state_dict would make these finite weights inf)
+            raise StateMismatch(
+                f"{where}: model tensor {k!r} holds finite {s.dtype} values up to "
+                f"{peak:.6g} in magnitude, beyond the live model's {t.dtype} (largest "
+                f"{torch.finfo(t.dtype).max:.6g}): the cast would make them inf or nan; "
+                "warm start into a model of a wider dtype (e.g. float32), then convert")
     return saved
+
+
+_REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+def _overflows(s: torch.Tensor, dtype: torch.dtype) -> float | None:
+    """The largest magnitude among ``s``'s finite values when a cast to ``dtype`` cannot hold
+    it (IEEE types make it inf, float8_e4m3fn clamps it to 448 without a word), or None.
+    Values already inf or nan are not the cast's doing; the largest magnitude decides for
+    all (casts are monotonic), found by one ``aminmax`` for the usual tensor."""
+    if (not s.is_floating_point() or not dtype.is_floating_point or s.is_meta
+            or not s.numel() or torch.finfo(dtype).max >= torch.finfo(s.dtype).max):
+        return None
+    if s.dtype not in _REDUCIBLE:  # (float8: no aminmax or isfinite of its own)
+        s = s.float()
+    ends = torch.stack(torch.aminmax(s))
+    if not bool(torch.isfinite(ends).all()):
+        ends = s[torch.isfinite(s)]
+        if not ends.numel():
+            return None
+    peak = ends.abs().max().double()
+    info = torch.finfo(dtype)
+    # (within an ulp above the largest value, a cast rounds to it: no loss worth refusing)
+    if bool(torch.isfinite(peak.to(dtype).float())) and float(peak) <= info.max * (1 + info.eps):
+        return None
+    return float(peak)
 
 
 def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

@@ -310,8 +310,27 @@ def compare_part(la: Mapping[str, Any], lb: Mapping[str, Any]) -> dict[str, Any]
             "differing": len(entries), "entries": entries, "equal": equal}
 
 
+def _identity_leaves(identity: Mapping[str, Any]) -> dict[str, Any]:
+    """A manifest's identity as leaves: a config by its keys (``config/lr``) while its values
+    are recorded, and each field by its kind and content hash (two configs may show equal
+    values and still differ, e.g. in a value too large to record)."""
+    out: dict[str, Any] = {}
+    for field, entry in identity.items():
+        if not isinstance(entry, Mapping):
+            out[field] = entry
+            continue
+        value = entry.get("value")
+        if isinstance(value, Mapping) and value:
+            out.update(leaves(value, field))
+        out[f"{field} (content)"] = (f"{entry.get('summary') or entry.get('kind')} "
+                                     f"(xxh3 {entry.get('hash')})")
+    return out
+
+
 def diff_sides(a: Side, b: Side) -> dict[str, Any]:
-    """The diff of two loaded generations, per part (parts in A's order, then B's own)."""
+    """The diff of two loaded generations, per part (parts in A's order, then B's own), and
+    of the identity each is bound to (config, tokenizer, data): a generation bound to another
+    config cannot continue this run's, however equal its tensors."""
     parts: dict[str, Any] = {}
     for part in [*a.tree, *(p for p in b.tree if p not in a.tree)]:
         found = compare_part(part_leaves(part, a.tree[part]) if part in a.tree else {},
@@ -323,9 +342,13 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
     if a.sharded or b.sharded:
         notes.append(f"sharded tensors (DTensor chunks indexed by {SHARDS_FILE}) are not "
                      "compared; the rest of the state is")
-    equal = all(p["status"] == "equal" for p in parts.values())
+    assert a.info.manifest is not None and b.info.manifest is not None  # (verified: `_load`)
+    identity = compare_part(_identity_leaves(a.info.manifest.identity),
+                            _identity_leaves(b.info.manifest.identity))
+    equal = identity["status"] == "equal" and all(p["status"] == "equal"
+                                                  for p in parts.values())
     return {"a": a.summary(), "b": b.summary(), "equal": equal, "ok": equal, "parts": parts,
-            "notes": notes}
+            "identity": identity, "notes": notes}
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -342,7 +365,7 @@ def _text(payload: dict[str, Any]) -> str:
 
     lines = [head("A", payload["a"]), head("B", payload["b"]), ""]
     rows = []
-    for part, p in payload["parts"].items():
+    for part, p in [*payload["parts"].items(), ("identity", payload["identity"])]:
         for e in p["entries"]:
             count = f"{e['differing']}/{e['elements']}" if "differing" in e else None
             rows.append([part, e["key"], e["change"], _number(e.get("a")),
@@ -358,6 +381,10 @@ def _text(payload: dict[str, Any]) -> str:
     differ = [f"{k} ({p['status']})" if p["status"].startswith("only in") else
               f"{k} ({p['differing']} of {p['compared']} entries)"
               for k, p in payload["parts"].items() if p["status"] != "equal"]
+    if payload["identity"]["status"] != "equal":
+        fields = sorted({e["key"].split("/")[0].split(" ")[0]
+                         for e in payload["identity"]["entries"]})
+        differ.append(f"identity ({', '.join(fields)})")
     lines.append("verdict: equal (every part bitwise identical)" if payload["equal"] else
                  f"verdict: different: {', '.join(differ)}")
     return "\n".join(lines)
