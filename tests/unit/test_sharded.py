@@ -137,3 +137,42 @@ def test_an_edited_size_is_refused_before_anything_is_allocated(also_chunks: boo
             c["sizes"][0] for c in entry["chunks"][1:])
     with pytest.raises(CorruptCheckpoint):
         _load(index, files)
+
+
+def _grid(rows: list[int], cols: list[int]) -> list[dict[str, Any]]:
+    """The chunks of a (sum(rows), sum(cols)) tensor cut into a grid of those sizes."""
+    chunks, r0 = [], 0
+    for r in rows:
+        c0 = 0
+        for c in cols:
+            chunks.append({"offsets": [r0, c0], "sizes": [r, c],
+                           "file": shard_file(len(chunks) % 3), "key": str(len(chunks))})
+            c0 += c
+        r0 += r
+    return chunks
+
+
+@examples(120)
+@given(rows=st.lists(st.integers(0, 4), min_size=1, max_size=5),
+       cols=st.lists(st.integers(1, 4), min_size=1, max_size=4),
+       order=st.randoms(use_true_random=False), data=st.data())
+def test_chunks_that_share_elements_are_refused_though_their_sizes_add_up(
+        rows: list[int], cols: list[int], order: Any, data: st.DataObject) -> None:
+    """Found from outside (twenty-third session): a resealed index whose second chunk was a
+    copy of the first (sizes still adding up) loaded the uncovered half of the tensor from
+    uninitialized memory. Any grid of chunks, in any order, is accepted; the same grid with
+    one chunk moved onto another of its size (same sum, one part in no chunk) is refused."""
+    chunks = _grid(rows, cols)
+    order.shuffle(chunks)
+    size = [sum(rows), sum(cols)]
+    doc = {"schema": "unbroken.shards/1", "meta": META,
+           "tensors": {'["model", "w"]': {"dtype": "F32", "size": size, "chunks": chunks}}}
+    read_index(dumps_json(doc), "gen/" + SHARDS_FILE)
+    pairs = [(a, b) for a in chunks for b in chunks if a is not b and a["sizes"] == b["sizes"]
+             and a["offsets"] != b["offsets"] and all(a["sizes"])]
+    if not pairs:
+        return
+    a, b = data.draw(st.sampled_from(pairs))
+    a["offsets"] = list(b["offsets"])
+    with pytest.raises(CorruptCheckpoint, match="overlap"):
+        read_index(dumps_json(doc), "gen/" + SHARDS_FILE)

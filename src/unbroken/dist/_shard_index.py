@@ -71,6 +71,12 @@ def read_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
                                         f"{sum(math.prod(c['sizes']) for c in chunks)} "
                                         f"elements, its size {list(size)} needs "
                                         f"{math.prod(size)}")
+            if ok and (pair := _overlap(chunks)) is not None:
+                # (sizes that add up, but two chunks share elements: the rest stays unread)
+                raise CorruptCheckpoint(
+                    f"{where}: tensor {key}: chunks at offsets {pair[0]['offsets']} "
+                    f"({pair[0]['file']}) and {pair[1]['offsets']} ({pair[1]['file']}) "
+                    "overlap, so part of the tensor is in no chunk")
             if not ok:
                 raise ValueError(key)
     except CorruptCheckpoint:
@@ -78,6 +84,23 @@ def read_index(data: bytes | memoryview, where: str) -> dict[str, Any]:
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpoint(f"{where}: not an unbroken shard index ({e!s:.100})") from None
     return doc
+
+
+def _overlap(chunks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """Two chunks (boxes of ``offsets`` and ``sizes``) sharing an element, or None. A sweep
+    along the first dimension: a tensor sharded along it (FSDP) compares each chunk with one
+    other, not all of them."""
+    boxes = sorted((c for c in chunks if all(c["sizes"])), key=lambda c: c["offsets"])
+    active: list[dict[str, Any]] = []
+    for c in boxes:
+        start = c["offsets"][0] if c["offsets"] else 0
+        active = [a for a in active if not a["offsets"] or a["offsets"][0] + a["sizes"][0] > start]
+        for a in active:
+            if all(ao < co + cs and co < ao + as_ for ao, as_, co, cs
+                   in zip(a["offsets"], a["sizes"], c["offsets"], c["sizes"])):
+                return a, c
+        active.append(c)
+    return None
 
 
 def _ints(v: Any) -> bool:
