@@ -238,6 +238,7 @@ def test_setups_that_cannot_resume_exactly_are_refused(tmp_path, forks):
         "limit_train_batches": ("UnsupportedSetup", "limit_train_batches=0.5"),
         "optimizer given": ("UnsupportedSetup", "takes the model, optimizer"),
         "ckpt_path": ("UnsupportedSetup", "fit(ckpt_path="),
+        "max_steps raised in the last epoch": ("StateMismatch", "the epoch ended early"),
     }.items():
         assert got[case][0] == kind and words in got[case][1], (case, got[case])
     assert got["from train_dataloader()"] == 4  # the module's hook may return the loader
@@ -306,6 +307,10 @@ def _refusals(tmp: str) -> dict[str, Any]:
         "limit_train_batches": lambda: fit("e", loader(), limit_train_batches=0.5),
         "optimizer given": lambda: UnbrokenCallback(tmp, optimizer=None),
         "ckpt_path": lambda: fit("f", loader(), ckpt_path=lightning_checkpoint()),
+        # stopped by max_steps in the last epoch, continued with a larger one (no identity
+        # holds max_steps): the restored loops are done before any batch is fetched
+        "max_steps raised in the last epoch": lambda: (fit("h", loader(), max_steps=2),
+                                                       fit("h", loader(), max_steps=4)),
     }
     out: dict[str, Any] = {}
     for case, call in cases.items():

@@ -109,6 +109,7 @@ class UnbrokenCallback(pl.Callback):
         self._loops: _LoopState | None = None
         self._done: dict[str, Any] | None = None  # the update awaiting its boundary
         self._grad_norm: torch.Tensor | None = None
+        self._unchecked = False  # restored, no batch fetched yet (`_check_position` pending)
 
     # -- the data ------------------------------------------------------------------------------
 
@@ -171,6 +172,7 @@ class UnbrokenCallback(pl.Callback):
             raise
         self.restored_step = self.step = step
         self._done = None
+        self._unchecked = True
 
     def _parts(self, trainer: pl.Trainer, pl_module: pl.LightningModule
                ) -> tuple[ResumableLoader, torch.optim.Optimizer, Any]:
@@ -247,6 +249,7 @@ class UnbrokenCallback(pl.Callback):
                 return True
         loops.fix_epoch_loop()
         if first:
+            self._unchecked = False
             self._check_position(trainer)
         return False
 
@@ -269,6 +272,11 @@ class UnbrokenCallback(pl.Callback):
         try:
             if self.checkpointer is not None:
                 self._boundary()
+                if self._unchecked and not 0 <= trainer.max_steps <= trainer.global_step:
+                    # Restored loops that were done before a batch was fetched: fine when
+                    # max_steps is reached; else they ended an epoch early (max_steps raised
+                    # in the last epoch), which a fetch would have refused.
+                    self._check_position(trainer)
                 if self.step:
                     self.checkpointer.save()
         finally:
