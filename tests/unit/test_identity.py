@@ -94,18 +94,40 @@ def test_dir_records_renames_and_empty_folders(tmp_path: Path) -> None:
     assert fp(tokenizer=tok)["tokenizer"]["hash"] != before
 
 
-def test_symlink_recorded_by_target_not_followed(tmp_path: Path) -> None:
-    tok = make_tokenizer(tmp_path)
+def test_a_run_saved_when_symlinks_counted_by_target_text_is_still_recognised(
+        tmp_path: Path) -> None:
+    """Before the twenty-third session a symlink counted by its target text, never followed
+    (a change behind it went unseen). Now links are hashed by content, and the older hash is
+    computed alongside: a checkpoint that recorded it continues, with a warning saying what
+    this resume cannot check; a link moved elsewhere is still refused."""
+    import xxhash
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "a.txt").write_bytes(b"x")
     outside = tmp_path / "outside.bin"
     outside.write_bytes(b"1")
-    os.symlink(outside, tok / "link")
-    first = fp(tokenizer=tok)["tokenizer"]
-    outside.write_bytes(b"2")  # content behind the link does not count ...
-    assert fp(tokenizer=tok)["tokenizer"] == first
-    assert first["files"] == 2
-    (tok / "link").unlink()
-    os.symlink(tmp_path / "elsewhere", tok / "link")  # ... but where it points does
-    assert fp(tokenizer=tok)["tokenizer"]["hash"] != first["hash"]
+    os.symlink(outside, folder / "link")
+    (folder / "sub").mkdir()
+    os.symlink(tmp_path / "elsewhere", folder / "sub" / "gone")  # dangling
+    # what the older walk recorded, entry by entry (its format, written out)
+    old = xxhash.xxh3_128()
+    for record in (["file", "a.txt", 1, xxhash.xxh3_128(b"x").hexdigest()],
+                   ["link", "link", str(outside)], ["dir", "sub"],
+                   ["link", "sub/gone", str(tmp_path / "elsewhere")]):
+        old.update(json.dumps(record).encode("ascii") + b"\n")
+    now = fp(tokenizer=folder)["tokenizer"]
+    assert now["legacy_hash"] == old.hexdigest() and now["symlinks"] == 2
+    assert now["hash"] != old.hexdigest() and now["files"] == 2  # a.txt and what link holds
+    saved = {"tokenizer": {k: v for k, v in now.items() if k not in ("symlinks", "legacy_hash")}
+             | {"hash": old.hexdigest()}}
+    outside.write_bytes(b"2")  # unseen by the old hash: the warning says so
+    with pytest.warns(UnbrokenWarning, match="symlink's target text"):
+        check_identity(saved, fp(tokenizer=folder), intent="continue")
+    (folder / "link").unlink()
+    os.symlink(tmp_path / "moved.bin", folder / "link")
+    with pytest.raises(IdentityMismatch, match="symlinks, now hashed by what they point to"):
+        check_identity(saved, fp(tokenizer=folder), intent="continue")
 
 
 def test_data_file(tmp_path: Path) -> None:

@@ -4,10 +4,11 @@ the rules that decide whether a checkpoint may be continued or warm-started from
 from __future__ import annotations
 
 import copy
+import errno
 import json
-import math
 import os
 import platform
+import stat
 import threading
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -19,52 +20,22 @@ import torch
 import torch.distributed as dist
 import xxhash
 
-from ..errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
-from .jsontext import dumps_json
+from ..errors import IdentityMismatch, UnbrokenError, UnbrokenWarning, UnsupportedValue
+from ._identity_json import json_entry, key_changes, key_digests, xxh
+from ._identity_tokenizer import tokenizer_entry
 
 FIELDS = ("config", "tokenizer", "data")
 _CHUNK = 8 * 1024 * 1024
-# Kept values let a mismatch name the changed key; this keeps manifests small.
+# Kept values let a mismatch name the changed key and show both values; a larger tree keeps
+# a bounded digest per key path instead (``_identity_json.key_digests``): manifests stay small.
 _KEEP_VALUE_BYTES = 16 * 1024
+# Changed keys named per field in a mismatch message, when only digests were kept.
+_NAMED_KEYS = 5
 _ABSENT = object()
 
 
-def _xxh(data: bytes) -> str:
-    return xxhash.xxh3_128(data).hexdigest()
-
-
-def _jsonable(obj: Any, path: str) -> Any:
-    """A plain JSON tree equal to ``obj``, or ``UnbrokenError`` naming the first bad key."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        raise UnbrokenError(f"{path}: {obj} cannot be fingerprinted (JSON has no NaN/inf)")
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, Mapping):
-        for key in obj:
-            if not isinstance(key, str):
-                raise UnbrokenError(f"{path}: key {key!r} is a {type(key).__name__}; "
-                                    "identity mappings need string keys")
-        return {k: _jsonable(v, f"{path}.{k}") for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v, f"{path}[{i}]") for i, v in enumerate(obj)]
-    raise UnbrokenError(f"{path}: a {type(obj).__name__} value cannot be fingerprinted; "
-                        "convert it to str, int, float, bool, None, list or dict")
-
-
-def _json_entry(kind: str, obj: Mapping[str, Any], path: str, summary: str) -> dict[str, Any]:
-    blob = dumps_json(_jsonable(obj, path))
-    entry: dict[str, Any] = {"kind": kind, "hash": _xxh(blob), "summary": summary}
-    if len(blob) < _KEEP_VALUE_BYTES:
-        entry["value"] = json.loads(blob)  # plain JSON (tuples, enums normalised), as hashed
-    return entry
-
-
-def _vocab_entry(tokenizer: Any, field: str) -> dict[str, Any]:
-    # get_vocab() omits merges and normalizers; pass the tokenizer folder to cover those too.
-    vocab, name = tokenizer.get_vocab(), type(tokenizer).__name__
-    special = getattr(tokenizer, "all_special_tokens", None)
-    payload = {"class": name, "vocab": vocab, "special_tokens": special and list(special)}
-    return _json_entry("vocab", payload, field, f"{name} with {len(vocab)} tokens")
+class IdentityArgumentError(UnsupportedValue, TypeError):
+    """An ``Identity`` argument of a type it does not take; a ``TypeError`` too, as before."""
 
 
 def _hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
@@ -77,26 +48,60 @@ def _hash_file(path: str | os.PathLike[str]) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def _hash_dir(root: Path) -> tuple[str, int, int]:
-    """(hash, file count, total bytes) of a folder tree: every entry, in sorted order.
-    Symlinks count by their target string, never followed: nothing outside, no loops."""
-    h = xxhash.xxh3_128()
-    files = total = 0
-    stack = [""]
+def _hash_dir(root: Path) -> tuple[str, int, int, int, str]:
+    """(hash, file count, total bytes, symlink count, the hash an older unbroken computed) of
+    a folder tree: every entry, in sorted order.
+
+    Symlinks are followed and count as what they point to: data/train.bin -> /big/disk/...
+    changes the hash when the bytes there change (recording the link text alone would not),
+    and a folder of links hashes like one of copies, wherever the targets live. A dangling
+    link holds nothing to read: it is recorded as dangling with its target text, so the hash
+    changes once the target appears or the link moves. A link cycle, or a link to a folder
+    that contains it, has no finite content: ``UnsupportedValue`` names it.
+
+    Before, a symlink counted by its target text and was never followed; that hash is
+    computed alongside (the same walk without the linked folders), so that a run saved then
+    is still recognised (`_legacy_match`): a tokenizer folder of the Hugging Face cache is
+    all symlinks."""
+    h, old = xxhash.xxh3_128(), xxhash.xxh3_128()
+    files = total = links = 0
+    top = os.stat(root)
+    # Each folder to visit carries the (device, inode) of the folders above it (a loop test)
+    # and whether the older walk visited it (no symlink on the way).
+    stack: list[tuple[str, frozenset[tuple[int, int]], bool]] = [
+        ("", frozenset({(top.st_dev, top.st_ino)}), True)]
     while stack:
-        rel = stack.pop()
+        rel, above, visited = stack.pop()
         with os.scandir(root / rel) as it:
             entries = sorted(it, key=lambda e: e.name)
         subdirs = []
         for e in entries:
             name = rel + e.name
             record: list[Any]
-            if e.is_symlink():
-                record = ["link", name, os.readlink(e.path)]
-            elif e.is_dir(follow_symlinks=False):
+            links += e.is_symlink()
+            try:
+                st = os.stat(e.path)  # follows a symlink to its final target
+            except OSError as err:
+                if not e.is_symlink() or err.errno not in (errno.ENOENT, errno.ELOOP):
+                    raise  # unreadable or gone while hashing: the caller names the path
+                if err.errno == errno.ELOOP:
+                    raise UnsupportedValue(
+                        f"{e.path} is a symlink cycle ({os.readlink(e.path)!r} leads back to "
+                        "itself): it cannot be hashed; remove the link or fix its target"
+                    ) from None
+                st = None
+            if st is None:
+                record = ["dangling", name, os.readlink(e.path)]
+            elif stat.S_ISDIR(st.st_mode):
+                if (st.st_dev, st.st_ino) in above:
+                    raise UnsupportedValue(
+                        f"{e.path} links to a folder that contains it "
+                        f"({os.readlink(e.path)!r}): the tree would never end; remove the link "
+                        "or point the identity at a folder without it")
                 record = ["dir", name]
-                subdirs.append(name + "/")
-            elif e.is_file(follow_symlinks=False):
+                subdirs.append((name + "/", above | {(st.st_dev, st.st_ino)},
+                                visited and not e.is_symlink()))
+            elif stat.S_ISREG(st.st_mode):
                 size, digest = _hash_file(e.path)
                 files += 1
                 total += size
@@ -105,16 +110,22 @@ def _hash_dir(root: Path) -> tuple[str, int, int]:
                 record = ["other", name]
             # A JSON line per entry frames names unambiguously, undecodable ones too (ASCII).
             h.update(json.dumps(record).encode("ascii") + b"\n")
+            if visited:
+                was = ["link", name, os.readlink(e.path)] if e.is_symlink() else record
+                old.update(json.dumps(was).encode("ascii") + b"\n")
         stack.extend(reversed(subdirs))
-    return h.hexdigest(), files, total
+    return h.hexdigest(), files, total, links, old.hexdigest()
 
 
 def _path_entry(field: str, path: Path) -> dict[str, Any]:
     try:
         if path.is_dir():
-            digest, files, total = _hash_dir(path)
-            return {"kind": "dir", "hash": digest, "files": files, "bytes": total,
-                    "summary": f"dir {path.name}/ with {files} files, {total:,} bytes"}
+            digest, files, total, links, legacy = _hash_dir(path)
+            entry = {"kind": "dir", "hash": digest, "files": files, "bytes": total,
+                     "summary": f"dir {path.name}/ with {files} files, {total:,} bytes"}
+            # "symlinks" marks the entry as hashing links by content (an older unbroken's did
+            # not); "legacy_hash" is what that one recorded for the folder.
+            return entry | {"symlinks": links, "legacy_hash": legacy} if links else entry
         if path.is_file():
             size, digest = _hash_file(path)
             return {"kind": "file", "hash": digest, "size": size,
@@ -128,9 +139,13 @@ class Identity:
     """What must stay the same for a run to be continued: config, tokenizer and data.
 
     ``tokenizer``/``data``: a ``Path`` (must exist) or a ``str`` naming an existing file or
-    folder (hashed by content), any other ``str`` (a revision label), a mapping, or (tokenizer
-    only) an object with ``get_vocab()``. Config and mappings are captured now; files are
-    hashed lazily, once, on the first ``fingerprint()``."""
+    folder (hashed by content, symlinks followed), any other ``str`` (a revision label), a
+    mapping, or (tokenizer only) an object with ``get_vocab()``: a Hugging Face tokenizer is
+    recorded in full (serialization and encoding settings, see ``_identity_tokenizer``), any
+    other by class, vocab and special tokens. Config, mappings and tokenizer objects are
+    captured now; files are hashed lazily, once, on the first ``fingerprint()``. A value that
+    cannot be fingerprinted raises ``UnsupportedValue`` naming its key path; an argument of
+    the wrong type ``IdentityArgumentError`` (also a ``TypeError``)."""
 
     def __init__(self, config: Mapping[str, Any] | None = None,
                  tokenizer: str | os.PathLike[str] | Mapping[str, Any] | object | None = None,
@@ -139,9 +154,13 @@ class Identity:
         self._paths: dict[str, Path] = {}
         if config is not None:
             if not isinstance(config, Mapping):
-                raise TypeError(f"config must be a mapping, not {type(config).__name__}")
-            self._entries["config"] = _json_entry("config", config, "config",
-                                                 f"config with {len(config)} keys")
+                raise IdentityArgumentError(
+                    f"Identity(config=...): a {type(config).__name__} was given; config takes "
+                    "a mapping of str keys to JSON-able values (str, int, float, bool, None, "
+                    "list, dict), e.g. dict(vars(args))")
+            self._entries["config"] = json_entry("config", config, "config",
+                                                 f"config with {len(config)} keys",
+                                                 _KEEP_VALUE_BYTES)
         for field, source in (("tokenizer", tokenizer), ("data", data)):
             if source is not None:
                 self._add(field, source)
@@ -156,16 +175,20 @@ class Identity:
                 raise UnbrokenError(f"{field} path {path} does not exist")
             self._paths[field] = path
         elif isinstance(source, str):
-            self._entries[field] = {"kind": "revision", "hash": _xxh(source.encode("utf-8")),
+            self._entries[field] = {"kind": "revision", "hash": xxh(source.encode("utf-8")),
                                     "value": source, "summary": f"revision {source!r}"}
         elif isinstance(source, Mapping):
-            self._entries[field] = _json_entry("mapping", source, field,
-                                                f"mapping with {len(source)} keys")
+            self._entries[field] = json_entry("mapping", source, field,
+                                               f"mapping with {len(source)} keys",
+                                               _KEEP_VALUE_BYTES)
         elif field == "tokenizer" and callable(getattr(source, "get_vocab", None)):
-            self._entries[field] = _vocab_entry(source, field)
+            self._entries[field] = tokenizer_entry(source, field, _KEEP_VALUE_BYTES)
         else:
-            raise TypeError(f"{field} must be a path, a revision string, a mapping or (tokenizer "
-                            f"only) an object with get_vocab(), not {type(source).__name__}")
+            takes = " or (tokenizer only) an object with get_vocab()" * (field == "tokenizer")
+            raise IdentityArgumentError(
+                f"Identity({field}=...): a {type(source).__name__} was given; {field} takes a "
+                f"path (Path, or a str naming an existing file or folder), a revision string, "
+                f"a mapping{takes}")
 
     def fingerprint(self) -> dict[str, Any]:
         """One ``{"kind", "hash", "summary", ...}`` entry per given field (JSON-able, a copy)."""
@@ -240,16 +263,80 @@ def _agree(saved: Any, current: Any, *keys: str) -> bool:
             and all(saved.get(k) is not None and saved.get(k) == current.get(k) for k in keys))
 
 
+def _more(n: int) -> str:
+    return f" (and {n} more differing key{'s' if n > 1 else ''})" if n else ""
+
+
+def _kept(record: list[Any] | None) -> str:
+    if record is None:
+        return "absent"
+    return _fmt(record[1]) if len(record) > 1 else f"xxh3 {record[0][:12]} (too long to show)"
+
+
+def _legacy_tokenizer(saved: Any, current: Any) -> bool:
+    """The saved entry is the vocab-only one an older unbroken wrote for a tokenizer object
+    that is now fingerprinted in full."""
+    return (isinstance(saved, Mapping) and isinstance(current, Mapping)
+            and saved.get("kind") == "vocab" and current.get("kind") == "hf-tokenizer")
+
+
+def _keys(entry: Any, field: str) -> dict[str, Any] | None:
+    """An entry's per-key digests; made from its kept value when it was small enough to keep
+    whole (a config that grew past the limit since the save still names its changed keys)."""
+    if not isinstance(entry, Mapping):
+        return None
+    keys, value = entry.get("keys"), entry.get("value")
+    if isinstance(keys, dict):
+        return keys
+    return key_digests(value, field) if isinstance(value, dict) else None
+
+
+def _legacy_match(field: str, saved: Any, current: Any) -> str | None:
+    """What an older unbroken recorded, equal to what it would record now (then a warning's
+    text: what this resume cannot check), or None. Refusing would strand every run saved
+    before the current fingerprints; the next save records them."""
+    if not isinstance(saved, Mapping) or not isinstance(current, Mapping) or saved.get(
+            "hash") is None:
+        return None
+    if (field == "tokenizer" and _legacy_tokenizer(saved, current)
+            and saved["hash"] == current.get("vocab_hash")):
+        return ("its tokenizer was fingerprinted by an older unbroken from class, get_vocab() "
+                "and special tokens only; those match, but a change of merges, normalizer or "
+                "settings since cannot be detected for this resume")
+    if (saved.get("kind") == current.get("kind") == "dir" and "symlinks" not in saved
+            and saved["hash"] == current.get("legacy_hash")):
+        return (f"its {field} folder was hashed by an older unbroken, which recorded a "
+                f"symlink's target text, not what it points to; those match, but a change of "
+                "the linked files since cannot be detected for this resume")
+    return None
+
+
 def _describe(field: str, saved: Any, current: Any) -> str:
     old, new = (e.get("value") if isinstance(e, Mapping) else None for e in (saved, current))
     if isinstance(old, dict) and isinstance(new, dict) and _agree(saved, current, "kind"):
         diffs = list(_diffs(old, new, field))
         if diffs:
             path, a, b = diffs[0]
-            n = len(diffs) - 1
-            more = f" (and {n} more differing key{'s' if n > 1 else ''})" if n else ""
-            return f"{path}: saved {_fmt(a)}, now {_fmt(b)}{more}"
-    return f"{field}: saved {_side(saved)}, now {_side(current)}"
+            return f"{path}: saved {_fmt(a)}, now {_fmt(b)}{_more(len(diffs) - 1)}"
+    head = f"{field}: saved {_side(saved)}, now {_side(current)}"
+    if (isinstance(saved, Mapping) and isinstance(current, Mapping) and _agree(
+            saved, current, "kind") and saved["kind"] == "dir" and "symlinks" not in saved
+            and current.get("symlinks")):
+        return (head + f"\n    {current['symlinks']} entries of the folder are symlinks, now "
+                "hashed by what they point to; an older unbroken hashed a symlink's target "
+                "text only, so a checkpoint it wrote differs even if no data changed")
+    if _legacy_tokenizer(saved, current):
+        return (head + "\n    the saved entry is an older unbroken's vocab-only fingerprint "
+                "(class, get_vocab() and special tokens), the current one the full "
+                "serialization; on what both record, the vocab or special tokens differ")
+    old, new = (_keys(e, field) for e in (saved, current))
+    if old is not None and new is not None and _agree(saved, current, "kind"):
+        changes = key_changes(old, new)
+        lines = [f"{path}: saved {_kept(a)}, now {_kept(b)}"
+                 for path, a, b in changes[:_NAMED_KEYS]]
+        if lines:
+            return "\n    ".join([head, *lines]) + _more(len(changes) - len(lines))
+    return head
 
 
 def check_identity(saved: Mapping[str, Any], current: Mapping[str, Any], *, intent: str,
@@ -270,6 +357,11 @@ def check_identity(saved: Mapping[str, Any], current: Mapping[str, Any], *, inte
         old, new = saved.get(field), current.get(field)
         # Kind counts too: a revision label and a file holding the same bytes hash alike.
         if (old is None and new is None) or _agree(old, new, "kind", "hash"):
+            continue
+        legacy = _legacy_match(field, old, new)
+        if legacy is not None:
+            warnings.warn(f"{where or 'checkpoint'}: {legacy} (the next save records it in "
+                          "full)", UnbrokenWarning, stacklevel=2)
             continue
         if intent == "warm_start" and (field == "data" or field in allowed):
             continue
