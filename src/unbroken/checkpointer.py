@@ -266,7 +266,8 @@ class Checkpointer(Persisting, Restoring):
             lineage["generation"] = self.step
         return export_model(self.model, out, identity=self.identity, lineage=lineage,
                             inputs=inputs, dtype=dtype, adapter=adapter,
-                            base_revision=base_revision, generation_config=generation_config)
+                            base_revision=base_revision, generation_config=generation_config,
+                            run=self.store.root)
 
     # -- counters ------------------------------------------------------------------------------
 

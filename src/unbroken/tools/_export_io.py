@@ -21,6 +21,7 @@ from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
 from ..store.generations import GenerationStore
 from ..store.verifying import GenerationInfo
+from ._export_paths import check_out
 
 SCHEMA = "unbroken.export/1"
 EXPORT_JSON = "export.json"
@@ -114,12 +115,31 @@ def prepare(state: Mapping[str, Any], names: list[str], dtype: str | None
                                    "not a tensor; an inference export holds tensors only")
         t = t.detach()
         if target is not None and t.dtype in _CASTABLE and t.dtype != target:
-            t, cast = t.to(target), True
+            source, t, cast = t, t.to(target), True
+            if torch.finfo(target).max < torch.finfo(source.dtype).max:
+                _check_range(name, source, t, dtype)
         if t.dtype not in ST_DTYPES:
             raise UnsupportedValue(f"{name!r}: dtype {t.dtype} has no safetensors name; "
                                    "convert it before exporting")
         out[name] = t.cpu()  # encode_safetensors copies bytes per key: tied weights are fine
     return out, cast
+
+
+def _check_range(name: str, source: torch.Tensor, cast: torch.Tensor, dtype: str | None
+                 ) -> None:
+    """Refuse a cast that turned finite values into inf (over the target dtype's range). One
+    vectorized check of the cast tensor; the source is counted only when that finds any, so
+    that values already inf or NaN before the cast are not blamed on it."""
+    now = int((~cast.isfinite()).sum())
+    before = int((~source.isfinite()).sum()) if now else 0
+    if now == before:
+        return
+    peak = float(source[source.isfinite()].abs().max())
+    raise UnsupportedValue(
+        f"{name!r}: max |value| {peak:.4g} is over the range of {dtype} (|x| <= "
+        f"{torch.finfo(cast.dtype).max:.4g}): the cast would turn {now - before} finite values "
+        "into inf; export with another dtype whose range holds it (bf16 and fp32 reach "
+        "3.4e38) or with none (as saved), or rescale the weights first")
 
 
 # -- fixed inputs and outputs as named tensors ----------------------------------------------
@@ -229,14 +249,6 @@ def compare(name: str, got: torch.Tensor, want: torch.Tensor, bitwise: bool,
 # -- the export folder ----------------------------------------------------------------------
 
 
-def check_out(out: str) -> None:
-    """Refuse an OUT that holds anything: an export never overwrites or merges."""
-    if os.path.lexists(out) and (not os.path.isdir(out) or os.path.islink(out)
-                                 or os.listdir(out)):
-        raise UnbrokenError(f"{out}: exists and is not an empty folder; an export never "
-                            "overwrites: choose a new OUT or remove this one")
-
-
 def write_folder(out: str, files: Mapping[str, Any]) -> dict[str, tuple[int, str]]:
     """Write ``files`` (name -> bytes or buffers; a callable receives the sizes and hashes of
     the files before it and returns its bytes) into a temporary sibling of ``out``, fsynced,
@@ -244,9 +256,13 @@ def write_folder(out: str, files: Mapping[str, Any]) -> dict[str, tuple[int, str
     (size, xxh3-128)."""
     check_out(out)
     parent = os.path.dirname(out) or "."
-    os.makedirs(parent, exist_ok=True)
     fs = LocalFS()
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.export-", dir=parent)
+    except OSError as e:  # no permission, a read-only or full disk, a file raced in
+        raise UnbrokenError(f"{out}: cannot create it in {parent} ({e}); nothing was "
+                            "written: choose an OUT in a folder you can write") from None
     done: dict[str, tuple[int, str]] = {}
     try:
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the export from its readers

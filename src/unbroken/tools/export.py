@@ -6,14 +6,17 @@ no RNG. An export folder holds::
 
     model.safetensors         the weights (``safetensors.torch.load_file`` reads them)
     export.json               schema, identity, lineage, dtype, each tensor's dtype and shape,
-                              each file's size and xxh3-128
+                              each file's size and xxh3-128, and a ``checksum`` of its own
+                              (as a run manifest's: any edited field is corruption)
     fixed_inputs.safetensors  (when inputs were given) the inputs and the outputs the model
                               produced on them at export time, for `verify_export`
 
 ``export_model`` exports a live model, ``export_generation`` (``unbroken export``) a run's
 generation; `verify_export` (``unbroken verify-export``) reloads an export into a model and
 re-runs the fixed inputs, bitwise or within a tolerance per dtype (`_export_io.TOLERANCES`).
-The folder is written beside OUT and renamed into place: OUT holds a whole export or none.
+The folder is written beside OUT and renamed into place: OUT holds a whole export or none;
+an OUT inside the run folder (it would change committed generations) and a cast that turns
+finite weights into inf are refused.
 Nothing is pickled, nothing is read with ``torch.load``."""
 
 from __future__ import annotations
@@ -21,19 +24,29 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .._runview import open_run
-from ..errors import CorruptCheckpoint, MissingState, NoCheckpoint, StateMismatch, UnsupportedValue
+from ..errors import (
+    CorruptCheckpoint,
+    MissingState,
+    NoCheckpoint,
+    StateMismatch,
+    UnbrokenWarning,
+    UnsupportedValue,
+)
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
 from ..state.tensorfile import encode_safetensors
 from ..store.backends.local import LocalFS
+from ..store.manifest import CHECKSUM, check_seal, checksum
 from . import _export_io as io
 from ._export_io import EXPORT_JSON, FIXED, SCHEMA, TOLERANCES, WEIGHTS
+from ._export_paths import check_out, check_outside_run, local_out
 
 __all__ = ["TOLERANCES", "export_generation", "export_model", "verify_export"]
 
@@ -45,7 +58,8 @@ def export_model(model: torch.nn.Module, out: str | os.PathLike[str], *,
                  lineage: Mapping[str, Any] | None = None, inputs: Inputs | None = None,
                  dtype: str | None = None, adapter: str | Iterable[str] | None = None,
                  base_revision: str | None = None,
-                 generation_config: Mapping[str, Any] | Any | None = None) -> dict[str, Any]:
+                 generation_config: Mapping[str, Any] | Any | None = None,
+                 run: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Export ``model``'s weights for inference into the new folder ``out`` and return what
     ``export.json`` records (plus ``"path"``).
 
@@ -59,10 +73,13 @@ def export_model(model: torch.nn.Module, out: str | os.PathLike[str], *,
     list of names where ``"prefix*"`` selects by prefix); it then needs ``base_revision``, the
     immutable revision of the base model it applies to (``"org/model@<commit>"``,
     ``"sha256:<digest>"``), or `MissingState` is raised. ``generation_config``: a mapping (or
-    an object with ``to_dict()``) recorded in the identity. An ``out`` that exists and is not
-    an empty folder is refused (`UnbrokenError`)."""
-    out = os.path.abspath(os.fspath(out))
-    io.check_out(out)  # before running anything
+    an object with ``to_dict()``) recorded in the identity. ``run``: the run folder the model
+    is checkpointed in, if any: an ``out`` inside it is refused. An ``out`` that exists and is
+    not an empty folder, is a URL or lies under a file is refused (`UnbrokenError`)."""
+    out = local_out(out)
+    if run is not None:  # before check_out: an OUT holding the run is not empty either
+        check_outside_run(os.fspath(run), out)
+    check_out(out)  # before running anything
     io.check_base_revision(base_revision or _identity(identity, None).get("base_revision"),
                            adapter is not None)
     fixed = None
@@ -90,8 +107,9 @@ def export_generation(run: str | os.PathLike[str], out: str | os.PathLike[str],
     data entry), lineage = run id, generation, incarnation and step. Only the model's files
     are read, each hash-verified. Returns what `export_model` returns, plus ``"refused"``:
     newer generations that did not verify. ``run``: a run folder or URL."""
-    out = os.path.abspath(os.fspath(out))
-    io.check_out(out)
+    out = local_out(out)
+    check_outside_run(os.fspath(run), out)  # before check_out: OUT holding RUN is not empty
+    check_out(out)
     io.check_base_revision(base_revision, adapter is not None)
     store = open_run(os.fspath(run))
     scanned = store.scan()
@@ -146,7 +164,12 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
     path = io.hash_checked(out, weights, WEIGHTS)
     report: dict[str, Any] = {"out": out, "ok": True, "weights": {
         "file": WEIGHTS, "xxh3_128": weights["xxh3_128"], "verified": True}, "loaded": 0,
-        "outputs": [], "mode": None}
+        "outputs": [], "mode": None, "checksum": doc.get(CHECKSUM)}
+    if CHECKSUM not in doc:
+        warnings.warn(UnbrokenWarning(
+            f"{out}/{EXPORT_JSON}: has no checksum (written by an older unbroken): its fields "
+            "(identity, lineage, dtypes, whether fixed inputs were recorded) are not verified, "
+            "only the files' hashes it lists; export again to seal it"), stacklevel=2)
     from safetensors.torch import load_file
 
     live_dtypes = {k: t.dtype for k, t in model.state_dict().items()
@@ -169,6 +192,10 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
                                 f"({e!s:.400})") from None
         report["loaded"] = len(state)
     fixed = doc.get("fixed_inputs")
+    if not fixed and os.path.lexists(os.path.join(out, FIXED)):
+        raise CorruptCheckpoint(f"{out}/{EXPORT_JSON}: records no fixed inputs, yet {FIXED} is "
+                                "there (export writes both or neither): export.json was edited; "
+                                "export again from the run")
     if not fixed:
         if inputs is not None:
             raise MissingState(f"{out}: the export recorded no outputs to compare with; export "
@@ -210,13 +237,21 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
 
 
 def read_export(out: str) -> dict[str, Any]:
-    """``export.json`` of the export in ``out``, checked for its schema."""
+    """``export.json`` of the export in ``out``, checked for its checksum (when it has one:
+    exports written before it was added have none) and its schema."""
     where = os.path.join(out, EXPORT_JSON)
     try:
         doc = loads_json(LocalFS().read_file(where, io.MAX_EXPORT_JSON), where,
                          io.MAX_EXPORT_JSON)
     except FileNotFoundError:
         raise CorruptCheckpoint(f"{where}: missing; {out} is not an unbroken export") from None
+    if isinstance(doc, dict) and CHECKSUM in doc:
+        try:
+            check_seal(doc, where, SCHEMA, EXPORT_JSON)
+        except CorruptCheckpoint as e:
+            raise CorruptCheckpoint(f"{e}: a field was edited or damaged after export; export "
+                                    "again from the run, or restore the folder from a copy"
+                                    ) from None
     fixed = doc.get("fixed_inputs") if isinstance(doc, dict) else None
     if (not isinstance(doc, dict) or doc.get("schema") != SCHEMA
             or not isinstance(doc.get("weights"), dict)
@@ -267,6 +302,9 @@ def _write(state: Mapping[str, Any], out: str, identity: Any, lineage: dict[str,
         for name, entry in ((WEIGHTS, doc["weights"]), (FIXED, doc["fixed_inputs"])):
             if name in done:
                 entry.update(bytes=done[name][0], xxh3_128=done[name][1])
+        # Sealed as a manifest is (an edited field is corruption), over the fields as a
+        # reader parses them back: a non-string key of the identity comes back a string.
+        doc[CHECKSUM] = checksum(json.loads(json.dumps(doc, ensure_ascii=True, allow_nan=False)))
         # indented: people read it; ASCII: any name (a lone surrogate too) survives
         return json.dumps(doc, indent=2, ensure_ascii=True, allow_nan=False).encode() + b"\n"
 
