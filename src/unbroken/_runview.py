@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
@@ -274,8 +275,23 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     else:
         rec.update(status="verified", reason=None)
     if rec["status"] == "corrupt" and not store.present(info):
-        # (its files went with it: a live writer's retention, not corruption)
-        rec.update(status=GONE, reason=f"{info.path}: deleted while it was checked (by the "
-                                       "retention of a writer saving into the run); not a "
-                                       "failure")
+        _gone(rec, info)  # (its files went with it: a live writer's retention)
     return rec
+
+
+def _gone(rec: dict[str, Any], info: GenerationInfo) -> None:
+    rec.update(status=GONE, reason=f"{info.path}: deleted while it was checked (by the "
+                                   "retention of a writer saving into the run); not a failure")
+
+
+def recheck_torn(store: GenerationStore, infos: list[GenerationInfo],
+                 records: list[dict[str, Any]], pause: float = 0.2) -> None:
+    """After `verify_one` of every generation: one listed torn that is gone by now was being
+    deleted by a live writer's retention (which removes the manifest first, then the folder),
+    not torn. One still there gets ``pause`` seconds to go (once, for all of them)."""
+    torn = [(info, rec) for info, rec in zip(infos, records) if rec["status"] == "torn"]
+    if torn and all(store.present(info) for info, _ in torn):
+        time.sleep(pause)
+    for info, rec in torn:
+        if not store.present(info):
+            _gone(rec, info)

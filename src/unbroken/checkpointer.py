@@ -225,6 +225,9 @@ class Checkpointer(Persisting, Restoring):
         self._parent: dict[str, Any] | None = None
         self._origin: dict[str, Any] | None = None
         self._last_saved: int | None = None
+        # The metrics step_done was given (loss too) and its step: a save() of that step
+        # stores them in the manifest, as a save inside step_done does (Keep(best=...)).
+        self._step_metrics: tuple[int, dict[str, float]] = (-1, {})
         self._restored = False  # restore() ran: saving into a used folder is then a continuation
         self._restore_tried = False  # restore() was called (it may have raised)
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
@@ -323,11 +326,12 @@ class Checkpointer(Persisting, Restoring):
                                fixture.state_digests(self.model, self.optimizer))
             self._fixture_after = None
         saved = False
+        if loss_value is not None:
+            values.setdefault("loss", loss_value)
+        self._step_metrics = (step, values)
         stop = self._preemption.agree(self._group, step)
         if self.every and step % self.every == 0 or step in self._save_at or stop:
-            if loss_value is not None:
-                values.setdefault("loss", loss_value)
-            saved = self._save(step, values) is not None or self._in_flight is not None
+            saved = self._save(step, dict(values)) is not None or self._in_flight is not None
         if stop:
             self.wait()  # the stop save is committed before the loop is told to stop
             self._preemption.done()
@@ -356,7 +360,10 @@ class Checkpointer(Persisting, Restoring):
         many completed updates (for loops that do not call ``step_done``)."""
         if step is None or step == self._counters.step:
             self._watch.check_boundary(self._counters.step)
-        return self._save(step, {name: metric(name, v) for name, v in (metrics or {}).items()})
+        given = {name: metric(name, v) for name, v in (metrics or {}).items()}
+        at, values = self._step_metrics
+        return self._save(step, {**values, **given} if at == (
+            self._counters.step if step is None else step) else given)
 
     @gc_paused
     def _save(self, step: int | None, values: dict[str, float]) -> GenerationInfo | None:

@@ -49,6 +49,7 @@ from ._runview import (
     newest_summary,
     newest_summary_lines,
     open_run,
+    recheck_torn,
     record,
     rows,
     verify_one,
@@ -233,6 +234,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     records = [verify_one(store, g, run, deep_problems if args.deep else None)
                for g in scanned]
+    recheck_torn(store, scanned, records)
     if args.factory:
         _replay_fixtures(args, store, scanned, records)
     ok = all(r["status"] in ("verified", GONE) for r in records)

@@ -154,6 +154,33 @@ def test_verify_beside_a_writer_whose_retention_deletes_a_generation_is_no_failu
     assert code == 0 and "2 checked: 1 verified, 0 failed, 1 deleted while checked" in out, out
 
 
+def test_verify_catching_retention_between_manifest_and_folder_is_no_failure(
+        run: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found from outside (twenty-third session): retention removes a generation's manifest
+    first, then its folder; verify listing it in between saw it torn and failed. Gone by the
+    end of the pass, it is deleted while checked; a torn generation that stays is a failure."""
+    import unbroken._runview as runview
+
+    (run / "gen-000000003" / "MANIFEST.json").unlink()  # retention's first step, seen listed
+    real = runview.verify_one
+
+    def retention_finishes(store: Any, info: Any, *a: Any, **k: Any) -> Any:
+        rec = real(store, info, *a, **k)
+        if info.path.endswith("gen-000000003"):
+            shutil.rmtree(info.path)  # (its second step, while the others are verified)
+        return rec
+
+    monkeypatch.setattr("unbroken.cli.verify_one", retention_finishes)
+    code, doc = cli_json(capsys, "verify", str(run))
+    status = {g["generation"]: g["status"] for g in doc["generations"]}
+    assert status == {3: "deleted while checked", 4: "verified", 5: "verified"}, doc
+    assert code == 0 and doc["ok"] is True
+    (run / "gen-000000004" / "MANIFEST.json").unlink()  # torn, and it stays
+    monkeypatch.setattr("unbroken.cli.verify_one", real)
+    code, doc = cli_json(capsys, "verify", str(run))
+    assert code == 1 and [g["status"] for g in doc["generations"]] == ["torn", "verified"]
+
+
 def test_subprocess_entry_point(run: Path) -> None:
     p = subprocess_cli("inspect", str(run), "--json")
     assert p.returncode == 0, p.stderr
