@@ -21,6 +21,7 @@ from .store.runrecord import RunRecord, folder_run
 
 # The status of a generation that a writer's retention deleted while `verify_one` read it.
 GONE = "deleted while checked"
+_GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
 _GEN_OF_ASIDE = re.compile(r"gen-([0-9]{9,})-", re.ASCII)
 
 _DEBRIS = {STAGING_PREFIX: "in-progress or interrupted save, ignored",
@@ -32,6 +33,19 @@ class UsageError(Exception):
 
 
 # -- reading a run folder (no lock, no hashing unless asked) ------------------------------------
+
+
+def split_generation(spec: str) -> tuple[str, int | None]:
+    """``RUN/gen-000000400`` (a folder, or a URL) -> (``RUN``, 400); anything else -> (spec,
+    None): a run."""
+    if is_url(spec):
+        head, _, last = spec.rstrip("/").rpartition("/")
+    else:
+        head, last = os.path.split(spec.rstrip("/" + os.sep))
+    m = _GEN.fullmatch(last)
+    if m is None or (is_url(spec) and head.endswith(":/")):  # memory://gen-... is a run
+        return spec, None
+    return head or ".", int(m.group(1))
 
 
 def open_run(path: str) -> GenerationStore:

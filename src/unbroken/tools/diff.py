@@ -11,7 +11,6 @@ slice are widened to float64, so the scratch memory stays bounded whatever the m
 
 from __future__ import annotations
 
-import os
 import re
 import reprlib
 from collections.abc import Iterator, Mapping
@@ -21,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._runview import UsageError, open_run
+from .._runview import UsageError, open_run, split_generation
 from .._table import table
 from ..dist.sharded import SHARDS_FILE
 from ..errors import CorruptCheckpoint, UnbrokenError
@@ -30,10 +29,8 @@ from ..state.generation import check_sizes, check_stamps, decode_generation
 from ..state.parts import RNG, STATE_FILE
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
-from ..store.opening import is_url
 from ..store.verifying import GenerationInfo
 
-_GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)
 _RANK_STATE = re.compile(r"rank([0-9]{5})\." + re.escape(STATE_FILE), re.ASCII)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22  # elements compared at once: ~150 MB of scratch at most
@@ -62,19 +59,6 @@ class Side:
         assert m is not None
         return {"run": self.store.root, "generation": self.info.generation, "step": m.step,
                 "run_id": m.run_id, "path": self.info.path}
-
-
-def split_generation(spec: str) -> tuple[str, int | None]:
-    """``RUN/gen-000000400`` (a folder, or a URL) -> (``RUN``, 400); anything else -> (spec,
-    None): a run."""
-    if is_url(spec):
-        head, _, last = spec.rstrip("/").rpartition("/")
-    else:
-        head, last = os.path.split(spec.rstrip("/" + os.sep))
-    m = _GEN.fullmatch(last)
-    if m is None or (is_url(spec) and head.endswith(":/")):  # memory://gen-... is a run
-        return spec, None
-    return head or ".", int(m.group(1))
 
 
 def _load(store: GenerationStore, info: GenerationInfo) -> Side:
