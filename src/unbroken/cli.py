@@ -16,6 +16,7 @@ anything from it. To add a command, write one function and register it with ``@c
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import json
 import os
@@ -52,10 +53,13 @@ from ._runview import (
     recheck_torn,
     record,
     rows,
+    split_generation,
     verify_one,
 )
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .proof.checkplan import PHASES
+from .store.opening import is_url
+from .store.runrecord import RUN_FILE
 
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
@@ -134,13 +138,38 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except _PROBLEMS as e:
         return fail(args, str(e), EXIT_PROBLEM)
-    except (UnbrokenError, OSError) as e:
+    except UnbrokenError as e:
         return fail(args, str(e), EXIT_USAGE)
+    except OSError as e:
+        return fail(args, _os_message(e), EXIT_USAGE)
     except KeyboardInterrupt:
         return fail(args, "interrupted", 130)
     except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
         return fail(args, f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please "
                            "report it with this message)", EXIT_USAGE)
+
+
+# What to do about an OS error met while reading a run (the message says what failed).
+_READ_REMEDY = {errno.EACCES: "let this user read it (check the permissions of the run folder "
+                "and its generations)", errno.EPERM: "let this user read it (check the "
+                "permissions of the run folder and its generations)",
+                errno.EIO: "the device failed a read: check the disk (dmesg), or restore from a "
+                "copy of the run", errno.ENOENT: "it was removed while the command ran, or the "
+                "path is wrong: check it and run again"}
+
+
+def _os_message(e: OSError) -> str:
+    """An OS error as a message with what to do: an object store's missing credentials
+    (s3fs raises them as an OSError) name the settings that give them."""
+    name = errno.errorcode.get(e.errno or 0)
+    text = (f"{e.filename}: {e.strerror}" + (f" [{name}]" if name else "")
+            if e.filename is not None and e.strerror else str(e))
+    if "NoCredentialsError" in text or "Unable to locate credentials" in text:
+        return (f"{text}; give the object store credentials: AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and FSSPEC_S3_ENDPOINT_URL for an "
+                "S3-compatible server")
+    remedy = _READ_REMEDY.get(e.errno or 0)
+    return f"{text}; {remedy}" if remedy else text
 
 
 @command("inspect", "list generations, their status and the newest one's identity",
@@ -195,13 +224,21 @@ def _replay_fixtures(args: argparse.Namespace, store: Any, scanned: list[Any],
     if isinstance(store, ObjectStore):
         raise UsageError(f"{store.root}: next-step fixtures are recorded in local runs only")
     factory = load_factory(args.factory)
+    replayed = 0
     for info, rec in zip(scanned, records, strict=True):
         if rec["status"] != "verified":
             continue
         compared, problems = replay(store.root, info, factory, args.factory)
         rec["next_step"] = compared
+        replayed += compared is not None
         if problems:
             rec.update(status="corrupt", reason="; ".join(problems), problems=problems)
+    if not replayed and any(r["status"] == "verified" for r in records):
+        # (asked to replay, and nothing could be: a pass here would read as a replay passed)
+        raise UsageError(
+            f"{store.root}: --factory replays next-step fixtures, and no verified generation "
+            "checked here has one; save with Checkpointer(next_step_fixture=True) to record "
+            "them, or drop --factory")
 
 
 # -- verify -------------------------------------------------------------------------------------
@@ -221,8 +258,17 @@ def _verify(args: argparse.Namespace) -> int:
     manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
     without loading it into any model. Reports each generation: ok, or which file failed and
     what was expected and found. Exit 1 when any checked generation fails."""
-    store = open_run(args.run)
+    root, named = split_generation(args.run)  # RUN/gen-000000400, as diff takes it
+    if named is not None:
+        if args.generation not in (None, named):
+            raise UsageError(f"{args.run} is generation {named}, but --generation "
+                             f"{args.generation} was given: name one")
+        args.generation = named
+    store = open_run(root)
     scanned = store.scan()
+    if not scanned and not is_url(root) and not os.path.lexists(os.path.join(root, RUN_FILE)):
+        raise UsageError(f"{root}: not a run folder (no generations, no {RUN_FILE}); "
+                         "verify takes the folder a Checkpointer saved into")
     if args.generation is not None:
         scanned = [g for g in scanned if g.generation == args.generation]
         if not scanned:

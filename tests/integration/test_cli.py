@@ -258,9 +258,11 @@ def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and "no generations" in out
     code, doc = cli_json(capsys, "inspect", str(tmp_path))
     assert code == 0 and doc["generations"] == [] and doc["newest_complete"] is None
+    code, doc = cli_json(capsys, "verify", str(tmp_path))  # nothing to verify is no pass
+    assert code == 2 and doc["ok"] is False and "not a run folder" in doc["error"]
+    (tmp_path / "RUN.json").write_text("{}")  # a run whose generations are all gone
     code, doc = cli_json(capsys, "verify", str(tmp_path))
-    assert code == 0 and doc == {"run": str(tmp_path), "generations": [], "ok": True,
-                                 "run_record_problem": None}
+    assert code == 0 and doc["generations"] == [] and doc["ok"] is True
 
 
 def test_debris_and_aside_are_listed(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -670,3 +672,70 @@ def test_inspect_json_is_standard_json_with_non_finite_metrics(tmp_path: Path,
 
     doc = json.loads(out, parse_constant=strict)
     assert code == 0 and doc["newest_complete"]["metrics"] == {"val": "-inf", "loss": "nan"}
+
+
+def test_verify_takes_a_generation_folder_and_refuses_a_folder_that_is_no_run(
+        run: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Found from outside (twenty-third session): `verify RUN/gen-N` (as diff takes it) and a
+    misspelled folder said "no generations to verify" and exit 0, the generation corrupt."""
+    gen = run / "gen-000000004"
+    code, doc = cli_json(capsys, "verify", str(gen))
+    assert code == 0 and [g["generation"] for g in doc["generations"]] == [4]
+    with open(gen / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    code, doc = cli_json(capsys, "verify", str(gen))
+    assert code == 1 and doc["ok"] is False and doc["generations"][0]["status"] == "corrupt"
+    code, _, err = cli(capsys, "verify", str(gen), "--generation", "5")
+    assert code == 2 and "name one" in err
+    (tmp_path / "typo").mkdir()
+    code, _, err = cli(capsys, "verify", str(tmp_path / "typo"))
+    assert code == 2 and "not a run folder" in err
+
+
+def test_verify_factory_without_any_fixture_is_refused_not_passed(
+        run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = cli(capsys, "verify", str(run), "--deep", "--factory", "os:getcwd")
+    assert code == 2 and "next_step_fixture=True" in err
+
+
+def test_diff_names_the_newer_generations_it_passed_over(
+        run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run / NEWEST / "optimizer.safetensors").write_bytes(b"x")  # generation 5 fails
+    code, doc = cli_json(capsys, "diff", str(run))
+    assert (doc["a"]["generation"], doc["b"]["generation"]) == (3, 4)
+    assert any(n.startswith("B: skipped generation 5: ") for n in doc["notes"]), doc["notes"]
+    _, out, _ = cli(capsys, "diff", str(run))
+    assert "note: B: skipped generation 5" in out
+
+
+def test_an_unreadable_generation_is_named_unreadable_not_torn(
+        run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found from outside: a generation folder this user may not read (chmod 000) listed as
+    torn, "MANIFEST.json missing". (As root the permission is not enforced: simulated.)"""
+    from unbroken.store.generations import GenerationStore
+
+    real = os.lstat
+    target = str(run / "gen-000000004" / "MANIFEST.json")
+
+    def lstat(path: Any, *a: Any, **k: Any) -> Any:
+        if os.fspath(path) == target:
+            raise PermissionError(13, "Permission denied", target)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    info = {g.generation: g for g in GenerationStore(str(run)).scan()}[4]
+    assert info.status == "corrupt" and "Permission denied [EACCES]" in info.reason
+    assert "fix its permissions" in info.reason
+
+
+def test_os_errors_say_what_to_do() -> None:
+    from unbroken.cli import _os_message
+
+    text = _os_message(PermissionError(13, "Permission denied", "/r/run"))
+    assert text.startswith("/r/run: Permission denied [EACCES]; let this user read it")
+    s3 = _os_message(OSError(5, "NoCredentialsError: Unable to locate credentials", "s3://b/r"))
+    assert "AWS_ACCESS_KEY_ID" in s3 and "FSSPEC_S3_ENDPOINT_URL" in s3
+    assert _os_message(OSError("plain")) == "plain"

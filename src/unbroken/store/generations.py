@@ -31,7 +31,7 @@ from ..errors import CorruptCheckpoint, SaveFailed
 from .aside import AsideFolder
 from .backends.killpoints import fault_point
 from .backends.local import LocalFS
-from .lock import acquire_writer_lock, hand_over, release_writer_lock
+from .lock import acquire_writer_lock, errno_text, hand_over, release_writer_lock
 from .manifest import (
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -157,11 +157,16 @@ class GenerationStore(AsideFolder, Verifying):
             kind = "a symbolic link" if stat.S_ISLNK(mode) else f"not a folder (mode {oct(mode)})"
             return GenerationInfo(generation, path, "corrupt", f"{path}: {kind}; a generation "
                                   "is a real folder inside the run, never a symbolic link")
-        if not os.path.lexists(where):
+        try:
+            os.lstat(where)
+        except FileNotFoundError:
             if not os.path.lexists(path):
                 return None
             return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
                                   "or deletion interrupted)")
+        except OSError as e:  # (a folder it may not read: not a missing manifest)
+            return GenerationInfo(generation, path, "corrupt", f"{path}: cannot be read "
+                                  f"({errno_text(e)}); fix its permissions, then run again")
         try:
             manifest = parse_manifest(self.fs.read_file(where, MAX_MANIFEST_BYTES), where)
             if manifest.generation != generation:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 import reprlib
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -53,6 +53,8 @@ class Side:
     info: GenerationInfo
     tree: dict[str, Any]
     sharded: bool
+    # newer generations passed over because they did not verify: "generation N: why"
+    skipped: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         m = self.info.manifest
@@ -113,14 +115,17 @@ def resolve(label: str, spec: str, generation: int | None, older_than: int | Non
         except UnbrokenError as e:
             raise UsageError(f"{spec}: generation {wanted} does not verify ({e}); name "
                              "another one, or none for the newest that verifies") from None
-    problems = []
+    problems: list[str] = []
     for info in reversed(scanned):
         if older_than is not None and info.generation >= older_than:
             continue
         try:
-            return _load(store, info)
+            side = _load(store, info)
         except UnbrokenError as e:
-            problems.append(str(e))
+            problems.append(f"generation {info.generation}: {e}")
+            continue
+        side.skipped = problems
+        return side
     older = f" older than generation {older_than}" if older_than is not None else ""
     raise UsageError(f"{spec}: no generation{older} verifies (found {found}"
                      + (f"; {'; '.join(problems)}" if problems else "") + f"); name {label} "
@@ -299,14 +304,14 @@ def _identity_leaves(identity: Mapping[str, Any]) -> dict[str, Any]:
     are recorded, and each field by its kind and content hash (two configs may show equal
     values and still differ, e.g. in a value too large to record)."""
     out: dict[str, Any] = {}
-    for field, entry in identity.items():
+    for name, entry in identity.items():
         if not isinstance(entry, Mapping):
-            out[field] = entry
+            out[name] = entry
             continue
         value = entry.get("value")
         if isinstance(value, Mapping) and value:
-            out.update(leaves(value, field))
-        out[f"{field} (content)"] = (f"{entry.get('summary') or entry.get('kind')} "
+            out.update(leaves(value, name))
+        out[f"{name} (content)"] = (f"{entry.get('summary') or entry.get('kind')} "
                                      f"(xxh3 {entry.get('hash')})")
     return out
 
@@ -322,7 +327,8 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
         if part not in a.tree or part not in b.tree:  # every leaf listed as only in A (B)
             found["status"] = f"only in {'A' if part in a.tree else 'B'}"
         parts[part] = found
-    notes = []
+    notes = [f"{label}: skipped {why}" for label, side in (("A", a), ("B", b))
+             for why in side.skipped]
     if a.sharded or b.sharded:
         notes.append(f"sharded tensors (DTensor chunks indexed by {SHARDS_FILE}) are not "
                      "compared; the rest of the state is")
