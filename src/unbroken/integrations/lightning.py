@@ -272,10 +272,12 @@ class UnbrokenCallback(pl.Callback):
         try:
             if self.checkpointer is not None:
                 self._boundary()
-                if self._unchecked and not 0 <= trainer.max_steps <= trainer.global_step:
+                if (self._unchecked and not trainer.should_stop
+                        and not 0 <= trainer.max_steps <= trainer.global_step):
                     # Restored loops that were done before a batch was fetched: fine when
-                    # max_steps is reached; else they ended an epoch early (max_steps raised
-                    # in the last epoch), which a fetch would have refused.
+                    # they hold a requested stop (EarlyStopping's) or max_steps is reached;
+                    # else they ended an epoch early (max_steps raised in the last epoch),
+                    # which a fetch would have refused.
                     self._check_position(trainer)
                 if self.step:
                     self.checkpointer.save()
