@@ -140,8 +140,10 @@ def json_safe(obj: Any) -> Any:
 
 
 def emit(args: argparse.Namespace, payload: dict[str, Any], text: str, ok: bool) -> int:
-    """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``."""
+    """Print ``payload`` as JSON (``--json``) or ``text``; return the exit status for ``ok``.
+    Every document says ``ok`` (added last when the payload has none)."""
     if args.json:
+        payload = payload if "ok" in payload else {**payload, "ok": ok}
         print(json.dumps(json_safe(payload), indent=2, allow_nan=False))
     else:
         print(printable(text))

@@ -739,3 +739,18 @@ def test_os_errors_say_what_to_do() -> None:
     s3 = _os_message(OSError(5, "NoCredentialsError: Unable to locate credentials", "s3://b/r"))
     assert "AWS_ACCESS_KEY_ID" in s3 and "FSSPEC_S3_ENDPOINT_URL" in s3
     assert _os_message(OSError("plain")) == "plain"
+
+
+def test_verify_export_of_a_path_that_holds_no_export_exits_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for out in (tmp_path / "missing", tmp_path):
+        code, doc = cli_json(capsys, "verify-export", str(out), "--factory", "os:getcwd")
+        assert code == 2 and "export.json" in doc["error"], doc
+
+
+def test_check_shows_the_output_of_a_script_that_wrote_no_trace(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The message named a log inside the working folder it had just removed."""
+    code, _, err = cli(capsys, "check", "--random", "0", "--", sys.executable, "-c",
+                       "print('hello from the script')")
+    assert code == 2 and "wrote no trace" in err and "hello from the script" in err

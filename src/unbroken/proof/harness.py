@@ -138,7 +138,9 @@ def run_process(cmd: Sequence[str], env: Mapping[str, str], log: str,
             proc.wait()
             if isinstance(e, subprocess.TimeoutExpired):
                 out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
-                raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s (see {log})") from None
+                out.flush()
+                raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s; the end of its "
+                              f"output ({log}):\n{_tail(log)}") from None
             raise
     _wait_job_gone(proc.pid, seen)
     return proc.wait()
@@ -198,7 +200,8 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
                                 f"of its output ({log}):\n{_tail(log)}")
         if not rank_traces(reference_trace):
             raise UnbrokenError("the reference run wrote no trace: does the script build an "
-                                f"unbroken.Checkpointer? (output: {log})")
+                                f"unbroken.Checkpointer? The end of its output ({log}):\n"
+                                f"{_tail(log)}")
     references = {r: read_trace(t) for r, t in rank_traces(reference_trace).items()}
     if not references:
         raise UnbrokenError(f"{reference_trace}: no such trace (nor one per rank, .rank0 ...)")

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from .._commands import arg, emit, tolerance, tool
 from .._runview import UsageError
@@ -102,9 +103,15 @@ def _verify_export(args: argparse.Namespace) -> int:
     CPU) or within a tolerance per dtype. Exit 1 when a file or an output differs."""
     import torch
 
+    from ._export_io import EXPORT_JSON
     from ._factory import load_factory
     from .export import verify_export
 
+    if not os.path.isfile(os.path.join(args.out, EXPORT_JSON)):
+        # (nothing to check: the wrong path, not a bad export)
+        raise UsageError(f"{args.out}: no {EXPORT_JSON} there (" + (
+            "no such folder" if not os.path.lexists(args.out) else "not an export folder")
+            + "); give the folder `unbroken export` wrote")
     model = load_factory(args.factory)()
     if not isinstance(model, torch.nn.Module):
         raise UsageError(f"--factory {args.factory}: returned a {type(model).__name__}, not a "
