@@ -86,7 +86,7 @@ def key_digests(tree: Mapping[str, Any], field: str) -> dict[str, list[Any]] | N
         count += len(node) - 1
         for key, value in node.items():
             # A short dict stays one path, shown whole: "normalizer: saved null, now {...}".
-            if isinstance(value, dict) and len(dumps_json(value)) > _SHOWN_BYTES:
+            if isinstance(value, dict) and _longer(value, _SHOWN_BYTES):
                 queue.append((f"{path}.{key}", value))
             else:
                 leaves.append((f"{path}.{key}", value))
@@ -109,6 +109,20 @@ def key_digests(tree: Mapping[str, Any], field: str) -> dict[str, list[Any]] | N
     if paths + shown > _MAX_MAP_BYTES:  # digests alone still name the changed keys
         found = {path: kept[:1] for path, kept in found.items()}
     return found
+
+
+_MEASURE = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
+def _longer(value: dict[str, Any], limit: int) -> bool:
+    """Whether ``value``'s compact JSON takes more than ``limit`` characters, encoding only as
+    much as that takes: a short dict may hold a 50,000-token vocabulary one level down."""
+    size = 0
+    for chunk in _MEASURE.iterencode(value):  # (lazily, a piece at a time)
+        size += len(chunk)
+        if size > limit:
+            return True
+    return False
 
 
 def json_entry(kind: str, obj: Mapping[str, Any], path: str, summary: str,
