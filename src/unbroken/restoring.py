@@ -145,6 +145,7 @@ class Restoring:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
         # A misnamed field in ``allow``, or ``allow`` on a continuation, is the caller's
         # error: said before any generation is read, not as a failure of every generation.
+        allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
         check_identity({}, {}, intent=intent, allow=allow)
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first

@@ -144,3 +144,14 @@ def test_diff_compares_the_identity_each_generation_is_bound_to(
     assert code == 1
     only = [e for e in payload["identity"]["entries"] if e["key"] == "data (content)"]
     assert only and only[0]["change"] == "only in B"
+
+
+def test_allow_given_as_a_generator_is_read_once_and_still_counts(tmp_path: object) -> None:
+    src = _run(str(tmp_path), "src", identity=unbroken.Identity(config={"lr": 1}))
+    ck = unbroken.Checkpointer(os.path.join(str(tmp_path), "dst"), model=torch.nn.Linear(4, 2),
+                               identity=unbroken.Identity(config={"lr": 2}))
+    try:
+        assert ck.restore(intent="warm_start", source=src,
+                          allow=(field for field in ["config"])) == 0
+    finally:
+        ck.close()
