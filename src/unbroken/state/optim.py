@@ -230,7 +230,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
                                 f"{t.dtype} (live model), found {found}")
-        if s.dtype != t.dtype and (peak := _overflows(s, t.dtype)) is not None:
+        if s.dtype != t.dtype and (peak := cast_overflow(s, t.dtype)) is not None:
             # (a warm start's cast: load_state_dict would make these finite weights inf)
             raise StateMismatch(
                 f"{where}: model tensor {k!r} holds finite {s.dtype} values up to "
@@ -243,7 +243,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 
-def _overflows(s: torch.Tensor, dtype: torch.dtype) -> float | None:
+def cast_overflow(s: torch.Tensor, dtype: torch.dtype) -> float | None:
     """The largest magnitude among ``s``'s finite values when a cast to ``dtype`` cannot hold
     it (IEEE types make it inf, float8_e4m3fn clamps it to 448 without a word), or None.
     Values already inf or nan are not the cast's doing; the largest magnitude decides for

@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 from ..state.generation import check_sizes, check_stamps, decode_generation
+from ..state.optim import cast_overflow
 from ..state.parts import MODEL, STATE_FILE
 from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
@@ -115,9 +116,8 @@ def prepare(state: Mapping[str, Any], names: list[str], dtype: str | None
                                    "not a tensor; an inference export holds tensors only")
         t = t.detach()
         if target is not None and t.dtype in _CASTABLE and t.dtype != target:
-            source, t, cast = t, t.to(target), True
-            if torch.finfo(target).max < torch.finfo(source.dtype).max:
-                _check_range(name, source, t, dtype)
+            _check_range(name, t, target, dtype)
+            t, cast = t.to(target), True
         if t.dtype not in ST_DTYPES:
             raise UnsupportedValue(f"{name!r}: dtype {t.dtype} has no safetensors name; "
                                    "convert it before exporting")
@@ -125,21 +125,17 @@ def prepare(state: Mapping[str, Any], names: list[str], dtype: str | None
     return out, cast
 
 
-def _check_range(name: str, source: torch.Tensor, cast: torch.Tensor, dtype: str | None
+def _check_range(name: str, source: torch.Tensor, target: torch.dtype, dtype: str | None
                  ) -> None:
-    """Refuse a cast that turned finite values into inf (over the target dtype's range). One
-    vectorized check of the cast tensor; the source is counted only when that finds any, so
-    that values already inf or NaN before the cast are not blamed on it."""
-    now = int((~cast.isfinite()).sum())
-    before = int((~source.isfinite()).sum()) if now else 0
-    if now == before:
-        return
-    peak = float(source[source.isfinite()].abs().max())
-    raise UnsupportedValue(
-        f"{name!r}: max |value| {peak:.4g} is over the range of {dtype} (|x| <= "
-        f"{torch.finfo(cast.dtype).max:.4g}): the cast would turn {now - before} finite values "
-        "into inf; export with another dtype whose range holds it (bf16 and fp32 reach "
-        "3.4e38) or with none (as saved), or rescale the weights first")
+    """Refuse a cast that cannot hold a finite value of ``source`` (`cast_overflow`: values
+    already inf or NaN are not blamed on it)."""
+    peak = cast_overflow(source, target)
+    if peak is not None:
+        raise UnsupportedValue(
+            f"{name!r}: max |value| {peak:.4g} is over the range of {dtype} (|x| <= "
+            f"{torch.finfo(target).max:.4g}): the cast would turn finite values into inf; "
+            "export with another dtype whose range holds it (bf16 and fp32 reach 3.4e38) or "
+            "with none (as saved), or rescale the weights first")
 
 
 # -- fixed inputs and outputs as named tensors ----------------------------------------------
