@@ -48,6 +48,21 @@ def split_generation(spec: str) -> tuple[str, int | None]:
     return head or ".", int(m.group(1))
 
 
+def holds_a_run(root: str) -> bool:
+    """Whether the local folder ``root`` holds anything a Checkpointer writes (its lock, RUN.json,
+    generations, staging, trash or aside/): a run, perhaps with no generation yet or left."""
+    from .store.aside import ASIDE
+    from .store.lock import LOCK
+    from .store.runrecord import RUN_FILE
+
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return True  # (unreadable: the command says why when it reads it)
+    return any(n in (LOCK, RUN_FILE, ASIDE) or n.startswith(("gen-", STAGING_PREFIX,
+                                                              TRASH_PREFIX)) for n in names)
+
+
 def open_run(path: str) -> GenerationStore:
     if is_url(path):
         try:

@@ -46,6 +46,7 @@ from ._runview import (
     aside_entries,
     aside_lines,
     folder_run_record,
+    holds_a_run,
     list_debris,
     newest_summary,
     newest_summary_lines,
@@ -59,7 +60,6 @@ from ._runview import (
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .proof.checkplan import PHASES
 from .store.opening import is_url
-from .store.runrecord import RUN_FILE
 
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
@@ -266,8 +266,8 @@ def _verify(args: argparse.Namespace) -> int:
         args.generation = named
     store = open_run(root)
     scanned = store.scan()
-    if not scanned and not is_url(root) and not os.path.lexists(os.path.join(root, RUN_FILE)):
-        raise UsageError(f"{root}: not a run folder (no generations, no {RUN_FILE}); "
+    if not scanned and not is_url(root) and not holds_a_run(root):
+        raise UsageError(f"{root}: not a run folder (nothing a Checkpointer writes is there); "
                          "verify takes the folder a Checkpointer saved into")
     if args.generation is not None:
         scanned = [g for g in scanned if g.generation == args.generation]

@@ -260,6 +260,10 @@ def test_empty_run_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert code == 0 and doc["generations"] == [] and doc["newest_complete"] is None
     code, doc = cli_json(capsys, "verify", str(tmp_path))  # nothing to verify is no pass
     assert code == 2 and doc["ok"] is False and "not a run folder" in doc["error"]
+    (tmp_path / "LOCK").write_text("")  # a Checkpointer's folder before its first save
+    code, doc = cli_json(capsys, "verify", str(tmp_path))
+    assert code == 0 and doc["generations"] == [] and doc["ok"] is True
+    (tmp_path / "LOCK").unlink()
     (tmp_path / "RUN.json").write_text("{}")  # a run whose generations are all gone
     code, doc = cli_json(capsys, "verify", str(tmp_path))
     assert code == 0 and doc["generations"] == [] and doc["ok"] is True
