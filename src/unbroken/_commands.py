@@ -5,6 +5,7 @@ importing the command line itself. (Moved out of ``cli.py`` unchanged.)"""
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import sys
@@ -117,6 +118,29 @@ def fail(args: argparse.Namespace, message: str, code: int) -> int:
 
 
 # -- output -------------------------------------------------------------------------------------
+
+
+# What to do about an OS error met while reading a run (the message says what failed).
+_READ_REMEDY = {errno.EACCES: "let this user read it (check the permissions of the run folder "
+                "and its generations)", errno.EPERM: "let this user read it (check the "
+                "permissions of the run folder and its generations)",
+                errno.EIO: "the device failed a read: check the disk (dmesg), or restore from a "
+                "copy of the run", errno.ENOENT: "it was removed while the command ran, or the "
+                "path is wrong: check it and run again"}
+
+
+def os_message(e: OSError) -> str:
+    """An OS error as a message with what to do: an object store's missing credentials
+    (s3fs raises them as an OSError) name the settings that give them."""
+    name = errno.errorcode.get(e.errno or 0)
+    text = (f"{e.filename}: {e.strerror}" + (f" [{name}]" if name else "")
+            if e.filename is not None and e.strerror else str(e))
+    if "NoCredentialsError" in text or "Unable to locate credentials" in text:
+        return (f"{text}; give the object store credentials: AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and FSSPEC_S3_ENDPOINT_URL for an "
+                "S3-compatible server")
+    remedy = _READ_REMEDY.get(e.errno or 0)
+    return f"{text}; {remedy}" if remedy else text
 
 
 def error(message: str) -> None:

@@ -16,7 +16,6 @@ anything from it. To add a command, write one function and register it with ``@c
 from __future__ import annotations
 
 import argparse
-import errno
 import importlib
 import json
 import os
@@ -37,6 +36,7 @@ from ._commands import (
     emit,
     error,
     fail,
+    os_message,
     seconds,
     tolerance,
 )
@@ -141,35 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     except UnbrokenError as e:
         return fail(args, str(e), EXIT_USAGE)
     except OSError as e:
-        return fail(args, _os_message(e), EXIT_USAGE)
+        return fail(args, os_message(e), EXIT_USAGE)
     except KeyboardInterrupt:
         return fail(args, "interrupted", 130)
     except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
         return fail(args, f"unexpected {type(e).__name__}: {e} (a bug in unbroken: please "
                            "report it with this message)", EXIT_USAGE)
-
-
-# What to do about an OS error met while reading a run (the message says what failed).
-_READ_REMEDY = {errno.EACCES: "let this user read it (check the permissions of the run folder "
-                "and its generations)", errno.EPERM: "let this user read it (check the "
-                "permissions of the run folder and its generations)",
-                errno.EIO: "the device failed a read: check the disk (dmesg), or restore from a "
-                "copy of the run", errno.ENOENT: "it was removed while the command ran, or the "
-                "path is wrong: check it and run again"}
-
-
-def _os_message(e: OSError) -> str:
-    """An OS error as a message with what to do: an object store's missing credentials
-    (s3fs raises them as an OSError) name the settings that give them."""
-    name = errno.errorcode.get(e.errno or 0)
-    text = (f"{e.filename}: {e.strerror}" + (f" [{name}]" if name else "")
-            if e.filename is not None and e.strerror else str(e))
-    if "NoCredentialsError" in text or "Unable to locate credentials" in text:
-        return (f"{text}; give the object store credentials: AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and FSSPEC_S3_ENDPOINT_URL for an "
-                "S3-compatible server")
-    remedy = _READ_REMEDY.get(e.errno or 0)
-    return f"{text}; {remedy}" if remedy else text
 
 
 @command("inspect", "list generations, their status and the newest one's identity",

@@ -736,7 +736,7 @@ def test_an_unreadable_generation_is_named_unreadable_not_torn(
 
 
 def test_os_errors_say_what_to_do() -> None:
-    from unbroken.cli import _os_message
+    from unbroken._commands import os_message as _os_message
 
     text = _os_message(PermissionError(13, "Permission denied", "/r/run"))
     assert text.startswith("/r/run: Permission denied [EACCES]; let this user read it")
