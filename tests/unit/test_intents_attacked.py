@@ -155,3 +155,31 @@ def test_allow_given_as_a_generator_is_read_once_and_still_counts(tmp_path: obje
                           allow=(field for field in ["config"])) == 0
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize("saved_wrapped", [True, False])
+def test_a_model_wrapped_on_one_side_only_is_named_as_such(tmp_path: object,
+                                                           saved_wrapped: bool) -> None:
+    """A torch.compile'd model's keys start with '_orig_mod.': restored into the bare model
+    (or the other way round) the refusal said "another model definition"."""
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        bare = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        return torch.compile(bare, backend="eager") if saved_wrapped else bare
+
+    run = os.path.join(str(tmp_path), "run")
+    ck = unbroken.Checkpointer(run, model=model())
+    ck.restore()
+    ck.step_done(1)
+    ck.save()
+    ck.close()
+    saved_wrapped = not saved_wrapped
+    ck = unbroken.Checkpointer(run, model=model())
+    side = "checkpoint" if not saved_wrapped else "live model"
+    try:
+        with pytest.raises(unbroken.StateMismatch,
+                           match=f"the {side}'s keys are the .* with '_orig_mod.' before each "
+                                 r"\(a torch.compile'd model"):
+            ck.restore()
+    finally:
+        ck.close()

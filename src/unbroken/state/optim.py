@@ -214,8 +214,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
-                            f"{unexpected[:5]}; the checkpoint was written by another model "
-                            "definition")
+                            f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
     for k, t in live.items():
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
@@ -241,6 +240,25 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+# Prefixes a wrapper puts before every key of the model it wraps: torch.compile's
+# OptimizedModule, DataParallel and DistributedDataParallel.
+_WRAPPERS = {"_orig_mod.": "a torch.compile'd model (torch.compile(model))",
+             "module.": "a DataParallel / DistributedDataParallel wrapper"}
+
+
+def _wrapped(missing: list[str], unexpected: list[str]) -> str:
+    """The remedy for keys that differ: a wrapper on one side only (every key of one side is
+    the other's with its prefix), or another model definition."""
+    for prefix, what in _WRAPPERS.items():
+        for bare, prefixed, side, other in ((missing, unexpected, "checkpoint", "live model"),
+                                            (unexpected, missing, "live model", "checkpoint")):
+            if prefixed and sorted(prefixed) == sorted(prefix + k for k in bare):
+                return (f"the {side}'s keys are the {other}'s with {prefix!r} before each "
+                        f"({what} on the {side}'s side only); give the Checkpointer the model "
+                        "as it was given when saving, wrapped or not")
+    return "the checkpoint was written by another model definition"
 
 
 def cast_overflow(s: torch.Tensor, dtype: torch.dtype) -> float | None:
