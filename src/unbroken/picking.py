@@ -228,9 +228,18 @@ def _rank_streams(files: Mapping[str, Any], folder: str, meta: Mapping[str, str]
         log.warning("%s: saved by %d ranks, restored on %d: the random streams of ranks "
                     "%d..%d are dropped (equal data order and weights, other random draws)",
                     folder, saved_ranks, group.size, group.size, saved_ranks - 1)
-    prefix = rank_prefix(group.rank)
+    return rank_rng(files, folder, meta, group.rank)
+
+
+def rank_rng(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int) -> Any:
+    """The RNG streams of ``rank`` in a generation of many ranks (its own
+    ``rankNNNNN.state.json``), checked to be stamped with this generation and that rank."""
+    prefix = rank_prefix(rank)
+    if prefix + S.STATE_FILE not in files:
+        raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: missing; every rank of the "
+                                "saving job writes its own random streams there")
     own, own_meta = G.decode_generation(files, folder, {S.RNG}, prefix)
-    expected = {**meta, "unbroken.rank": str(group.rank)}
+    expected = {**meta, "unbroken.rank": str(rank)}
     if own_meta != expected or S.RNG not in own:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: stamped {own_meta}, expected "
                                 f"{expected}: the file belongs to another rank or generation")

@@ -11,7 +11,6 @@ slice are widened to float64, so the scratch memory stays bounded whatever the m
 
 from __future__ import annotations
 
-import re
 import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -24,14 +23,14 @@ from .._runview import UsageError, open_run, split_generation
 from .._table import table
 from ..dist.sharded import SHARDS_FILE
 from ..errors import CorruptCheckpoint, UnbrokenError
+from ..picking import rank_rng
 from ..state._digest import digest_tree
 from ..state.generation import check_sizes, check_stamps, decode_generation
-from ..state.parts import RNG, STATE_FILE
+from ..state.parts import RNG
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
 from ..store.verifying import GenerationInfo
 
-_RANK_STATE = re.compile(r"rank([0-9]{5})\." + re.escape(STATE_FILE), re.ASCII)
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22  # elements compared at once: ~150 MB of scratch at most
 _RNG_STREAMS = ("python", "numpy", "torch_cpu", "cuda", "generators")  # in rng_digests
@@ -72,17 +71,13 @@ def _load(store: GenerationStore, info: GenerationInfo) -> Side:
     check_sizes(m, info.path)
     files = store.read_verified(info)
     tree, meta = decode_generation(files, info.path)
-    check_stamps(m, info.path, tree, meta)
-    for name in sorted(files):  # a job of many ranks: each rank's own random streams
-        match = _RANK_STATE.fullmatch(name)
-        if match:
-            own, own_meta = decode_generation(files, info.path, {RNG}, name[:-len(STATE_FILE)])
-            rank = {**meta, "unbroken.rank": str(int(match.group(1)))}
-            if own_meta != rank:  # as a restore checks it (picking._rank_streams)
-                raise CorruptCheckpoint(f"{info.path}/{name}: stamped {own_meta}, expected "
-                                        f"{rank}: the file belongs to another rank or generation")
-            if RNG in own:
-                tree[f"{RNG}[rank {int(match.group(1))}]"] = own[RNG]
+    # a job of many ranks: each rank's own random streams, compared rank by rank (rank 0's
+    # stand for the part when the stamps are checked)
+    streams = [rank_rng(files, info.path, meta, r) for r in range(m.world_size)
+               ] if m.world_size > 1 else []
+    check_stamps(m, info.path, {**tree, RNG: streams[0]} if streams else tree, meta)
+    for rank, own in enumerate(streams):
+        tree[f"{RNG}[rank {rank}]"] = own
     return Side(store, info, tree, SHARDS_FILE in files)
 
 
