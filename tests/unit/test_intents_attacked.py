@@ -183,3 +183,25 @@ def test_a_model_wrapped_on_one_side_only_is_named_as_such(tmp_path: object,
             ck.restore()
     finally:
         ck.close()
+
+
+def test_a_lazy_module_not_yet_run_is_named_not_called_corrupt(tmp_path: object) -> None:
+    """Found from outside: restoring into a LazyLinear that had not run yet said "no generation
+    verifies ... move the folder away" of a good run."""
+    run = os.path.join(str(tmp_path), "run")
+    model = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.Linear(4, 1))
+    model(torch.zeros(1, 3))
+    ck = unbroken.Checkpointer(run, model=model)
+    ck.restore()
+    ck.step_done(1)
+    ck.save()
+    ck.close()
+    before = sorted(os.listdir(run))
+    ck = unbroken.Checkpointer(run, model=torch.nn.Sequential(torch.nn.LazyLinear(4),
+                                                              torch.nn.Linear(4, 1)))
+    try:
+        with pytest.raises(unbroken.StateMismatch, match="'0.weight' is uninitialized"):
+            ck.restore()
+    finally:
+        ck.close()
+    assert sorted(os.listdir(run)) == before

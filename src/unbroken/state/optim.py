@@ -219,6 +219,11 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
             continue
+        if isinstance(t, _UNINITIALIZED):  # (a lazy module's: it has no shape yet)
+            raise StateMismatch(f"{where}: live model tensor {k!r} is uninitialized (a lazy "
+                                "module, e.g. LazyLinear, that has not run yet) and cannot take "
+                                "the saved one; run one forward pass, or otherwise materialize "
+                                "the lazy modules, before restore()")
         if t.is_meta:  # (copying into it does nothing: the restore would "succeed" empty)
             raise StateMismatch(f"{where}: live model tensor {k!r} is on the meta device and "
                                 "holds no memory to restore into; materialize the model "
@@ -240,6 +245,11 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+# A lazy module's parameter or buffer before its first forward (torch does not export the
+# class's name to type checkers).
+_UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # noqa: B009
 
 
 # Prefixes a wrapper puts before every key of the model it wraps: torch.compile's
