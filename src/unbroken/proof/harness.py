@@ -139,8 +139,8 @@ def run_process(cmd: Sequence[str], env: Mapping[str, str], log: str,
             if isinstance(e, subprocess.TimeoutExpired):
                 out.write(f"\n[unbroken check] killed after {timeout:.0f} s\n".encode())
                 out.flush()
-                raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s; the end of its "
-                              f"output ({log}):\n{_tail(log)}") from None
+                raise Timeout(f"{' '.join(cmd)} ran past {timeout:.0f} s; "
+                              f"{_output_of(log)}") from None
             raise
     _wait_job_gone(proc.pid, seen)
     return proc.wait()
@@ -165,7 +165,23 @@ def _wait_job_gone(pgid: int, seen: set[_procs.Process]) -> None:
         time.sleep(0.02)
 
 
-def _tail(path: str, lines: int = 15) -> str:
+def _output_of(log: str) -> str:
+    """The end of a process's output, for a message or a case's note, its log named by its
+    place in the working folder (``reference/output.log``), never by its full path.
+
+    The output itself goes into the message rather than the working folder being kept: a
+    failed check would otherwise leave its runs (checkpoints: often gigabytes) in /tmp on every
+    failure, while what the user needs is why the script failed, which is at the end of its
+    output. `unbroken check` removes a temporary working folder before it shows the message,
+    so a full path would name a deleted file; --keep or --workdir DIR keep the whole log."""
+    where = f"{os.path.basename(os.path.dirname(log))}/{os.path.basename(log)}"
+    tail = _tail(log)
+    if not tail:
+        return f"it printed nothing ({where} in the working folder is empty)"
+    return f"the end of its output ({where} in the working folder):\n{tail}"
+
+
+def _tail(path: str, lines: int = 40) -> str:
     """The end of a process's own output, to show why it failed."""
     try:
         with open(path, "rb") as f:
@@ -196,12 +212,11 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         code = run_process(cmd, {ROOT_ENV: os.path.join(ref_dir, "run"),
                                  TRACE_ENV: reference_trace}, log, timeout)
         if code != 0:
-            raise UnbrokenError(f"the uninterrupted reference run exited with {code}; the end "
-                                f"of its output ({log}):\n{_tail(log)}")
+            raise UnbrokenError(f"the uninterrupted reference run exited with {code}; "
+                                f"{_output_of(log)}")
         if not rank_traces(reference_trace):
-            raise UnbrokenError("the reference run wrote no trace: does the script build an "
-                                f"unbroken.Checkpointer? The end of its output ({log}):\n"
-                                f"{_tail(log)}")
+            raise UnbrokenError("the reference run wrote no trace (does the script build an "
+                                f"unbroken.Checkpointer?); {_output_of(log)}")
     references = {r: read_trace(t) for r, t in rank_traces(reference_trace).items()}
     if not references:
         raise UnbrokenError(f"{reference_trace}: no such trace (nor one per rank, .rank0 ...)")
@@ -275,7 +290,7 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
         if result is None:
             if code != 0:
                 return CaseResult(results, "error", note=f"the resumed run exited with {code}; "
-                                  f"the end of its output ({log}):\n{_tail(log)}")
+                                  f"{_output_of(log)}")
             break
         result.exit_code = code
         problem = _interrupted(result.kill, code, records)
@@ -284,7 +299,7 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
             verdict = "error" if result.kill.phase == "sigterm" or code not in (0, -9) else \
                 "untested"
             if result.kill.phase == "sigterm" or code not in (0, -signal.SIGKILL):
-                problem += f"; the end of its output ({log}):\n{_tail(log)}"
+                problem += f"; {_output_of(log)}"
             return CaseResult(results, verdict, note=problem)
         result.reached = True
         previous = result
