@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 import warnings
@@ -15,7 +14,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import fixture
 from ._env import SAVE_AT_ENV
-from ._pacing import Pacer
 from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, background_group
 from .errors import (
@@ -23,7 +21,7 @@ from .errors import (
     UnbrokenWarning,
     UpdateBoundaryError,
 )
-from .inputs import EXTRA_NAME, dry_encode, metric, steps_from_env
+from .inputs import EXTRA_NAME, check_options, dry_encode, metric, steps_from_env
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
@@ -129,20 +127,8 @@ class Checkpointer(Persisting, Restoring):
         # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
         # one rank of a job: every rank builds one on the same folder, rank 0 writes.
         self._group = Group(process_group)
-        if async_save not in (False, True, "thread", "process"):
-            raise ValueError(f"async_save={async_save!r}: False, True (or 'thread') or "
-                             "'process'")
-        if read_back not in ("sync", "background"):
-            raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
-        later = read_back == "background" and not async_save
-        if (async_save or later) and not 0 < async_timeout < math.inf:
-            raise ValueError(f"async_timeout={async_timeout!r}: a finite number of seconds > 0")
-        if persist_share is not None:
-            if not (async_save or later):
-                raise ValueError("persist_share paces the background part of a save; "
-                                 "read_back='sync' leaves none (use read_back='background' "
-                                 "or an async save)")
-            Pacer(persist_share)  # validates it
+        later = check_options(async_save, read_back, async_timeout, persist_share, every,
+                              trace_hash_every)
         self._persist_share = persist_share
         # An async save's collectives (a read-back later's too) run beside the training loop's:
         # a group of their own, made here, where every rank builds its Checkpointer at the
@@ -161,10 +147,6 @@ class Checkpointer(Persisting, Restoring):
         self._persister: ProcessPersister | None = None
         self._incremental = bool(incremental)
         self._held: dict[str, list[HeldFile]] = {}  # the newest generation's files, by part
-        if every is not None and (type(every) is not int or every < 1):
-            raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
-        if type(trace_hash_every) is not int or trace_hash_every < 1:
-            raise ValueError(f"trace_hash_every={trace_hash_every!r}: an int >= 1")
         self.model, self.optimizer, self.data = model, optimizer, data
         self.identity = identity or Identity()
         self.every = every

@@ -1,7 +1,7 @@
-"""What a user hands the Checkpointer, checked before anything is written: metrics (real
-numbers, NaN and inf kept), every small part's state (a dict the format can store, checked
-once when the Checkpointer is built, not hours in at the first save), extras' names, and the
-steps the harness asks to save at."""
+"""What a user hands the Checkpointer, checked before anything is written: its options,
+metrics (real numbers, NaN and inf kept), every small part's state (a dict the format can
+store, checked once when the Checkpointer is built, not hours in at the first save), extras'
+names, and the steps the harness asks to save at."""
 
 from __future__ import annotations
 
@@ -14,12 +14,38 @@ from typing import Any
 import numpy as np
 import torch
 
+from ._pacing import Pacer
 from .errors import UnbrokenError, UnsupportedValue
 from .state import generation as G
 from .state import parts as S
 from .state.codec import encode_tree
 
 EXTRA_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}", re.ASCII)  # used with fullmatch
+
+
+def check_options(async_save: object, read_back: object, async_timeout: float,
+                  persist_share: float | None, every: object, trace_hash_every: object
+                  ) -> bool:
+    """The Checkpointer's options that take only some values, checked before anything is
+    opened; whether a sync save reads back later (``read_back='background'``)."""
+    if async_save not in (False, True, "thread", "process"):
+        raise ValueError(f"async_save={async_save!r}: False, True (or 'thread') or 'process'")
+    if read_back not in ("sync", "background"):
+        raise ValueError(f"read_back={read_back!r}: 'sync' or 'background'")
+    later = read_back == "background" and not async_save
+    if (async_save or later) and not 0 < async_timeout < math.inf:
+        raise ValueError(f"async_timeout={async_timeout!r}: a finite number of seconds > 0")
+    if persist_share is not None:
+        if not (async_save or later):
+            raise ValueError("persist_share paces the background part of a save; "
+                             "read_back='sync' leaves none (use read_back='background' "
+                             "or an async save)")
+        Pacer(persist_share)  # validates it
+    if every is not None and (type(every) is not int or every < 1):
+        raise ValueError(f"every={every!r}: save every N completed updates, N >= 1, or None")
+    if type(trace_hash_every) is not int or trace_hash_every < 1:
+        raise ValueError(f"trace_hash_every={trace_hash_every!r}: an int >= 1")
+    return later
 
 
 def steps_from_env(name: str) -> frozenset[int]:
