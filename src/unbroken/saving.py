@@ -123,7 +123,7 @@ def _same_state(store: GenerationStore, info: GenerationInfo, tree: dict[str, An
     where = os.path.join(info.path, S.STATE_FILE)
     try:
         saved = loads_json(store.fs.read_file(where, S.MAX_STATE_BYTES), where,
-                           S.MAX_STATE_BYTES)["parts"]
+                           S.MAX_STATE_BYTES, unique=False)["parts"]
     except (OSError, CorruptCheckpoint, KeyError, TypeError):
         return False
     if not isinstance(saved, dict) or set(saved) != set(tree):

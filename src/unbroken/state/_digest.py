@@ -40,8 +40,9 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(b"I%d;" % obj)
     elif kind is float:
         h.update(b"D" + struct.pack("<d", obj))
-    elif kind is str:
-        h.update(b"S%d;" % len(obj.encode()) + obj.encode())
+    elif kind is str:  # (a lone surrogate, which os.fsdecode makes, as its own code unit)
+        data = obj.encode("utf-8", "surrogatepass")
+        h.update(b"S%d;" % len(data) + data)
     elif isinstance(obj, Mapping):
         h.update(b"M%d;" % len(obj))
         keys = list(obj)

@@ -126,7 +126,7 @@ def _decode_generation(files: Mapping[str, bytes | memoryview], folder: str,
     where = f"{folder}/{prefix}{STATE_FILE}"
     if prefix + STATE_FILE not in files:
         raise CorruptCheckpoint(f"{where}: missing from the generation")
-    doc = loads_json(files[prefix + STATE_FILE], where, MAX_STATE_BYTES)
+    doc = loads_json(files[prefix + STATE_FILE], where, MAX_STATE_BYTES, unique=False)
     try:
         if doc["schema"] != STATE_SCHEMA:
             raise CorruptCheckpoint(f"{where}: schema {doc['schema']!r}, expected {STATE_SCHEMA!r}")

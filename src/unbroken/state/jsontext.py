@@ -45,14 +45,32 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def loads_json(data: bytes | memoryview, where: str, limit: int) -> Any:
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):  # (which key: only once one is known to be there twice)
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r:.80} appears twice in one object")
+            seen.add(key)
+    return out
+
+
+def loads_json(data: bytes | memoryview, where: str, limit: int, unique: bool = True) -> Any:
     """Parse JSON from an untrusted file, turning every failure into ``CorruptCheckpoint``.
-    Callers check a file's size against ``limit`` before reading it; this checks again."""
+    Callers check a file's size against ``limit`` before reading it; this checks again.
+
+    ``unique``: a key twice in one object is refused. Python keeps the last one, another
+    reader may keep the first: a manifest whose checksum covers what Python parsed would
+    read otherwise elsewhere. (False for the large documents a restore parses, state
+    skeletons and tensor headers, whose every byte a content hash covers, and whose
+    thousands of objects a hook per object would slow.)"""
     if len(data) > limit:
         raise CorruptCheckpoint(f"{where}: {len(data)} bytes, over the {limit}-byte limit")
     try:
         return json.loads(bytes(data).decode("utf-8"), parse_constant=_no_constant,
-                          parse_float=_finite_float)
+                          parse_float=_finite_float,
+                          object_pairs_hook=_unique if unique else None)
     except RecursionError:
         raise CorruptCheckpoint(f"{where}: JSON nested too deeply") from None
     except UnicodeDecodeError as e:

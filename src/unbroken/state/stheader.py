@@ -52,7 +52,7 @@ def read_header(data: bytes | memoryview, where: str, limit: int, size: int | No
         raise CorruptCheckpoint(
             f"{where}: header claims {n} bytes; the file has {total - 8} after the length "
             "field")
-    header = loads_json(bytes(data[8:8 + n]), where, limit)
+    header = loads_json(bytes(data[8:8 + n]), where, limit, unique=False)
     if not isinstance(header, dict):
         raise CorruptCheckpoint(f"{where}: header is not a JSON object")
     metadata = header.pop("__metadata__", None)

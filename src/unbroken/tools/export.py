@@ -41,7 +41,7 @@ from ..errors import (
 )
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
-from ..state.tensorfile import encode_safetensors
+from ..state.tensorfile import decode_safetensors, encode_safetensors
 from ..store.backends.local import LocalFS
 from ..store.manifest import CHECKSUM, check_seal, checksum
 from . import _export_io as io
@@ -170,8 +170,6 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
             f"{out}/{EXPORT_JSON}: has no checksum (written by an older unbroken): its fields "
             "(identity, lineage, dtypes, whether fixed inputs were recorded) are not verified, "
             "only the files' hashes it lists; export again to seal it"), stacklevel=2)
-    from safetensors.torch import load_file
-
     live_dtypes = {k: t.dtype for k, t in model.state_dict().items()
                    if isinstance(t, torch.Tensor)}
     listed = weights.get("tensors")
@@ -179,7 +177,7 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
         k in live_dtypes and io.dtype_name(live_dtypes[k]) == v.get("dtype")
         for k, v in listed.items() if isinstance(v, dict))
     if load:
-        state = load_file(path)
+        state = _tensors(path)
         live = model.state_dict()
         unknown = sorted(set(state) - set(live))
         if unknown:
@@ -201,7 +199,7 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
             raise MissingState(f"{out}: the export recorded no outputs to compare with; export "
                                "with inputs= to record them")
         return report
-    recorded = load_file(io.hash_checked(out, fixed, FIXED))
+    recorded = _tensors(io.hash_checked(out, fixed, FIXED))
     # Each recorded input in fresh (64-byte aligned) memory, as the recording run held it: a
     # reader's tensor sits where the file puts it, and vectorized kernels (a matmul's
     # reductions) round differently at other alignments.
@@ -253,12 +251,24 @@ def read_export(out: str) -> dict[str, Any]:
                                     "again from the run, or restore the folder from a copy"
                                     ) from None
     fixed = doc.get("fixed_inputs") if isinstance(doc, dict) else None
+    weights = doc.get("weights") if isinstance(doc, dict) else None
+    listed = weights.get("tensors") if isinstance(weights, dict) else None
     if (not isinstance(doc, dict) or doc.get("schema") != SCHEMA
-            or not isinstance(doc.get("weights"), dict)
+            or not isinstance(weights, dict)
+            or not (listed is None or isinstance(listed, dict)
+                    and all(isinstance(v, dict) for v in listed.values()))
             or not (fixed is None or isinstance(fixed, dict)
                     and isinstance(fixed.get("recorded"), dict))):
         raise CorruptCheckpoint(f"{where}: not an export document (schema {SCHEMA})")
     return doc
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of an export's safetensors file (already hash-checked against
+    ``export.json``), its header validated first: a damaged file is a `CorruptCheckpoint`
+    naming it, never the parser's own error."""
+    data = LocalFS().read_file(path, os.path.getsize(path))
+    return decode_safetensors(data, path)[0]
 
 
 # -- writing --------------------------------------------------------------------------------
