@@ -129,16 +129,34 @@ _READ_REMEDY = {errno.EACCES: "let this user read it (check the permissions of t
                 "path is wrong: check it and run again"}
 
 
-def os_message(e: OSError) -> str:
-    """An OS error as a message with what to do: an object store's missing credentials
-    (s3fs raises them as an OSError) name the settings that give them."""
+# What an object store's client (s3fs, gcsfs over aiohttp and botocore) says, as an OSError,
+# when it cannot reach the server or the server refuses the credentials: told apart from a
+# local disk's errors, whose remedies (check the disk) would send the user the wrong way.
+_UNREACHABLE = ("EndpointConnectionError", "Could not connect to the endpoint",
+                "ClientConnectorError", "ConnectTimeoutError", "Name or service not known")
+_REFUSED = ("InvalidAccessKeyId", "Access Key Id you provided does not exist",
+            "SignatureDoesNotMatch", "InvalidClientTokenId", "ExpiredToken")
+_SETTINGS = ("AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and "
+             "AWS_ENDPOINT_URL (or FSSPEC_S3_ENDPOINT_URL) for an S3-compatible server")
+
+
+def os_message(e: OSError, where: str | None = None) -> str:
+    """An OS error as a message with what to do: an object store's missing or refused
+    credentials (s3fs raises them as an OSError) name the settings that give them, an
+    unreachable server the endpoint. ``where``: the run or path the command was given,
+    named when the error itself names none."""
     name = errno.errorcode.get(e.errno or 0)
     text = (f"{e.filename}: {e.strerror}" + (f" [{name}]" if name else "")
-            if e.filename is not None and e.strerror else str(e))
+            if e.filename is not None and e.strerror else str(e) or type(e).__name__)
+    if where and where not in text:
+        text = f"{where}: {text}"
     if "NoCredentialsError" in text or "Unable to locate credentials" in text:
-        return (f"{text}; give the object store credentials: AWS_ACCESS_KEY_ID and "
-                "AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), and FSSPEC_S3_ENDPOINT_URL for an "
-                "S3-compatible server")
+        return f"{text}; give the object store credentials: {_SETTINGS}"
+    if any(s in text for s in _REFUSED):
+        return f"{text}; the object store refused these credentials: check {_SETTINGS}"
+    if any(s in text for s in _UNREACHABLE):
+        return (f"{text}; the object store cannot be reached: check the endpoint "
+                "(AWS_ENDPOINT_URL or FSSPEC_S3_ENDPOINT_URL) and the network")
     remedy = _READ_REMEDY.get(e.errno or 0)
     return f"{text}; {remedy}" if remedy else text
 

@@ -48,15 +48,19 @@ def split_generation(spec: str) -> tuple[str, int | None]:
     return head or ".", int(m.group(1))
 
 
-def holds_a_run(root: str) -> bool:
-    """Whether the local folder ``root`` holds anything a Checkpointer writes (its lock, RUN.json,
-    generations, staging, trash or aside/): a run, perhaps with no generation yet or left."""
+def holds_a_run(store: GenerationStore) -> bool:
+    """Whether the run folder (or object-store prefix) of ``store`` holds anything a
+    Checkpointer writes (its lock or lease, RUN.json, generations, staging, trash or aside/):
+    a run, perhaps with no generation yet or left. (A misspelled bucket or prefix holds
+    nothing: a check of it that passed would pass on a typo.)"""
     from .store.aside import ASIDE
     from .store.lock import LOCK
     from .store.runrecord import RUN_FILE
 
+    if is_url(store.root):
+        return bool(store.fs.listing(store.root))  # type: ignore[attr-defined]
     try:
-        names = os.listdir(root)
+        names = os.listdir(store.root)
     except OSError:
         return True  # (unreadable: the command says why when it reads it)
     return any(n in (LOCK, RUN_FILE, ASIDE) or n.startswith(("gen-", STAGING_PREFIX,

@@ -107,6 +107,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _named_path(args: argparse.Namespace) -> str | None:
+    """The run the command was given, to name in an error that names no file (a refused
+    object-store credential)."""
+    run = getattr(args, "run", None)
+    return run if isinstance(run, str) else None
+
+
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     # (the command is the first word that is not an option: the top level takes no values)
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     except UnbrokenError as e:
         return fail(args, str(e), EXIT_USAGE)
     except OSError as e:
-        return fail(args, os_message(e), EXIT_USAGE)
+        return fail(args, os_message(e, _named_path(args)), EXIT_USAGE)
     except KeyboardInterrupt:
         return fail(args, "interrupted", 130)
     except Exception as e:  # noqa: BLE001 -- the contract: exit 0, 1 or 2, never a traceback
@@ -175,6 +182,8 @@ def _inspect(args: argparse.Namespace) -> int:
         lines.append("no generations")
         if os.path.basename(store.root).startswith("gen-"):
             lines.append("(this looks like a generation folder; pass the run folder above it)")
+        elif not holds_a_run(store):
+            lines.append("(nothing a Checkpointer writes is there: check the path)")
     else:
         bad = len(scanned) - len(complete)
         lines += [f"{len(scanned)} generation{'s' * (len(scanned) != 1)}: "
@@ -241,11 +250,15 @@ def _verify(args: argparse.Namespace) -> int:
             raise UsageError(f"{args.run} is generation {named}, but --generation "
                              f"{args.generation} was given: name one")
         args.generation = named
+        if not is_url(args.run) and not os.path.lexists(args.run):
+            raise UsageError(f"{args.run}: no such generation folder (verify takes a run "
+                             "folder, or a generation folder in one)")
     store = open_run(root)
     scanned = store.scan()
-    if not scanned and not is_url(root) and not holds_a_run(root):
+    if not scanned and not holds_a_run(store):
         raise UsageError(f"{root}: not a run folder (nothing a Checkpointer writes is there); "
-                         "verify takes the folder a Checkpointer saved into")
+                         "verify takes the folder (or object-store URL) a Checkpointer saved "
+                         "into")
     if args.generation is not None:
         scanned = [g for g in scanned if g.generation == args.generation]
         if not scanned:
