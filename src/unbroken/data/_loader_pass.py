@@ -4,11 +4,15 @@ Kept apart from `loader` so that module stays small."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .loader import ResumableLoader
+
+
+_END = object()  # an iterable pass's look-ahead found the end of the stream
 
 
 class _Pass:
@@ -21,8 +25,7 @@ class _Pass:
         self.n = accumulation
         self.yielded = 0
         self.iterator: Iterator[Any] | None = None
-        self.pending: Any = None  # iterable passes look one batch ahead to know the last one
-        self.started = False
+        self.ahead: deque[Any] = deque()  # iterable passes: fetched, not yet handed out
         # Iterable passes: sample ids of the last batch, of the open window, of the last
         # completed window (a sampler computes them from positions instead).
         self.batch_ids: list[int] = []
@@ -35,6 +38,24 @@ class _Pass:
         if self.total is not None and k == self.total:
             return k  # the epoch's last window closes early: windows never span epochs
         return k - k % self.n
+
+    def look_ahead(self) -> None:
+        """Iterable passes: before batch ``yielded`` is handed out, fetch what makes its window
+        known: the rest of that window (its size: the epoch's last window may be shorter) and,
+        when the batch closes a full window, the next batch (whether the epoch ends with it).
+
+        At most ``n`` batches are held (two for ``n == 1``): what the update consumes anyway.
+        A sampler knows its pass's length from the start and needs none of this."""
+        k = self.yielded
+        last = k - k % self.n + self.n - 1  # the window's last batch, were it full
+        need = last - k + 1 + (k == last)
+        while self.iterator is not None and len(self.ahead) < need:
+            item = next(self.iterator, _END)
+            if item is _END:
+                self.iterator = None  # a finished DataLoader iterator: let its workers go
+                self.total = self.yielded + len(self.ahead)
+            else:
+                self.ahead.append(item)
 
     def window(self) -> tuple[int, int]:
         """(micro-batches of the current window handed out, size of that window)."""

@@ -14,14 +14,17 @@ Rules (documented contract):
   shorter when the epoch's batch count is not a multiple of N (the last update uses fewer
   micro-batches; no sample is dropped beyond the sampler's own ``drop_last``). After each
   batch, `at_boundary` says whether it closed its window (step the optimizer then) and
-  `window_size` gives the window's micro-batch count (scale the loss by it). A save between
+  `window_size` gives the window's micro-batch count (scale the loss by it), right from its
+  first micro-batch (an iterable pass reads up to a window ahead for it). A save between
   boundaries raises `UpdateBoundaryError`. An update the GradScaler skipped still consumed
   its samples: the window is complete once its micro-batches were handed out.
 * Starting a new ``iter()`` (or `load_state_dict`) drops the micro-batches of an unfinished
   window: they are handed out again, exactly as a resumed process would see them.
 * The DataLoader gets a private ``torch.Generator`` (seeded from seed, epoch and cursor), so
   ``iter()`` never draws from the global torch RNG; with a ``collate_fn``, each batch's
-  collate runs under RNGs seeded from (seed, epoch, position of its first sample).
+  collate runs under RNGs seeded from (seed, epoch, position of its first sample). A draw in
+  a map-style dataset's ``__getitem__`` inside workers survives a resume only under `seeded`
+  (workers' own streams cannot be saved): an unwrapped one with workers is warned about.
 * **Iterable datasets** must implement the resumable-iterable contract of
   `unbroken.data.iterable` (``state_dict()``/``load_state_dict()``; before each pass the loader
   sets ``state["epoch"]`` and ``state["consumed"]``, and ``__iter__`` yields that epoch's items
@@ -49,9 +52,7 @@ from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
-from .seeding import _RecordKeys, _SeededCollate
-
-_END = object()  # an iterable pass's peek found the end of the stream
+from .seeding import _RecordKeys, _SeededCollate, warn_unless_seeded
 
 
 class ResumableLoader:
@@ -127,6 +128,7 @@ class ResumableLoader:
                 raise ValueError(f"ResumableLoader: len(dataset)={len(dataset)} but the sampler "
                                  f"orders num_samples={sampler.num_samples}")
             self._batch_size = sampler.batch_size
+            warn_unless_seeded(dataset, num_workers)
             # Only a user collate_fn can draw random numbers; the default collate needs no
             # seeding, and skipping it saves an RNG save/restore per batch.
             wrapped = collate_fn is not None
@@ -263,30 +265,25 @@ class ResumableLoader:
         if self._pass is not p:
             raise UnbrokenError("this iterator of the ResumableLoader was superseded by a newer "
                                 "iter(loader) or load_state_dict(); iterate the loader again")
-        if p.iterator is None:
-            raise StopIteration
         if self.sampler is not None:
+            if p.iterator is None:
+                raise StopIteration
             try:
                 batch = next(p.iterator)
             except StopIteration:
                 p.iterator = None
                 raise
         else:
-            # Look one batch ahead, so the last batch of the stream is known when it is
-            # handed out: its window closes and the cursor rolls over to the next epoch.
-            if not p.started:
-                p.started = True
-                p.pending = next(p.iterator, _END)
-            if p.pending is _END:
-                p.iterator = None
+            # The stream's length is unknown: fetch ahead until this batch's window size is
+            # known, so that window_size (the loss scale) is right on its first micro-batch
+            # and the last batch of the stream closes its window and rolls the epoch over.
+            p.look_ahead()
+            if not p.ahead:
                 if p.yielded == 0:  # an empty epoch still ends
                     self._set_cursor(p.epoch + 1, 0)
                 raise StopIteration
-            p.batch_ids, batch = p.pending  # the workers send (sample ids, batch)
+            p.batch_ids, batch = p.ahead.popleft()  # the workers send (sample ids, batch)
             p.window_ids += p.batch_ids
-            p.pending = next(p.iterator, _END)
-            if p.pending is _END:
-                p.total = p.yielded + 1
         p.yielded += 1
         if p.yielded == p.completed():
             self._set_cursor(*self._position_after(p, p.yielded))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
+from ..errors import UnbrokenWarning
 from ._keyed import TAG_COLLATE, TAG_SAMPLE, mix
 from .sampler import SampleKey
 
@@ -97,13 +99,31 @@ def seeded(dataset: Any, seed: int = 0) -> SeededDataset:
     Each ``dataset[key]`` runs with python ``random``, ``np.random`` (global) and torch's
     default CPU generator seeded from ``(seed, epoch, position)`` — taken from the
     `SampleKey` that `ResumableSampler` yields (global position in the epoch, so the same on
-    every rank split and every worker count) or, for a plain int index, ``(seed,
-    self.epoch, index)`` with ``set_epoch``. The previous RNG states are restored afterwards.
+    every rank split and every worker count: under `ResumableLoader` nothing else is needed).
+    A plain int index (a plain DataLoader, direct indexing) is keyed ``(seed, self.epoch,
+    index)``: call ``set_epoch(e)`` every epoch there, or every epoch draws the same
+    augmentation. The previous RNG states are restored afterwards.
 
     Not covered: CUDA generators and RNG objects the dataset creates itself without a seed
     (``np.random.default_rng()``); derive those from ``torch.randint`` / ``random`` instead.
     """
     return SeededDataset(dataset, seed)
+
+
+def warn_unless_seeded(dataset: Any, num_workers: int) -> None:
+    """Warn when a map-style dataset not wrapped in `seeded` runs in DataLoader workers.
+
+    A worker's random streams cannot be saved: its base seed is drawn per pass (from the
+    loader's position) and its place in the stream depends on which samples it fetched. So a
+    draw in ``__getitem__`` comes back the same after a resume only when it is keyed by the
+    sample (`seeded`); with no workers it comes from the checkpointed global streams."""
+    if num_workers > 0 and not isinstance(dataset, SeededDataset):
+        warnings.warn(
+            f"ResumableLoader: {type(dataset).__name__} is not wrapped in unbroken.seeded() "
+            f"and runs in {num_workers} DataLoader workers, whose random streams a resume "
+            f"cannot restore: any random draw in its __getitem__ (augmentation) differs after "
+            f"a resume. Pass unbroken.seeded(dataset, seed=...) (draws keyed by sample), or "
+            f"num_workers=0", UnbrokenWarning, stacklevel=3)
 
 
 # -- per-batch seeding of collate_fn -------------------------------------------------------
