@@ -90,10 +90,10 @@ class Persisting:
         retention (an async save runs this in the background, on a snapshot: ``snapshot``,
         its tensors the snapshot's own buffers)."""
         group = self._save_group
+        if group.active:  # (first: the ranks' steps agree before any other collective)
+            check_replicas(group, step, replicated(tree))
         if again and saved_unchanged(self.store, group, step, tree, values, plan):
             return None  # the same state saved twice
-        if group.active:
-            check_replicas(group, replicated(tree))
         meta = stamps(step, self.incarnation, self.run_id)
         # (refuses what restore could not read)
         encoded = encode_share(group, tree, meta, plan, self._layouts, owned=snapshot)
@@ -154,6 +154,8 @@ class Persisting:
         they commit together (`dist.filegroup`)."""
         group, persister = self._group, self._persister
         assert persister is not None  # (made with the Checkpointer)
+        if group.active:  # (first: the ranks' steps agree before any other collective)
+            check_replicas(self._save_group, step, replicated(tree))
         if again and saved_unchanged(self.store, group, step, tree, values, plan):
             return  # the same state saved twice
         request: dict[str, Any] = {
@@ -161,7 +163,6 @@ class Persisting:
             "share": self._persist_share,
             "manifest": self._manifest_fields(step, tree, values, group.size)}
         if group.active:
-            check_replicas(self._save_group, replicated(tree))
 
             def staged() -> str:
                 self._prepare_write(step, again)

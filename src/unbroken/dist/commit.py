@@ -26,7 +26,13 @@ from typing import Any
 
 from .. import errors
 from .._progress import Progress
-from ..errors import CorruptCheckpoint, SaveFailed, StateMismatch, UnbrokenError
+from ..errors import (
+    CorruptCheckpoint,
+    SaveFailed,
+    StateMismatch,
+    UnbrokenError,
+    UpdateBoundaryError,
+)
 from ..store.generations import GenerationInfo, GenerationStore, generation_name
 from ..store.lock import errno_text
 from ..store.manifest import Artifact, Manifest
@@ -58,15 +64,22 @@ def rebuild(failure: Mapping[str, str], rank: int | None = None) -> UnbrokenErro
     return _TYPES.get(failure["type"], UnbrokenError)(where + failure["message"])
 
 
-def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
-    """Refuse to save replicas (DDP) that differ across ranks, naming the first differing
-    parameter: ``named`` yields (name, tensor or state) in the same order on every rank."""
+def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) -> None:
+    """Refuse a save that the ranks make at different steps (naming each rank's), or of
+    replicas (DDP) that differ across ranks, naming the first differing parameter: ``named``
+    yields (name, tensor or state) in the same order on every rank."""
     if not group.active:
         return
     from ..state._digest import digest_tree  # (torch: not in the persisting process)
 
     digests = [(name, digest_tree(value)) for name, value in named]
-    everyone = group.all_gather([d for _, d in digests], "comparing replicas")
+    everyone = group.all_gather([step, *(d for _, d in digests)], "comparing replicas")
+    steps = [theirs.pop(0) for theirs in everyone]
+    if len(set(steps)) > 1:
+        raise UpdateBoundaryError(
+            f"the ranks save different steps: {_by_step(steps)}; every rank saves at the "
+            "same update (call save() and step_done() alike on every rank); nothing was "
+            "saved")
     for i, (name, mine) in enumerate(digests):
         ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
         if ranks:
@@ -74,6 +87,14 @@ def check_replicas(group: Group, named: Iterable[tuple[str, Any]]) -> None:
                 f"replicas differ across ranks: {name!r} on rank(s) {ranks} differs from rank "
                 "0 (a DDP replica divergence: a rank stepped alone, or a buffer is not "
                 "synchronised); refusing to save one copy for all")
+
+
+def _by_step(steps: list[int]) -> str:
+    """``[10, 7, 10, 10]`` -> "step 10 on ranks [0, 2, 3], step 7 on rank [1]"."""
+    ranks: dict[int, list[int]] = {}
+    for rank, step in enumerate(steps):
+        ranks.setdefault(step, []).append(rank)
+    return ", ".join(f"step {step} on rank{'s' * (len(r) > 1)} {r}" for step, r in ranks.items())
 
 
 def stage_job(group: Group, stage: Callable[[], str]) -> str:

@@ -74,8 +74,10 @@ class Group:
         try:
             return fn(*args, group=self.pg)
         except RuntimeError as e:
-            raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed, another rank "
-                             f"failed or died ({str(e).splitlines()[0][:200]})") from None
+            raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed: another rank "
+                             "failed or died, or did not get here (every rank saves at the "
+                             "same steps, each calling save() or step_done() alike) "
+                             f"({str(e).splitlines()[0][:200]})") from None
 
     def all_gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's JSON-able ``value``, in rank order, on every rank."""

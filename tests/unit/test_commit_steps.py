@@ -1,0 +1,48 @@
+"""`dist.commit.check_replicas`: ranks that save at different steps (a rank calling save()
+alone) are refused naming each rank's step, before the replicas are compared; found from
+outside (twenty-fourth session): the message blamed the counters or an optimizer state
+("a DDP replica divergence") instead."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from unbroken.dist.commit import check_replicas
+from unbroken.errors import StateMismatch, UpdateBoundaryError
+
+
+class _Ranks:
+    """A group of ``len(steps)`` ranks whose other ranks gathered the same digests as this
+    one, at their own ``steps`` (rank 0 is this one)."""
+
+    active = True
+
+    def __init__(self, steps: list[int], differ: int | None = None) -> None:
+        self.steps, self.differ = steps, differ
+
+    def all_gather(self, value: list[Any], what: str) -> list[list[Any]]:
+        out = []
+        for rank, step in enumerate(self.steps):
+            theirs = [step, *value[1:]]
+            if rank == self.differ:
+                theirs[1] = "0" * 16
+            out.append(theirs)
+        return out
+
+
+STATE = [("model w", torch.ones(2)), ("counters", {"step": 10})]
+
+
+def test_ranks_saving_different_steps_are_named_with_their_steps() -> None:
+    with pytest.raises(UpdateBoundaryError, match=r"step 10 on ranks \[0, 2, 3\], step 7 on "
+                                                  r"rank \[1\]; every rank saves at the same"):
+        check_replicas(_Ranks([10, 7, 10, 10]), 10, STATE)
+
+
+def test_replicas_that_differ_are_still_named() -> None:
+    with pytest.raises(StateMismatch, match=r"'model w' on rank\(s\) \[1\]"):
+        check_replicas(_Ranks([10, 10], differ=1), 10, STATE)
+    check_replicas(_Ranks([10, 10, 10, 10]), 10, STATE)  # alike: nothing raised
