@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import fixture
 from ._env import SAVE_AT_ENV
 from .boundary import Preemption, UpdateWatch
-from .dist.group import Group, background_group
+from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
     UnbrokenWarning,
@@ -123,6 +123,7 @@ class Checkpointer(Persisting, Restoring):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if isinstance(model, DistributedDataParallel):  # names as the module's own, no "module."
+            warn_ddp_buckets(model)
             model = model.module
         # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
         # one rank of a job: every rank builds one on the same folder, rank 0 writes.

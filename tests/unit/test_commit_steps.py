@@ -46,3 +46,34 @@ def test_replicas_that_differ_are_still_named() -> None:
     with pytest.raises(StateMismatch, match=r"'model w' on rank\(s\) \[1\]"):
         check_replicas(_Ranks([10, 10], differ=1), 10, STATE)
     check_replicas(_Ranks([10, 10, 10, 10]), 10, STATE)  # alike: nothing raised
+
+
+class _PG:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+class _DDP:
+    def __init__(self, size: int, unused: bool) -> None:
+        self.process_group, self.find_unused_parameters = _PG(size), unused
+
+
+def test_ddp_of_3_or_more_ranks_rebuilding_its_buckets_is_warned_about() -> None:
+    """Found from outside (twenty-fourth session): a 4-rank DDP job resumed within rounding,
+    not bitwise; plain torch shows it (a new wrapper's first update runs on the initial
+    buckets), and find_unused_parameters=True (buckets never rebuilt) makes it bitwise."""
+    import warnings
+
+    from unbroken.dist.group import warn_ddp_buckets
+    from unbroken.errors import UnbrokenWarning
+
+    with pytest.warns(UnbrokenWarning, match="on 4 ranks rebuilds its gradient buckets.*"
+                                             "find_unused_parameters=True"):
+        warn_ddp_buckets(_DDP(4, unused=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_ddp_buckets(_DDP(2, unused=False))  # (a + b is b + a)
+        warn_ddp_buckets(_DDP(4, unused=True))
