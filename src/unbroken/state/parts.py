@@ -10,6 +10,7 @@ generation has been checked. The tree's files are `generation`'s."""
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -31,6 +32,8 @@ from .optim import (
     validate_model,
 )
 from .wellformed import (
+    TORCH_OPTIM,
+    group_problems,
     number,
     optimizer_state_problems,
     scaler_problems,
@@ -209,19 +212,24 @@ def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
     own classes never hold (`wellformed`): a writer's bug or a forged generation, which
     torch would load and fail on (or follow silently) at the next step."""
     problems: list[str] = []
+    state_json = os.path.join(where, STATE_FILE)
     opt = saved.get(OPTIMIZER) if OPTIMIZER in parts else None
     if isinstance(opt, Mapping):  # (validated by optimizer_state_to_torch)
         model = ready.get(MODEL) if MODEL in parts else None  # (its tensors: their shapes)
-        at = f"{where} [{OPTIMIZER}]"
+        cls, at = opt.get("class"), f"{where} [{OPTIMIZER}]"
+        json_at = f"{state_json} [{OPTIMIZER}]"  # (its values other than tensors)
         problems += optimizer_state_problems(
-            opt.get("class"), opt["state"], opt["param_groups"],
-            model if isinstance(model, Mapping) else None, at, at)
+            cls, opt["state"], opt["param_groups"],
+            model if isinstance(model, Mapping) else None, at, json_at)
+        if isinstance(cls, str) and cls.startswith(TORCH_OPTIM):  # (others: their business)
+            for gi, group in enumerate(opt["param_groups"]):  # (a negative lr: see SCHEDULED)
+                group_problems(cls, group, gi, at, json_at, problems, scheduled=False)
     if SCHEDULER in parts and isinstance(parts[SCHEDULER], Stateful):
         groups = len(opt["param_groups"]) if isinstance(opt, Mapping) else None
-        scheduler_problems(ready[SCHEDULER], "scheduler", groups, f"{where} [{SCHEDULER}]",
-                           problems)
+        scheduler_problems(ready[SCHEDULER], "scheduler", groups,
+                           f"{state_json} [{SCHEDULER}]", problems, parts[SCHEDULER].state_dict())
     if SCALER in parts and isinstance(parts[SCALER], Stateful):
-        scaler_problems(ready[SCALER], f"{where} [{SCALER}]", problems)
+        scaler_problems(ready[SCALER], f"{state_json} [{SCALER}]", problems)
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CorruptCheckpoint("; ".join(problems[:3]) + more + "; torch's own classes never "

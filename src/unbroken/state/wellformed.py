@@ -5,9 +5,11 @@ decodes: the rules a restore checks before it changes a live object, and `unbrok
 A generation whose files hash right can still hold a state that torch takes without a word
 and fails on later, or worse, follows silently: an Adam parameter state without its
 ``exp_avg_sq`` (a ``KeyError`` at the first step, after the live optimizer was replaced), an
-``exp_avg`` of another shape, a string where a tensor goes, a scheduler's ``last_epoch`` that
-is not a number. Only a writer's bug or a forged generation makes one; a restore refuses it
-as corrupt, like a torn file, and falls back to the generation before.
+``exp_avg`` of another shape, a string where a tensor goes, a param group's ``maximize: "yes"``
+(truthy: a silent gradient ascent) or an ``eps`` its constructor refuses, a scheduler's
+``last_epoch`` that is not a number or a StepLR's ``step_size`` of 0. Only a writer's bug or
+a forged generation makes one; a restore refuses it as corrupt, like a torn file, and falls
+back to the generation before.
 
 Each rule holds for every state torch's own classes make (checked in torch 2.13), and only
 those are judged: an optimizer or scheduler of anyone else keeps its state its own way."""
@@ -37,6 +39,32 @@ _OWN_LAYOUT = frozenset({"LBFGS"})
 # keys (its settings decide which: ``max_exp_avg_sq`` with ``amsgrad``).
 _KEYS_VARY = frozenset({"Adafactor"})
 _FACTORED = frozenset({"row_var", "col_var"})  # (Adafactor's, see `expected_shape`)
+# Group settings whose range torch's optimizers check when they are built (a resealed value is
+# never checked again): (low bound, low inclusive, high bound). Nothing of torch's moves them
+# out of it later, but `SCHEDULED` (and a CyclicLR or OneCycleLR given momenta >= 1 by hand,
+# which it does not check, for 'momentum' and 'betas').
+GROUP_RANGES = {"lr": (0.0, True, None), "initial_lr": (0.0, True, None),
+                "weight_decay": (0.0, True, None), "momentum": (0.0, True, None),
+                # (torch accepts eps == 0, so a run may legitimately hold it)
+                "eps": (0.0, True, None), "betas": (0.0, True, 1.0)}
+# Those that torch's LR schedulers move out of their range in a healthy run (a StepLR of
+# gamma < 0, a LambdaLR past the end of a linear decay: a negative 'lr'); a restore continues
+# such a run, `unbroken verify --deep` reports them.
+SCHEDULED = frozenset({"lr"})
+# The settings that are flags in every torch 2.13 optimizer that has them: a bool, or also None
+# (True here) where None is torch's default (foreach, fused: torch chooses). Text there is
+# truthy to torch: a resealed ``maximize: "no"`` climbs the loss.
+FLAGS = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False,
+         "nesterov": False, "decoupled_weight_decay": False, "centered": False,
+         "foreach": True, "fused": True}
+# Scheduler settings and counters torch keeps as ints, with their least value: StepLR takes
+# ``last_epoch % step_size`` (0: ZeroDivisionError; 3.5 decays at other epochs),
+# CosineAnnealingWarmRestarts checks T_0 and T_mult when built and divides by T_i, and every
+# LRScheduler counts its steps from 0.
+SCHEDULER_COUNTS = {"step_size": 1, "T_0": 1, "T_i": 1, "T_mult": 1, "_step_count": 0}
+# The flags every LRScheduler of torch 2.13 keeps while it computes (`_initial_mode`,
+# `_enable_get_lr_call`): bools.
+SCHEDULER_FLAGS = ("_is_initial", "_get_lr_called_within_step")
 SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval",
                "_growth_tracker")  # torch.amp.GradScaler.state_dict() when enabled
 MAX_DEPTH = 64
@@ -134,12 +162,57 @@ def optimizer_state_problems(cls: object, state: Mapping[str, Any], groups: Sequ
     return out
 
 
+def group_problems(cls: object, g: Mapping[str, Any], gi: int, tensor_at: str, json_at: str,
+                   out: list[str], scheduled: bool = True) -> None:
+    """What param group ``gi`` of an optimizer of class ``cls`` holds that torch's optimizers
+    refuse when they are built: a setting of `GROUP_RANGES` out of its range (``scheduled``:
+    those of `SCHEDULED` too), and, for a class of torch's own, a flag of `FLAGS` that is not
+    a bool (nor None where torch allows it). A value that is no number at all is not judged
+    as a range (another optimizer's meaning of the name; a restore has compared its kind with
+    the live optimizer's). ``tensor_at`` and ``json_at`` begin the messages, as in
+    `optimizer_state_problems`."""
+    for key, (low, inclusive, high) in GROUP_RANGES.items():
+        value = g.get(key)
+        if value is None or not scheduled and key in SCHEDULED:
+            continue
+        # betas (and Adafactor's eps) are tuples; None inside one means "not used"
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for i, v in items:
+            x = number(v)
+            if v is None or (x is None and not isinstance(v, torch.Tensor)):
+                continue
+            if not (x is not None and math.isfinite(x) and (x >= low if inclusive else x > low)
+                    and (high is None or x < high)):
+                span = (f"a finite number {'>=' if inclusive else '>'} {low:g}"
+                        + (f" and < {high:g}" if high is not None else ""))
+                at = "" if i is None else f"[{i}]"
+                where = tensor_at if isinstance(v, torch.Tensor) else json_at
+                out.append(f"{where}: optimizer param group {gi} {key!r}{at} is {show(v)}; "
+                           f"expected {span}, as torch's optimizers accept it")
+    if not (isinstance(cls, str) and cls.startswith(TORCH_OPTIM)):
+        return
+    for key, none in FLAGS.items():
+        v = g.get(key, False)
+        if not isinstance(v, bool) and not (none and v is None):
+            out.append(f"{json_at}: optimizer param group {gi} {key!r} is {show(v)}; "
+                       f"expected {'True, False or None' if none else 'True or False'}, as "
+                       f"{cls} holds it")
+
+
+def _same(saved: Any, live: Any) -> bool:
+    """Whether a saved setting is the live one, of the same type (3.5 is not 3)."""
+    return type(saved) is type(live) and saved == live
+
+
 def scheduler_problems(state: Any, label: str, groups: int | None, json_at: str,
-                       out: list[str], depth: int = 0) -> None:
+                       out: list[str], live: Any = None, depth: int = 0) -> None:
     """A torch LR scheduler's state (recognised by its keys: the part holds no class name).
     Every ``LRScheduler`` subclass of torch 2.13 keeps ``last_epoch``, ``base_lrs`` and
     ``_last_lr`` (ReduceLROnPlateau and SequentialLR lack ``base_lrs``, ChainedScheduler also
-    ``last_epoch``; the last two nest their schedulers' states in ``_schedulers``)."""
+    ``last_epoch``; the last two nest their schedulers' states in ``_schedulers``).
+    ``live``: the live scheduler's state, when there is one: a setting of `SCHEDULER_COUNTS`
+    equal to its value is what the run's own code builds (torch does not check a StepLR's
+    step_size), never refused."""
     if not isinstance(state, Mapping):
         out.append(f"{json_at}: {label} state is a {type(state).__name__}; expected a "
                    "mapping")
@@ -159,29 +232,52 @@ def scheduler_problems(state: Any, label: str, groups: int | None, json_at: str,
             out.append(f"{json_at}: {label} {key!r} is {show(lrs)}; expected a list of "
                        "learning rates, one per optimizer param group")
             continue
-        # (fewer: groups added by add_param_group after the scheduler was built)
-        if groups is not None and len(lrs) > groups:
+        # (fewer: groups added by add_param_group after the scheduler was built, which a
+        # StepLR steps fine; none: no optimizer is built without a group)
+        if not lrs:
+            out.append(f"{json_at}: {label} {key!r} has 0 entries; expected at least 1, one "
+                       "per optimizer param group")
+        elif groups is not None and len(lrs) > groups:
             out.append(f"{json_at}: {label} {key!r} has {len(lrs)} entries; expected at "
                        f"most {groups}, one per optimizer param group")
         for i, v in enumerate(lrs):
             x = number(v)
-            if x is None or not math.isfinite(x) or x < 0:
+            # base_lrs are the groups' lrs when the scheduler was built (>= 0: the optimizer
+            # checked them); a scheduler's step may make one negative (StepLR's gamma < 0)
+            if key == "base_lrs" and (x is None or not math.isfinite(x) or x < 0):
                 out.append(f"{json_at}: {label} {key!r}[{i}] is {show(v)}; expected a "
                            "finite learning rate >= 0")
+            elif x is None or math.isnan(x):
+                out.append(f"{json_at}: {label} {key!r}[{i}] is {show(v)}; expected a "
+                           "learning rate (a number, not NaN)")
     if "last_epoch" in state:
         x = number(state["last_epoch"])
         if x is None or not math.isfinite(x) or x < -1:  # torch starts at -1, then steps
             out.append(f"{json_at}: {label} 'last_epoch' is {show(state['last_epoch'])}; "
                        "expected a finite number >= -1")
+    live = live if isinstance(live, Mapping) else {}
+    for key, low in SCHEDULER_COUNTS.items():
+        v = state.get(key, low)
+        if (type(v) is not int or v < low) and not (key in live and _same(v, live[key])):
+            out.append(f"{json_at}: {label} {key!r} is {show(v)}; expected an integer >= "
+                       f"{low}, as torch's schedulers keep it"
+                       + (f" (the live scheduler holds {show(live[key])})" if key in live
+                          else ""))
+    for key in SCHEDULER_FLAGS:
+        if key in state and not isinstance(state[key], bool):
+            out.append(f"{json_at}: {label} {key!r} is {show(state[key])}; expected True or "
+                       "False, as torch's schedulers keep it")
     subs = state.get("_schedulers")
     if subs is not None:
         if not isinstance(subs, (list, tuple)) or depth >= MAX_DEPTH:
             out.append(f"{json_at}: {label} '_schedulers' is {show(subs)}; expected a "
                        "list of the chained schedulers' states")
             return
+        lives = live.get("_schedulers")
         for i, sub in enumerate(subs):
             scheduler_problems(sub, f"{label} '_schedulers'[{i}]", groups, json_at, out,
-                               depth + 1)
+                               lives[i] if isinstance(lives, list) and i < len(lives)
+                               else None, depth + 1)
 
 
 def scaler_problems(state: Any, json_at: str, out: list[str]) -> None:

@@ -26,6 +26,7 @@ from ..errors import shown
 from ..state.parts import MODEL, OPTIMIZER, SCALER, SCHEDULER, STATE_FILE
 from ..state.wellformed import (
     MAX_DEPTH,
+    group_problems,
     judges,
     number,
     optimizer_state_problems,
@@ -132,7 +133,7 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
         if shapes is not None:
             out.extend(f"{state_json}: optimizer param group {gi} lists parameter {p!r}, "
                        "which the model does not have" for p in params if p not in shapes)
-        _hyperparameters(g, gi, file, state_json, out)
+        group_problems(cls, g, gi, file, state_json, out)
     for name, entry in state.items():
         label = f"optimizer state[{name!r}]"
         if not isinstance(entry, Mapping):
@@ -155,34 +156,6 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
             if not path.endswith("['step']"):  # (reported above, with its own bound)
                 out.extend(_finite(t, path, file))
     return len(groups)
-
-
-# Group settings whose valid range torch's optimizers check when they are built (a resealed
-# value is never checked again): (low bound, low inclusive, high bound).
-_RANGES = {"lr": (0.0, True, None), "initial_lr": (0.0, True, None),
-           "weight_decay": (0.0, True, None), "momentum": (0.0, True, None),
-           # (torch accepts eps == 0, so a run may legitimately hold it)
-           "eps": (0.0, True, None), "betas": (0.0, True, 1.0)}
-
-
-def _hyperparameters(g: Mapping[str, Any], gi: int, file: str, state_json: str,
-                     out: list[str]) -> None:
-    for key, (low, inclusive, high) in _RANGES.items():
-        value = g.get(key)
-        # betas (and Adafactor's eps) are tuples; None inside one means "not used"
-        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
-        for i, v in items:
-            x = number(v)
-            if v is None or (x is None and not isinstance(v, torch.Tensor)):
-                continue  # not a number: another optimizer's meaning of the name
-            ok = (x is not None and math.isfinite(x) and (x >= low if inclusive else x > low)
-                  and (high is None or x < high))
-            if not ok:
-                span = (f"a finite number {'>=' if inclusive else '>'} {low:g}"
-                        + (f" and < {high:g}" if high is not None else ""))
-                at = "" if i is None else f"[{i}]"
-                out.append(f"{_at(v, file, state_json)}: optimizer param group {gi} "
-                           f"{key!r}{at} is {show(v)}; expected {span}")
 
 
 # -- tensors and values -------------------------------------------------------------------------
