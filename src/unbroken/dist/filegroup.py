@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import time
 from collections.abc import Iterable
 from contextlib import suppress
@@ -46,6 +47,20 @@ _MAX_POST = 64 << 20  # a post names a rank's files: far below this
 # not keep a shared filesystem's metadata server busy on behalf of every rank.
 _POLL, _POLL_MAX = 0.005, 0.1
 _GONE = "the job folder is gone: the leader's persisting process gave up on this save"
+_HOST = socket.gethostname()
+
+
+def _since(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat's field 22);
+    None when there is no such process, or it is a zombie (killed, not yet reaped by the
+    training process that started it): dead either way."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == b"Z" else int(fields[19])
+
 
 
 def stage(store: GenerationStore, generation: int, supersede: bool) -> str:
@@ -74,6 +89,7 @@ class FileGroup(Group):
         self._fs = fs
         self._seq = 0
         self._absent: set[int] = set()  # ranks that missed a collective: not waited for again
+        self._posters: dict[int, list[Any]] = {}  # rank -> [host, pid, since] of its posts
 
     def all_gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's JSON-able ``value``, in rank order (see module doc)."""
@@ -125,7 +141,9 @@ class FileGroup(Group):
         final = os.path.join(self.folder, f"{name}.json")
         temporary = os.path.join(self.folder, f".{name}.{os.getpid()}.tmp")
         try:
-            self._fs.write_file(temporary, [json.dumps(value).encode()])
+            # (who posts, for `_dead`: this machine, this process, and when it started)
+            by = (_HOST, os.getpid(), _since(os.getpid()))
+            self._fs.write_file(temporary, [json.dumps({**value, "by": by}).encode()])
             self._fs.rename(temporary, final)
             self._fs.fsync_dir(self.folder)
         except OSError as e:
@@ -147,6 +165,8 @@ class FileGroup(Group):
                 continue
             except (OSError, ValueError, UnbrokenError) as e:  # (a symlink, FIFO, torn JSON)
                 why = errno_text(e) if isinstance(e, OSError) else str(e)
+            if why is None and isinstance(value.get("by"), list) and len(value["by"]) == 3:
+                self._posters[r] = value["by"]
             if why is not None:
                 self._absent.add(r)
                 raise RankFailed(
@@ -157,11 +177,25 @@ class FileGroup(Group):
             found[r] = value
         return found
 
+    def _dead(self, ranks: Iterable[int]) -> dict[int, str]:
+        """Of ``ranks``, those whose persisting process is known to have died: it posted
+        before, from this machine, and that process is gone (a job's persisting processes
+        on other machines are waited for until the timeout)."""
+        out = {}
+        for r in ranks:
+            host, pid, since = self._posters.get(r, (None, 0, None))
+            if host == _HOST and isinstance(pid, int) and since is not None \
+                    and _since(pid) != since:
+                out[r] = f"rank {r}'s persisting process (pid {pid}) died"
+        return out
+
     def _poll(self, names: dict[int, str], deadline: float) -> None:
-        """Wait until the posts ``names`` are all there (or unreadable), the deadline passed
-        or the job folder is gone."""
+        """Wait until the posts ``names`` are all there (or unreadable), the deadline passed,
+        the job folder is gone, or the processes that owe them died."""
         pause = _POLL
         while names and time.monotonic() < deadline and os.path.isdir(self.folder):
+            for r in self._dead(names):
+                del names[r]
             for r, name in list(names.items()):
                 try:
                     if self._look({r: name}, "finishing"):
@@ -189,7 +223,8 @@ class FileGroup(Group):
             if left:  # (a rank posts its part before its done: look again, now)
                 got.update(self._look({r: waiting[r] for r in left}, what))
                 left = {r: x for r, x in left.items() if r not in got}
-            if left or time.monotonic() > deadline or not os.path.isdir(self.folder):
+            dead = self._dead(r for r in missing if r not in left)
+            if left or dead or time.monotonic() > deadline or not os.path.isdir(self.folder):
                 break
             time.sleep(pause)
             pause = min(_POLL_MAX, pause * 1.5)
@@ -197,9 +232,10 @@ class FileGroup(Group):
         if not missing:
             return {r: x["value"] for r, x in got.items()}
         self._absent.update(missing)
-        if left:
-            why = "; ".join(f"rank {r} gave up: " + (x["error"]["message"] if x.get("error")
-                            else "it had finished this save") for r, x in sorted(left.items()))
+        if left or dead:
+            why = "; ".join([*(f"rank {r} gave up: " + (x["error"]["message"] if x.get("error")
+                               else "it had finished this save")
+                               for r, x in sorted(left.items())), *dead.values()])
         elif not os.path.isdir(self.folder):
             why = _GONE
         else:
