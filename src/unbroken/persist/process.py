@@ -131,7 +131,13 @@ class ProcessPersister:
     def _ready(self) -> socket.socket:
         """The socket of a persisting process that is ready (holding the run, where it takes
         the lock), started again if it died since the last save."""
-        if self._proc is None or self._proc.poll() is not None:
+        if self._proc is not None and self._proc.poll() is not None:
+            # (ended between two saves, found before this one was sent: as `_replace` warns)
+            warnings.warn(f"{self._store.root}: the persisting process {self._proc.pid} had "
+                          f"ended (exit code {self._proc.returncode}) since the last save; a "
+                          "new one takes this one", UnbrokenWarning, stacklevel=3)
+            self._proc = None
+        if self._proc is None:
             self._start()
         assert self._sock is not None
         if not self._running:  # (it starts in a fraction of a second; a loaded machine: more)
