@@ -58,11 +58,12 @@ def test_plot_without_matplotlib_fails_before_any_training(capsys, tmp_path, mon
 def test_a_failing_reference_run_shows_the_scripts_own_error_and_json(capsys, tmp_path):
     script = write(tmp_path, "bad.py", "import sys\nprint('loading data/train.bin')\n"
                    "raise FileNotFoundError('data/train.bin: no such file')\n")
+    code, out, err = run(capsys, "check", "--", sys.executable, script)
+    assert code == 1  # (a run of the script that fails: found from outside, it exited 2)
+    assert "FileNotFoundError: data/train.bin: no such file" in out
     code, out, err = run(capsys, "check", "--json", "--", sys.executable, script)
-    assert code == 2
-    assert "FileNotFoundError: data/train.bin: no such file" in err
     doc = json.loads(out)
-    assert doc["ok"] is False and doc["exit_status"] == 2
+    assert code == 1 and doc["ok"] is False and doc["verdict"] == "error"
     assert "data/train.bin: no such file" in doc["error"]
 
 
@@ -117,5 +118,5 @@ def test_a_failing_check_removes_its_temporary_folder(capsys, tmp_path, monkeypa
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = write(tmp_path, "bad.py", "raise SystemExit('no data')\n")
     code, out, err = run(capsys, "check", "--", sys.executable, script)
-    assert code == 2 and "no data" in err and "rerun with --keep" in err
+    assert code == 1 and "no data" in out and "rerun with --keep" in out
     assert not glob.glob(str(tmp_path / "unbroken-check-*"))

@@ -1,3 +1,3 @@
 """Proof: comparing traces (`equivalence`), planning interruptions (`checkplan`), the
-`unbroken check` harness (`harness`), its plot (`plot`), and `unbroken demo` (`demo`, with its
-model `tinylm`)."""
+`unbroken check` harness (`harness`), its report (`report`) and plot (`plot`), and
+`unbroken demo` (`demo`, with its model `tinylm`)."""

@@ -17,11 +17,12 @@ before it) so that the resume starts the next epoch, a save interrupted midway, 
 after a save, the first update after a resume killed inside (after its optimizer step, before
 ``step_done``), and the final update. All of them run as one *chain*: a run killed at the
 first point, resumed and killed at the next, and so on, then finished; it costs about one run
-plus a process start per point."""
+plus a process start per point. `missed` says why a process was not interrupted as planned."""
 
 from __future__ import annotations
 
 import random
+import signal
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -123,10 +124,13 @@ def default_plan(reference: list[dict[str, Any]], random_n: int = 0, seed: int =
                            "after its optimizer step"))
     wanted.append(Kill(final, "after-update", "the final update"))
     if random_n:
-        rng = random.Random(seed)
-        wanted += [Kill(rng.randint(2, final - 1) if final > 2 else final,
-                        RANDOM_PHASES[i % len(RANDOM_PHASES)], "random")
-                   for i in range(random_n)]
+        # Distinct updates, none a place above: a point drawn twice would be killed twice (or
+        # dropped from the chain) and take a slot a new point could have; fewer when the run
+        # has fewer updates left.
+        free = sorted(set(steps[1:-1]) - {k.at for k in wanted})
+        drawn = random.Random(seed).sample(free, min(random_n, len(free)))
+        wanted += [Kill(at, RANDOM_PHASES[i % len(RANDOM_PHASES)], "random")
+                   for i, at in enumerate(drawn)]
     if phases:
         wanted = [Kill(k.at, phases[i % len(phases)], k.place) for i, k in enumerate(wanted)]
     return _chain(wanted, set(saves))
@@ -148,3 +152,32 @@ def _chain(wanted: list[Kill], saves: Collection[int]) -> list[Kill]:
         chain.append(k)
         resumed = k.resumes_from(saves)
     return chain
+
+
+def missed(kill: Kill, code: int, records: list[dict[str, Any]], who: str) -> str:
+    """Why the process ``who`` (its exit ``code`` and trace ``records``) was not interrupted
+    as ``kill`` planned ("" when it was)."""
+    updates = [r["step"] for r in records if r["event"] == "update"]
+    restored = next((r["step"] for r in records if r["event"] == "restore"), 0)
+    reached = max([*updates, restored])
+    if kill.phase == "sigterm":
+        stops = [r for r in records if r["event"] == "stop"]
+        if code == -signal.SIGTERM:
+            return ("SIGTERM killed the script: pass signals=(signal.SIGTERM,) to the "
+                    "Checkpointer and leave the training loop when ckpt.should_stop")
+        if code != 0:
+            return f"after SIGTERM the script exited with {code}, not 0"
+        if not stops:
+            return (f"SIGTERM at update {kill.at} did not stop the script (it ran to update "
+                    f"{reached}): leave the training loop when ckpt.should_stop")
+        if reached != stops[0]["step"]:
+            return (f"the script went on after the stop save at {stops[0]['step']} (to "
+                    f"{reached}): leave the training loop when ckpt.should_stop")
+        return ""
+    # killed inside update K (at its optimizer step), its record is not written
+    needed = kill.at - 1 if kill.phase == "mid-update" else kill.at
+    if code != -signal.SIGKILL or reached < needed:
+        when = (f"after update {reached}" if updates else
+                "right after its restore" if restored else "before its first update")
+        return f"{who} exited with {code} {when}, before reaching update {kill.at}"
+    return ""

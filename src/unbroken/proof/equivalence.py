@@ -3,11 +3,14 @@
 The report names the first step and field that differ, the state part **a user must fix**,
 every other part that also differs at that step, and whether the difference is a **jump** at
 a resume (missing or wrong state) or a **drift** growing from tiny values (numerical
-nondeterminism). Levels: exact (bitwise, the default), a tolerance (rtol/atol on loss, grad
-norm, metrics and learning rate; digests of numerically drifting state are then not
-compared), or exact for the first ``exact_steps`` updates after a resume and the tolerance
-after that. A run may be resumed several times (a chain of interruptions): each difference is
-explained from the resume before it.
+nondeterminism). Compared bitwise, a difference after an update whose state was bitwise equal
+had nothing tiny to grow from: a jump however late, made by state the process keeps itself,
+unless the script turns nondeterministic there (the report says how to tell). Levels: exact
+(bitwise, the default), a tolerance (rtol/atol on loss, grad norm, metrics and learning rate;
+digests of numerically drifting state are then not compared), or exact for the first
+``exact_steps`` updates after a resume and the tolerance after that. A run may be resumed
+several times (a chain of interruptions): each difference is explained from the resume before
+it.
 
 How a part is named, in order:
 
@@ -65,6 +68,8 @@ class Divergence:
     also: list[str] = dataclass_field(default_factory=list)
     expected: Any = None
     found: Any = None
+    # what else could explain it and how to tell ("": nothing to add)
+    hint: str = ""
 
 
 @dataclass
@@ -302,7 +307,9 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             continue
         diff = [n for n in diff if n not in unseeded] or diff
         if diff:
-            first = _divergence(step, diff, ref, got, got_updates.get(step - 1), resume, exact)
+            settled = _state_equal(ref_updates.get(step - 1), got_updates.get(step - 1))
+            first = _divergence(step, diff, ref, got, got_updates.get(step - 1), resume, exact,
+                                settled, steps[-1])
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
     if first is None and extra:
         first = Divergence(extra[0], "extra", "run", "jump", expected=None,
@@ -321,13 +328,37 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
                       resumes, list(notes.values()))
 
 
+def _state_equal(ref: Mapping[str, Any] | None, got: Mapping[str, Any] | None) -> bool:
+    """Whether two records of one update hold bitwise the same state: the parameters and
+    every registered part both traced (False when the parameters were not digested there)."""
+    if ref is None or got is None or "params" not in ref or "params" not in got:
+        return False
+    a, b = _flat(ref), _flat(got)
+    return all(a[n] == b[n] for n in a if n in b and (n == "params" or n.startswith("state.")))
+
+
+def _uncaptured_hint(step: int, last: int) -> str:
+    """What else a difference after bitwise-equal updates may be (nondeterminism starting
+    there), and how to tell."""
+    return (f"every update before {step} matched bitwise, so this did not grow from tiny "
+            "values: something the process keeps outside the Checkpointer changed it (a "
+            "counter or schedule in a Python global restarts with the process), unless the "
+            f"script is nondeterministic from update {step} on (the clock, an unseeded "
+            "stream, a nondeterministic kernel). To tell, run `unbroken check --at "
+            f"{last} --phase after-commit -- CMD`: it runs to the end before its only "
+            "interruption, so a difference there is reported as irreproducible "
+            "(nondeterminism), and none means state not captured")
+
+
 def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping[str, Any],
                 before: Mapping[str, Any] | None, resume: _Resume | None,
-                exact: bool) -> Divergence:
-    """Name the first difference: which part explains it, and what kind it is."""
+                exact: bool, settled: bool, last: int) -> Divergence:
+    """Name the first difference: which part explains it, and what kind it is (``settled``:
+    the update before it held bitwise the reference's state; ``last``: the final update)."""
     resumed_from = resume.step if resume else None
     restore_differs = resume.differs if resume else []
     lead = diff[0]
+    hint = ""
     rel = _loss_rel(ref, got)
     at_resume = resumed_from is not None and step == resumed_from + 1
     if resumed_from is None:  # before any interruption: the script is not deterministic
@@ -338,9 +369,12 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
         # Compared bitwise, anything differing at the very update after a resume is a jump:
         # nondeterminism does not wait for a resume to start (it shows before the kill as
         # "irreproducible"); state acting on the update (a gradient multiplier, a guard) may
-        # leave that update's loss equal and move only the weights.
+        # leave that update's loss equal and move only the weights. Later on, compared
+        # bitwise after an update whose state was bitwise equal, nothing tiny was there to
+        # grow: the difference is made by the process itself (a global that restarts with it).
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
-            at_resume and (exact or rel is not None and rel > DRIFT_THRESHOLD))
+            exact and (at_resume or settled)) or (
+            at_resume and rel is not None and rel > DRIFT_THRESHOLD)
         kind = "jump" if jump else "drift"
     if restore_differs:
         part = restore_differs[0]
@@ -354,10 +388,13 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
             named = (f"{NOT_CAPTURED}: non-persistent buffers, never saved, differ after the "
                      "restore (register_buffer(..., persistent=True) if they are state)")
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
+        if named is None and exact:
+            hint = _uncaptured_hint(step, last)
     also = sorted((d for d in ({part_of_state(n) if n.startswith(("rng.", "state.")) else n
                                 for n in diff} | set(restore_differs[1:]))
                    if not _names(part, d)), key=_rank)
-    return Divergence(step, lead, part, kind, also, _flat(ref).get(lead), _flat(got).get(lead))
+    return Divergence(step, lead, part, kind, also, _flat(ref).get(lead), _flat(got).get(lead),
+                      hint)
 
 
 def _names(part: str, field: str) -> bool:

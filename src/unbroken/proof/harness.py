@@ -8,6 +8,7 @@ environment only (``$UNBROKEN_ROOT``, ``$UNBROKEN_TRACE``, ``$UNBROKEN_SAVE_AT``
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _procs
+from .._runview import UsageError
 from ..checkpointer import ROOT_ENV
 from ..errors import UnbrokenError
 from ..faults import DROP_ENV
 from ..trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
-from .checkplan import PHASES, Kill, default_plan, explicit_plan
+from .checkplan import PHASES, Kill, default_plan, explicit_plan, missed
 from .equivalence import Comparison, as_float, compare
+from .report import format_report
 
 __all__ = ["PHASES", "CheckReport", "format_report", "run_check"]
 _POLL = 0.05  # seconds between looks at the job's processes (and its exit)
@@ -34,11 +37,18 @@ class KillResult:
     reached: bool = False
     exit_code: int | None = None
     resumed_from: int | None = None  # the step the next process restored
+    resume_failed: bool = False  # the process resumed after it failed: nothing was proved
     note: str = ""
 
+    @property
+    def covered(self) -> bool:
+        """Interrupted as planned and resumed by a process that did not fail."""
+        return self.reached and not self.resume_failed
+
     def to_json(self) -> dict[str, Any]:
-        return {**self.kill.to_json(), "reached": self.reached, "exit_code": self.exit_code,
-                "resumed_from": self.resumed_from, "note": self.note}
+        return {**self.kill.to_json(), "reached": self.reached, "covered": self.covered,
+                "exit_code": self.exit_code, "resumed_from": self.resumed_from,
+                "note": self.note}
 
 
 @dataclass
@@ -50,6 +60,7 @@ class CaseResult:
     comparison: Comparison | None = None  # in a job, of the rank that explains the case
     note: str = ""
     rank: int | None = None  # in a job: the rank whose trace `comparison` is
+    log: str = ""  # a failed process's whole output, relative to the working folder
 
     @property
     def resumed_from(self) -> int | None:
@@ -63,7 +74,8 @@ class CaseResult:
                 "resumed_from": self.resumed_from, "verdict": self.verdict, "note": self.note,
                 "first_divergence": None if d is None else {
                     "step": d.step, "field": d.field, "state_part": d.state_part,
-                    "kind": d.kind, "also": d.also, "expected": d.expected, "found": d.found},
+                    "kind": d.kind, "also": d.also, "expected": d.expected, "found": d.found,
+                    "hint": d.hint},
                 "restore_differs": self.comparison.restore_differs if self.comparison else [],
                 "notes": self.comparison.notes if self.comparison else []}
 
@@ -74,11 +86,14 @@ class CheckReport:
     steps: int
     cases: list[CaseResult] = field(default_factory=list)
     reference_loss: list[tuple[int, float]] = field(default_factory=list)
+    # The uninterrupted reference run failed (nothing was interrupted): why, and its log.
+    error: str = ""
+    log: str = ""
 
     @property
     def verdict(self) -> str:
         """diverged > error > untested > equivalent: the worst case decides."""
-        verdicts = {c.verdict for c in self.cases}
+        verdicts = {c.verdict for c in self.cases} | ({"error"} if self.error else set())
         for v in ("diverged", "error", "untested"):
             if v in verdicts:
                 return v
@@ -88,11 +103,12 @@ class CheckReport:
     def covered(self) -> list[str]:
         """The places the interruptions covered (reached and resumed)."""
         return [f"{k.kill.place} (update {k.kill.at}, {k.kill.phase})" for c in self.cases
-                for k in c.kills if k.reached]
+                for k in c.kills if k.covered]
 
     def to_json(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "command": self.command, "steps": self.steps,
-                "covered": self.covered, "cases": [c.to_json() for c in self.cases]}
+                "error": self.error or None, "covered": self.covered,
+                "cases": [c.to_json() for c in self.cases]}
 
 
 def _clean_env(extra: Mapping[str, str]) -> dict[str, str]:
@@ -166,19 +182,20 @@ def _wait_job_gone(pgid: int, seen: set[_procs.Process]) -> None:
 
 
 def _output_of(log: str) -> str:
-    """The end of a process's output, for a message or a case's note, its log named by its
-    place in the working folder (``reference/output.log``), never by its full path.
+    """The end of a process's output, for a message or a case's note; never the log's name.
 
     The output itself goes into the message rather than the working folder being kept: a
     failed check would otherwise leave its runs (checkpoints: often gigabytes) in /tmp on every
     failure, while what the user needs is why the script failed, which is at the end of its
-    output. `unbroken check` removes a temporary working folder before it shows the message,
-    so a full path would name a deleted file; --keep or --workdir DIR keep the whole log."""
-    where = f"{os.path.basename(os.path.dirname(log))}/{os.path.basename(log)}"
+    output. Only the report knows whether the working folder outlives the check (removed
+    unless --keep or --workdir), so it alone names the whole log, and only when it is kept."""
     tail = _tail(log)
-    if not tail:
-        return f"it printed nothing ({where} in the working folder is empty)"
-    return f"the end of its output ({where} in the working folder):\n{tail}"
+    return f"the end of its output:\n{tail}" if tail else "it printed nothing"
+
+
+def _relative(log: str, workdir: str) -> str:
+    """``log``'s place in the working folder (``case-01/output.log``), for the report."""
+    return os.path.relpath(log, workdir)
 
 
 def _tail(path: str, lines: int = 40) -> str:
@@ -202,6 +219,7 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
     Without ``at``, the run is interrupted at the structurally risky places of the reference
     (`checkplan.default_plan`) plus ``random_n`` random points, as one chain."""
     say = progress or (lambda msg: None)
+    _check_command(cmd)
     os.makedirs(workdir, exist_ok=True)
     if reference_trace is None:
         ref_dir = os.path.join(workdir, "reference")
@@ -209,11 +227,17 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         reference_trace = os.path.join(ref_dir, "trace.jsonl")
         log = os.path.join(ref_dir, "output.log")
         say("reference run (uninterrupted) ...")
-        code = run_process(cmd, {ROOT_ENV: os.path.join(ref_dir, "run"),
-                                 TRACE_ENV: reference_trace}, log, timeout)
-        if code != 0:
-            raise UnbrokenError(f"the uninterrupted reference run exited with {code}; "
-                                f"{_output_of(log)}")
+        # A run of the script that fails is a problem the check found (exit 1), as in a case;
+        # one that cannot be checked (no trace, too short) is an error of its use (exit 2).
+        try:
+            code = run_process(cmd, {ROOT_ENV: os.path.join(ref_dir, "run"),
+                                     TRACE_ENV: reference_trace}, log, timeout)
+            failed = "" if code == 0 else (f"the uninterrupted reference run exited with "
+                                           f"{code}; {_output_of(log)}")
+        except Timeout as e:
+            failed = f"the uninterrupted reference run hung: {e}"
+        if failed:
+            return CheckReport(list(cmd), 0, error=failed, log=_relative(log, workdir))
         if not rank_traces(reference_trace):
             raise UnbrokenError("the reference run wrote no trace (does the script build an "
                                 f"unbroken.Checkpointer?); {_output_of(log)}")
@@ -230,9 +254,31 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
     for i, kills in enumerate(cases):
         where = ", ".join(f"{k.at} ({k.phase})" for k in kills)
         say(f"case {i + 1}: interrupt at update {where} ...")
-        report.cases.append(_run_case(cmd, kills, os.path.join(workdir, f"case-{i + 1:02d}"),
-                                      references, rtol, atol, exact_steps, drop, timeout, say))
+        case = _run_case(cmd, kills, os.path.join(workdir, f"case-{i + 1:02d}"), references,
+                         rtol, atol, exact_steps, drop, timeout, say)
+        case.log = _relative(case.log, workdir) if case.log else ""
+        report.cases.append(case)
     return report
+
+
+def _check_command(cmd: Sequence[str]) -> None:
+    """Refuse, before any run, a command that is not there or a Python script that is not:
+    an error in how the check was called (exit 2, and no working folder to speak of), not a
+    failure of the script (exit 1)."""
+    if not cmd or shutil.which(cmd[0]) is None:
+        raise UsageError(f"{cmd[0] if cmd else '(empty)'}: no such command")
+    if not os.path.basename(cmd[0]).startswith("python"):
+        return
+    args = iter(cmd[1:])
+    for a in args:
+        if a == "-" or a[:1] == "-" and a[1:2] != "-" and set(a[1:]) & {"c", "m"}:
+            return  # no script file: code (-c), a module (-m) or stdin
+        if a in ("-X", "-W"):  # options that take a value
+            next(args, None)
+        elif not a.startswith("-"):
+            if not os.path.isfile(a):
+                raise UsageError(f"{a}: no such script (the command was {' '.join(cmd)})")
+            return
 
 
 def rank_traces(path: str) -> dict[int | None, str]:
@@ -281,26 +327,25 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
         try:
             code = run_process(cmd, env, log, timeout)
         except Timeout as e:
-            return CaseResult(results, "error", note=f"a process hung: {e}")
+            return _failed(results, previous, f"a process hung: {e}", log)
         written = rank_traces(trace)
         records = read_trace(written[min(written, key=lambda r: r or 0)]) if written else []
         if previous is not None:
             previous.resumed_from = next((r["step"] for r in records
                                           if r["event"] == "restore"), None)
+        who = _who(previous, result)
         if result is None:
             if code != 0:
-                return CaseResult(results, "error", note=f"the resumed run exited with {code}; "
-                                  f"{_output_of(log)}")
+                return _failed(results, previous, f"{who} exited with {code}; "
+                               f"{_output_of(log)}", log)
             break
         result.exit_code = code
-        problem = _interrupted(result.kill, code, records)
+        problem = missed(result.kill, code, records, who)
         if problem:
             result.note = problem
-            verdict = "error" if result.kill.phase == "sigterm" or code not in (0, -9) else \
-                "untested"
             if result.kill.phase == "sigterm" or code not in (0, -signal.SIGKILL):
-                problem += f"; {_output_of(log)}"
-            return CaseResult(results, verdict, note=problem)
+                return _failed(results, previous, f"{problem}; {_output_of(log)}", log)
+            return CaseResult(results, "untested", note=problem)
         result.reached = True
         previous = result
     by_rank = {}
@@ -313,6 +358,14 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
     note = "" if comparison.verdict != "untested" else \
         "every resume started from step 0: the resume was not exercised"
     return CaseResult(results, comparison.verdict, comparison, note, rank)
+
+
+def _failed(results: list[KillResult], previous: KillResult | None, note: str, log: str
+            ) -> CaseResult:
+    """A case whose process failed: the interruption it resumed after is not covered."""
+    if previous is not None:
+        previous.resume_failed = True
+    return CaseResult(results, "error", note=note, log=log)
 
 
 def _explaining(by_rank: dict[int | None, Comparison]) -> tuple[int | None, Comparison]:
@@ -336,68 +389,12 @@ def _newest_step(root: str) -> int | None:
     return complete[-1].manifest.step if complete else None  # type: ignore[union-attr]
 
 
-def _interrupted(kill: Kill, code: int, records: list[dict[str, Any]]) -> str:
-    """Why this life did not interrupt as planned ("" when it did)."""
-    reached = max((r["step"] for r in records if r["event"] in ("update", "restore")),
-                  default=0)
-    if kill.phase == "sigterm":
-        stops = [r for r in records if r["event"] == "stop"]
-        if code == -signal.SIGTERM:
-            return ("SIGTERM killed the script: pass signals=(signal.SIGTERM,) to the "
-                    "Checkpointer and leave the training loop when ckpt.should_stop")
-        if code != 0:
-            return f"after SIGTERM the script exited with {code}, not 0"
-        if not stops:
-            return (f"SIGTERM at update {kill.at} did not stop the script (it ran to update "
-                    f"{reached}): leave the training loop when ckpt.should_stop")
-        if reached != stops[0]["step"]:
-            return (f"the script went on after the stop save at {stops[0]['step']} (to "
-                    f"{reached}): leave the training loop when ckpt.should_stop")
-        return ""
-    # killed inside update K (at its optimizer step), its record is not written
-    needed = kill.at - 1 if kill.phase == "mid-update" else kill.at
-    if code != -signal.SIGKILL or reached < needed:
-        return (f"the interrupted run exited with {code} after update {reached}, before "
-                f"reaching update {kill.at}")
-    return ""
-
-
-def format_report(report: CheckReport, workdir: str | None) -> str:
-    """The terminal report: one row per interruption, the first divergence, and a verdict."""
-    from .._table import table
-
-    rows = []
-    for n, c in enumerate(report.cases, 1):
-        for k in c.kills:
-            rows.append([n, k.kill.at, k.kill.phase, k.kill.place,
-                         "-" if k.resumed_from is None else k.resumed_from,
-                         "yes" if k.reached else "no"])
-    lines = [f"unbroken check: {' '.join(report.command)}",
-             f"reference: {report.steps} updates, uninterrupted", "",
-             table(["case", "killed at", "phase", "place", "resumed from", "covered"], rows,
-                   right=(0, 1, 4), indent="  "), ""]
-    for n, c in enumerate(report.cases, 1):
-        d = c.comparison.first_divergence if c.comparison else None
-        head = f"  case {n}: {c.verdict.upper()}" + (
-            f" on rank {c.rank}" if c.rank is not None and c.verdict == "diverged" else "")
-        if d is not None:
-            lines.append(f"{head}: first differs at update {d.step} in {d.field!r}: expected "
-                         f"{d.expected!r}, found {d.found!r}")
-            lines.append(f"    fix: {d.state_part}" +
-                         (f"; also differs: {', '.join(d.also)}" if d.also else "") +
-                         f"; {'an' if d.kind[0] in 'aeiou' else 'a'} {d.kind}" +
-                         {"jump": " after a resume (missing state)",
-                                            "drift": " from tiny values (numerics)",
-                                            "irreproducible": " before the interruption (the "
-                                            "script is not deterministic)"}.get(d.kind, ""))
-        else:
-            lines.append(head + (f": {c.note}" if c.note else ""))
-        for note in c.comparison.notes if c.comparison else []:
-            lines.append(f"    note: {note}")
-    verdict = {"equivalent": "EQUIVALENT: every resumed run matches the uninterrupted one",
-               "diverged": "DIVERGED", "error": "ERROR: a process failed (see above)",
-               "untested": "UNTESTED: some resume was not exercised"}
-    lines += ["", f"verdict: {verdict[report.verdict]}"]
-    if workdir:
-        lines.append(f"runs, traces and logs: {workdir}")
-    return "\n".join(lines)
+def _who(previous: KillResult | None, result: KillResult | None) -> str:
+    """The process of a case that is running, for a message: the first one, or one resumed
+    after an interruption (and to be interrupted again, or run to the end)."""
+    if previous is None:
+        return "the run"
+    frm = "" if previous.resumed_from is None else f"from update {previous.resumed_from} "
+    then = "to run to the end" if result is None else \
+        f"to be interrupted at update {result.kill.at}"
+    return f"the run resumed {frm}after the interruption at update {previous.kill.at} ({then})"

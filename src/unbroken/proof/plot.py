@@ -21,12 +21,16 @@ def plot_check(report: Any, path: str) -> None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
     steps, losses = zip(*report.reference_loss) if report.reference_loss else ((), ())
     top.plot(steps, losses, color="black", linewidth=2.5, label="uninterrupted")
-    for case in report.cases:
+    for n, case in enumerate(report.cases, 1):
         c = case.comparison
         if c is None or not c.loss:
             continue
-        kills = ", ".join(str(k.kill.at) for k in case.kills)
-        label = f"interrupted at {kills}: {case.verdict}"
+        # A kill and the resume after it are different steps (a kill inside update 4 resumes
+        # from 3): the legend names both, and the vertical lines are the resumes.
+        kills = ", ".join(str(k.kill.at) for k in case.kills if k.reached)
+        resumes = ", ".join(str(s) for s in c.resumes)
+        label = (f"case {n}, {case.verdict}: killed at update {kills}; resumed from step "
+                 f"{resumes} (vertical lines)")
         x, y = zip(*c.loss)
         line, = top.plot(x, y, linewidth=1, linestyle="--", label=label)
         for resumed in c.resumes:
@@ -35,6 +39,12 @@ def plot_check(report: Any, path: str) -> None:
         dx, dy = zip(*c.loss_diff)
         bottom.plot(dx, [max(v, tiny) if not math.isnan(v) else tiny for v in dy],
                     color=line.get_color(), linewidth=1)
+        d = c.first_divergence
+        if d is not None:
+            for ax in (top, bottom):
+                ax.axvline(d.step, color=line.get_color(), linestyle=":", linewidth=1.5,
+                           label=f"case {n}: first differs at update {d.step} ({d.field})"
+                           if ax is top else None)
     top.set_ylabel("loss")
     top.set_title(f"unbroken check: {report.verdict}")
     top.legend(fontsize=7)
