@@ -14,7 +14,7 @@ from typing import Any
 from ._table import human_size, table
 from .errors import CorruptCheckpoint, UnbrokenError
 from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
-from .store.manifest import MANIFEST, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from .store.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store.objects import ObjectStore
 from .store.opening import is_url, open_store
 from .store.runrecord import RunRecord, folder_run
@@ -86,8 +86,7 @@ def _peek_manifest(store: GenerationStore, info: GenerationInfo) -> Manifest | N
     if info.manifest is not None:
         return info.manifest
     try:
-        where = (f"{store.root}/{info.name}/{MANIFEST}" if isinstance(store, ObjectStore)
-                 else os.path.join(info.path, MANIFEST))  # never a symlink, FIFO or device
+        where = store.manifest_path(info)  # (read as a regular file: never a symlink, FIFO)
         return parse_manifest(store.fs.read_file(where, MAX_MANIFEST_BYTES), where)
     except (UnbrokenError, OSError):
         return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +145,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                     "random streams (equal data order and weights; dropout draws alike on "
                     "every rank)", info.path)
     G.check_stamps(manifest, info.path, tree, meta, all_parts=intent == "continue")
-    where = os.path.join(info.path, "MANIFEST.json")
+    where = store.manifest_path(info)
     live = parts if intent == "continue" else {S.MODEL: model}
     try:
         if SHARDS_FILE in files:

@@ -62,3 +62,30 @@ def test_an_object_store_error_says_what_to_do_not_check_the_disk(error, says) -
 def test_a_disk_error_keeps_its_remedy_and_its_own_file_name() -> None:
     text = os_message(OSError(errno.EIO, "Input/output error", "/r/gen-1/x"), "/r")
     assert text.startswith("/r/gen-1/x: Input/output error [EIO]") and "disk" in text
+
+
+def test_messages_name_an_object_store_generations_manifest_where_it_is(monkeypatch) -> None:
+    """Found from outside: a restore's warnings named the manifest inside the generation's
+    upload folder (gen-N/u-XXXX/MANIFEST.json), where there is none."""
+    import warnings
+
+    url = "memory://s24-where/run"
+    with unbroken.Checkpointer(url, model=torch.nn.Linear(2, 2)) as ckpt:
+        ckpt.restore()
+        ckpt.step_done(1)
+        ckpt.save()
+        [info] = ckpt.store.scan()
+        assert "/u-" in info.path  # (its upload folder)
+        assert ckpt.store.manifest_path(info) == f"{ckpt.store.root}/gen-000000001/MANIFEST.json"
+        assert ckpt.store.fs.exists(ckpt.store.manifest_path(info))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)  # (an environment that differs: a warning names it)
+    try:
+        with warnings.catch_warnings(record=True) as caught, \
+                unbroken.Checkpointer(url, model=torch.nn.Linear(2, 2)) as again:
+            warnings.simplefilter("always")
+            assert again.restore() == 1
+    finally:
+        torch.set_num_threads(threads)
+    named = [str(w.message) for w in caught if "MANIFEST.json" in str(w.message)]
+    assert named and all("/u-" not in m and "gen-000000001/MANIFEST.json" in m for m in named)

@@ -139,6 +139,10 @@ class GenerationStore(AsideFolder, Verifying):
         """Whether the generation ``info`` describes is still in the listing."""
         return os.path.lexists(info.path)
 
+    def manifest_path(self, info: GenerationInfo) -> str:
+        """Where the manifest of ``info`` is (messages name it)."""
+        return os.path.join(info.path, MANIFEST)
+
     def scan_one(self, generation: int) -> GenerationInfo:
         """The cheap check of one generation by number."""
         path = os.path.join(self.root, generation_name(generation))

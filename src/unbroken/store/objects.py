@@ -14,7 +14,9 @@ Uncommitted generations are ignored: a ``gen-*`` prefix counts only when its man
 names that generation, and every listed artifact is in the manifest's upload folder with its
 listed size (``verify`` then re-hashes every byte). Each save uploads into a folder of its own
 (``u-<id>``), so no attempt ever overwrites another's bytes; the manifest names that folder.
-"Newest" is found by listing, never by a pointer that could be written before the data.
+"Newest" is found by listing, never by a pointer that could be written before the data. A
+save of the same step again replaces the manifest in one conditional PUT instead, with the old
+generation's objects copied aside before and deleted only after (`ObjectStore.publish`).
 
 Where the store creates conditionally (`ObjectFS.atomic_create`: S3's If-None-Match, GCS
 generation preconditions), two writers cannot both commit generation N: the second manifest
@@ -33,22 +35,24 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from ..errors import CommitConflict, CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from ._manifest_commit import Undecided, commit_manifest
 from ._objects_aside import _AsideOps
+from ._objects_known import _Known
 from .backends.killpoints import fault_point
-from .backends.objects import ObjectFS, is_checksum, version_of
+from .backends.objects import ObjectFS, is_checksum
 from .cache import ReadCache
 from .generations import GenerationInfo, GenerationStore, generation_name, generation_number
 from .lease import LEASE, Lease
 from .lock import errno_text
-from .manifest import MANIFEST, MAX_MANIFEST_BYTES, Artifact, Manifest, parse_manifest
+from .manifest import MANIFEST, Artifact, Manifest
 from .sources import Linked
 
 UPLOAD_PREFIX = "u-"
 _UPLOAD = re.compile(r"u-[0-9a-f]{16}", re.ASCII)
 
 
-class ObjectStore(_AsideOps, GenerationStore):
+class ObjectStore(_Known, _AsideOps, GenerationStore):
     """A run on an object store: the same contract as `GenerationStore` (reading needs no
     lock; changing needs ``lock()``), committed by a conditional manifest upload."""
 
@@ -66,6 +70,8 @@ class ObjectStore(_AsideOps, GenerationStore):
         # the copies the save being written made of verified objects, by path: their identity
         # (size and checksum) as the store made them, the verified source's (see `_link`)
         self._copies: dict[str, tuple[object, ...]] = {}
+        self._manifests = {}  # manifest URL -> (listed size and tag, parsed): `_manifest`
+        self._listed = {}  # generation path -> its objects' identities as last listed
 
     # -- the lease ------------------------------------------------------------------------------
 
@@ -122,10 +128,13 @@ class ObjectStore(_AsideOps, GenerationStore):
         """Every committed generation, oldest first, checked cheaply (manifest, names,
         sizes); prefixes without a manifest are debris and not listed."""
         found = []
-        for name, objects in self._objects().items():
+        listed = self._objects()
+        for name, objects in listed.items():
             info = self._check_objects(int(name[4:]), objects)
             if info is not None:
                 found.append(info)
+        self._forget({f"{self.root}/{name}/{MANIFEST}" for name in listed},
+                     {g.path for g in found})
         return sorted(found, key=lambda g: g.generation)
 
     def scan_one(self, generation: int) -> GenerationInfo:
@@ -139,7 +148,11 @@ class ObjectStore(_AsideOps, GenerationStore):
         return info
 
     def present(self, info: GenerationInfo) -> bool:
-        return self.fs.exists(f"{self._prefix(info.generation)}/{MANIFEST}")
+        return self.fs.exists(self.manifest_path(info))
+
+    def manifest_path(self, info: GenerationInfo) -> str:
+        """(Beside its upload folder, which ``info.path`` names.)"""
+        return f"{self._prefix(info.generation)}/{MANIFEST}"
 
     def _prefix(self, generation: int) -> str:
         return f"{self.root}/{generation_name(generation)}"
@@ -151,7 +164,7 @@ class ObjectStore(_AsideOps, GenerationStore):
         if MANIFEST not in objects:
             return None
         try:
-            manifest = parse_manifest(bytes(self.fs.read_file(where, MAX_MANIFEST_BYTES)), where)
+            manifest = self._manifest(where, objects[MANIFEST])
             if manifest.generation != generation:
                 raise CorruptCheckpoint(f"{where}: names generation {manifest.generation}, the "
                                         f"prefix is generation {generation}")
@@ -178,19 +191,9 @@ class ObjectStore(_AsideOps, GenerationStore):
             return GenerationInfo(generation, prefix, "corrupt", str(e))
         # Any other OSError propagates: a store that failed to answer (a timeout, a 503)
         # says nothing about the generation, which must not be moved aside for it.
-        return GenerationInfo(generation, path, "complete", "", manifest)
-
-    def file_identity(self, info: GenerationInfo) -> tuple[tuple[int, ...], ...] | None:
-        """Size and version tag (ETag, generation or mtime) of the manifest and every
-        artifact, from one listing: a re-upload of any of them changes it."""
-        assert info.manifest is not None
-        prefix = self._prefix(info.generation)
-        objects = self.fs.listing(prefix)
-        keys = [f"{prefix}/{MANIFEST}", *(f"{info.path}/{a.name}"
-                                          for a in info.manifest.artifacts)]
-        if any(k not in objects for k in keys):
-            return None
-        return tuple((objects[k].get("size", -1), hash(version_of(objects[k]))) for k in keys)
+        info = GenerationInfo(generation, path, "complete", "", manifest)
+        self._note_listing(info, objects)
+        return info
 
     @property
     def read_the_store(self) -> bool:
@@ -203,7 +206,7 @@ class ObjectStore(_AsideOps, GenerationStore):
         self._from_cache = False
         out = super().read_verified(info, names, advance)
         if self._from_cache:  # right bytes, but the store itself was not read: no verdict
-            self._verified.pop(info.path, None)
+            self._doubt(info.path)
         if self.cache is not None and info.manifest is not None:
             self.cache.keep_only(a for a in info.manifest.artifacts if a.name in out)
         return out
@@ -306,51 +309,53 @@ class ObjectStore(_AsideOps, GenerationStore):
                 supersede: bool = False) -> GenerationInfo:
         """Upload the manifest last, only if no manifest of ``generation`` exists; on any
         failure nothing is committed and the upload folder goes. `CommitConflict` when
-        another writer committed ``generation`` first."""
+        another writer committed ``generation`` first.
+
+        With ``supersede`` (a save of the same step again) an existing generation is replaced
+        without ever leaving the step without one: its objects are first copied under
+        ``aside/`` as *superseded* (nothing deleted), then its manifest is replaced by the new
+        one in a single PUT, conditional on being still the one copied (`replace_file`), and
+        only then are its objects, named by no manifest any more, deleted. Until that PUT the
+        old manifest names the old objects, all in place; from it on, the new one names the
+        new upload, complete. (A store cannot delete and create a manifest as one step, and
+        a kill between the two would leave the step to an older generation, or none.)"""
         where = f"{self._prefix(generation)}/{MANIFEST}"
         manifest = replace(manifest, folder=staging.rsplit("/", 1)[1])
+        data = manifest.to_bytes()
         superseded = None
+        replaced: tuple[GenerationInfo, list[str]] | None = None
         try:
             self.renew()
             fault_point("before-rename", generation)
-            if supersede and self.fs.exists(where):
-                superseded = self.move_aside(self.scan_one(generation), "superseded")
-            try:
-                self.fs.create_file(where, manifest.to_bytes())
-            except OSError as e:
-                if not self._committed_anyway(where, manifest, e):
-                    raise
+            was = self._manifest_ident(where) if supersede else None
+            if was is None:
+                commit_manifest(self.fs, where, manifest, lambda: self.fs.create_file(where, data))
+            else:
+                old = self.scan_one(generation)
+                replaced = (old, self._own(old))
+                superseded = self.copy_aside(old, "superseded")
+                self.renew()  # (the copies may have taken a while)
+                commit_manifest(self.fs, where, manifest,
+                                lambda: self.fs.replace_file(where, data, was), was)
             fault_point("manifest-written", generation)
         except BaseException as e:
-            if not isinstance(e, _Undecided):
+            if not isinstance(e, Undecided):
                 self._discard(staging)
-            raise e.cause if isinstance(e, _Undecided) else e from None
+                if superseded is not None:  # the old generation stands: no copy of it needed
+                    self._discard(superseded)
+            raise e.cause if isinstance(e, Undecided) else e from None
         finally:
             self._uploading = None
+        if replaced is not None:
+            self.drop_replaced(*replaced)
         fault_point("after-rename", generation)
         return GenerationInfo(generation, staging, "complete", "", manifest, superseded)
 
-    def _committed_anyway(self, where: str, manifest: Manifest, error: OSError) -> bool:
-        """After the manifest upload failed: whether it was committed all the same (the reply
-        was lost, or a retry found the first attempt's object). Our manifest there: True.
-        Another writer's: `CommitConflict`. None there: False (the upload goes). Cannot
-        tell: `_Undecided`, and the upload stays (the next writer removes it if it is
-        debris), since deleting it could tear a committed generation."""
+    def _manifest_ident(self, where: str) -> tuple[object, ...] | None:
         try:
-            there = bytes(self.fs.read_file(where, MAX_MANIFEST_BYTES))
+            return self.fs.ident(where)
         except FileNotFoundError:
-            if isinstance(error, FileExistsError):  # gone since: still someone else's doing
-                raise CommitConflict(f"{where}: another writer is saving generation "
-                                     f"{manifest.generation}; this save was not committed "
-                                     "(two writers on one run: stop one)") from None
-            return False
-        except OSError as e:
-            raise _Undecided(e) from None
-        if there == manifest.to_bytes():
-            return True
-        raise CommitConflict(
-            f"{where}: another writer committed generation {manifest.generation} first; this "
-            "save was not committed (two writers on one run: stop one)")
+            return None
 
     def _discard(self, staging: str) -> None:
         try:
@@ -358,10 +363,3 @@ class ObjectStore(_AsideOps, GenerationStore):
         except OSError:
             pass  # debris: the next writer removes it on lock()
 
-
-class _Undecided(Exception):
-    """Whether a manifest upload took effect cannot be told (the store does not answer)."""
-
-    def __init__(self, cause: OSError) -> None:
-        super().__init__(str(cause))
-        self.cause = cause

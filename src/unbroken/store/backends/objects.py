@@ -62,6 +62,8 @@ class ObjectFS:
         self.fs = fs
         protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
         self.atomic_create = any(p in ATOMIC_CREATE for p in protocols)
+        # S3's PutObject takes If-Match (s3fs passes it through): `replace_file`
+        self.conditional_replace = any(p in ("s3", "s3a") for p in protocols)
 
     def _op(self, kind: str, path: str) -> None:
         io_fault_point(kind, path)
@@ -99,6 +101,23 @@ class ObjectFS:
         self._op("create", path)
         self._op("fsync", path)
         self.fs.pipe_file(path, data, mode="create")
+
+    @_translating
+    def replace_file(self, path: str, data: bytes, was: tuple[object, ...]) -> None:
+        """Overwrite ``path`` with ``data`` only while it is still the object ``was`` (its
+        `ident`), in one whole-object PUT: readers see the old object or the new one, never
+        neither. On S3 the condition is the server's (If-Match on the ETag, `OSError` when
+        another upload came first); elsewhere it is checked just before the upload, which
+        only the run's lease makes safe (as `create_file`'s fallback)."""
+        self._op("create", path)
+        self._op("fsync", path)
+        tag = was[1] if len(was) == 2 else None
+        if self.conditional_replace and isinstance(tag, str) and tag.startswith("ETag="):
+            self.fs.pipe_file(path, data, IfMatch=tag[len("ETag="):])
+            return
+        if self.ident(path) != was:
+            raise FileExistsError(errno.EEXIST, "replaced by another upload meanwhile", path)
+        self.fs.pipe_file(path, data)
 
     @_translating
     def put_file(self, path: str, data: bytes) -> None:

@@ -1,0 +1,187 @@
+"""Attacks on the object store (moto's S3 server, real child processes, SIGKILL):
+
+* a superseding save (the same step saved again after its state changed) killed at every
+  mutating I/O operation must leave a run whose restore continues from that step, bitwise as
+  the old save or the new one (whichever the kill point says), never from scratch;
+* a restart of a run keeping many generations must not download every one of them, nor list
+  or read every manifest once per generation."""
+
+from __future__ import annotations
+
+import json
+import signal
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import BUCKET, run_script
+
+CHILD = textwrap.dedent('''
+    import hashlib, json, os, sys
+    import torch, unbroken
+
+    url, mode = sys.argv[1], sys.argv[2]
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+
+    def digest():
+        h = hashlib.sha256()
+        for t in model.state_dict().values():
+            h.update(t.detach().numpy().tobytes())
+        for s in opt.state_dict()["state"].values():
+            h.update(s["momentum_buffer"].numpy().tobytes())
+        h.update(json.dumps(sched.state_dict(), sort_keys=True, default=str).encode())
+        return h.hexdigest()
+
+    c = unbroken.Checkpointer(url, model=model, optimizer=opt, scheduler=sched,
+                              read_back="sync")
+    step = c.restore()
+    if mode == "first":
+        g = torch.Generator().manual_seed(1)
+        while step < 10:
+            model(torch.randn(4, 8, generator=g)).sum().backward()
+            opt.step(); opt.zero_grad(); step += 1; c.step_done(step)
+        c.save()
+    elif mode.startswith("again"):
+        assert step == 10, step
+        sched.step()  # the end-of-epoch scheduler step: the same step, a new state
+    if mode == "again-unreadable":  # its read-back fails: the old one must come back
+        from unbroken.errors import CorruptCheckpoint
+        from unbroken.store.objects import ObjectStore
+
+        def fail(self, info, *args, **kwargs):
+            raise CorruptCheckpoint(f"{info.path}: did not read back (simulated)")
+        ObjectStore.verify = fail
+    print(json.dumps({"step": step, "digest": digest()}), flush=True)
+    if mode.startswith("again"):
+        c.save()
+    c.close()
+''')
+
+
+def _child(tmp_path: Path) -> str:
+    path = tmp_path / "child.py"
+    if not path.exists():
+        path.write_text(CHILD)
+    return str(path)
+
+
+def _run(tmp_path: Path, s3: dict, url: str, mode: str, **env: str) -> tuple[int, dict, str]:
+    r = run_script(_child(tmp_path), url, mode, env={**s3["env"], **env}, timeout=120)
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return r.returncode, (lines[-1] if lines else {}), r.stderr
+
+
+def _sweep(tmp_path: Path, s3: dict, mode: str) -> tuple[list, dict, dict, int]:
+    """Kill the process that restores step 10, steps its scheduler and saves step 10 again
+    (``mode``) at each of its mutating operations in turn; after each kill, restore in a new
+    process. The state restored must be step 10 bitwise, as the old save or the new one: the
+    one whose manifest was uploaded last before the kill (the first save's until the first
+    upload of that manifest by this process, then the other's at each one). Returns what each
+    kill point restored, both states, and the exit status of the run that was not killed."""
+    note = tmp_path / "note"
+    uploads = 0  # of the step's manifest, by the killed process before it died
+    outcomes = []
+    for k in range(1, 300):
+        url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
+        rc, first, err = _run(tmp_path, s3, url, "first")
+        assert rc == 0 and first["step"] == 10, err[-3000:]
+        note.unlink(missing_ok=True)
+        rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=str(k),
+                              UNBROKEN_KILL_NOTE=str(note))
+        if rc != -signal.SIGKILL:
+            return outcomes, first, again, rc  # past the last operation
+        _, kind, path = note.read_text().split()
+        rc, back, err = _run(tmp_path, s3, url, "check")
+        assert rc == 0, f"kill at {k} ({kind} {path}): {err[-3000:]}"
+        want = again if uploads % 2 else first
+        which = "new" if uploads % 2 else "old"
+        outcomes.append((k, kind, path, which))
+        assert back == {"step": 10, "digest": want["digest"]}, (
+            f"kill at {k} ({kind} {path}): restored {back}, expected the {which} step 10 "
+            f"({want}); the other is {again if want is first else first}")
+        if kind == "fsync" and path == f"{url}/gen-000000010/MANIFEST.json":
+            uploads += 1  # (a kill here came before the upload: the next one comes after)
+    pytest.fail("the superseding save never finished")
+
+
+def test_a_superseding_save_killed_at_any_operation_restores_the_same_step(s3, tmp_path):
+    """Before the new manifest's upload, the old generation must come back; after it, the
+    new one; in every case bitwise, never step 0 (nor an older step)."""
+    outcomes, first, again, rc = _sweep(tmp_path, s3, "again")
+    assert rc == 0
+    assert first["digest"] != again["digest"]
+    # the sweep went through the copies into aside/ and the deletion of the old objects
+    assert any(w == "old" and "/aside/" in p for _, _, p, w in outcomes), outcomes
+    assert any(w == "new" and kind == "unlink" and "/gen-000000010/u-" in p
+               for _, kind, p, w in outcomes), outcomes
+
+
+def test_a_superseding_save_that_fails_its_read_back_puts_the_old_one_back_at_any_kill(
+        s3, tmp_path):
+    """The new generation is committed, fails its read-back (simulated) and the superseded
+    one is put back: a kill at any point of that leaves one of the two, never neither; the
+    run that is not killed ends with the old one back."""
+    outcomes, first, again, rc = _sweep(tmp_path, s3, "again-unreadable")
+    assert rc == 1
+    assert [w for *_, w in outcomes].count("new") > 0, outcomes
+    url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
+    assert _run(tmp_path, s3, url, "first")[0] == 0
+    assert _run(tmp_path, s3, url, "again-unreadable")[0] == 1
+    rc, back, err = _run(tmp_path, s3, url, "check")
+    assert (rc, back) == (0, {"step": 10, "digest": first["digest"]}), err[-3000:]
+
+
+COUNTING = textwrap.dedent('''
+    import collections, json, sys
+    import torch, unbroken
+    from unbroken.store.backends.objects import ObjectFS
+
+    url, steps = sys.argv[1], int(sys.argv[2])
+    calls = collections.Counter()
+
+    def counted(name):
+        method = getattr(ObjectFS, name)
+        def call(self, path, *args, **kwargs):
+            what = "manifest" if path.endswith("/MANIFEST.json") else (
+                "artifact" if "/gen-" in path else "other")
+            calls[f"{name} {what}"] += 1
+            return method(self, path, *args, **kwargs)
+        setattr(ObjectFS, name, call)
+
+    for name in ("listing", "read_file", "hash_file"):
+        counted(name)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.Adam(model.parameters())
+    c = unbroken.Checkpointer(url, model=model, optimizer=opt, keep=unbroken.Keep(last=100))
+    step = c.restore()
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+        step += 1; c.step_done(step)
+        c.save(); c.wait()
+    c.close()
+    print(json.dumps(calls), flush=True)
+''')
+
+
+def test_a_restart_of_a_run_keeping_many_generations_does_not_download_them_all(s3, tmp_path):
+    """Restore, one save and its retention with 12 kept generations: the artifacts read are
+    the restored generation's and the new one's read-back, not every kept generation's;
+    each manifest is read once, not once per scan; listing does not grow with the run."""
+    script = tmp_path / "counting.py"
+    script.write_text(COUNTING)
+    url = f"s3://{BUCKET}/many-{uuid.uuid4().hex[:8]}"
+    first = run_script(str(script), url, "12", env=s3["env"], timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    r = run_script(str(script), url, "1", env=s3["env"], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    calls = json.loads(r.stdout.splitlines()[-1])
+    artifacts_per_generation = 4  # model, optimizer, rng, state
+    downloads = calls.get("read_file artifact", 0) + calls.get("hash_file artifact", 0)
+    assert downloads <= 2 * artifacts_per_generation, calls  # restored + read back
+    assert calls.get("read_file manifest", 0) <= 13 + 2, calls  # each once, the new one
+    assert sum(v for k, v in calls.items() if k.startswith("listing")) <= 8, calls
