@@ -89,3 +89,21 @@ def test_messages_name_an_object_store_generations_manifest_where_it_is(monkeypa
         torch.set_num_threads(threads)
     named = [str(w.message) for w in caught if "MANIFEST.json" in str(w.message)]
     assert named and all("/u-" not in m and "gen-000000001/MANIFEST.json" in m for m in named)
+
+
+@pytest.mark.parametrize("raised", [PermissionError("The AWS Access Key Id you provided does "
+                                                    "not exist in our records."),
+                                    FileNotFoundError("gone"), OSError("plain")])
+def test_an_object_store_error_without_a_path_is_raised_naming_the_object(raised) -> None:
+    """s3fs raises a refused credential as a bare PermissionError: it came out of restore()
+    naming no object, under the client's own frames."""
+    from unbroken.store.backends.objects import _translated
+
+    def call():
+        raise raised
+
+    with pytest.raises(type(raised)) as e:
+        _translated("s3://bkt/run/gen-000000001/MANIFEST.json", call)
+    assert e.value.filename == "s3://bkt/run/gen-000000001/MANIFEST.json"
+    assert str(raised) in str(e.value) and e.value.errno
+    assert e.value.__cause__ is None and e.value.__suppress_context__

@@ -35,6 +35,9 @@ _RANGE = 16 << 20  # one ranged read
 _PARALLEL = 4  # ranged reads in flight at once
 
 T = TypeVar("T")
+# (the errno of an OSError a client raises without one, by its type)
+_ERRNO = ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT),
+          (FileExistsError, errno.EEXIST))
 
 
 def _translated(path: str, call: Callable[[], T]) -> T:
@@ -42,8 +45,19 @@ def _translated(path: str, call: Callable[[], T]) -> T:
     into one naming ``path``."""
     try:
         return call()
-    except (OSError, CorruptCheckpoint):
+    except CorruptCheckpoint:
         raise
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        # (s3fs raises a refused credential as a bare PermissionError: which object, and
+        # not the client's 18 frames)
+        code = e.errno or next((n for kind, n in _ERRNO if isinstance(e, kind)), errno.EIO)
+        try:
+            named = type(e)(code, e.strerror or str(e) or type(e).__name__, path)
+        except Exception:  # noqa: BLE001 -- a subclass with its own constructor: as it was
+            raise e from None
+        raise named from None
     except Exception as e:  # the client library's own error types
         raise OSError(errno.EIO, f"{type(e).__name__}: {e}", path) from None
 
