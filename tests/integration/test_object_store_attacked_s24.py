@@ -75,64 +75,94 @@ def _run(tmp_path: Path, s3: dict, url: str, mode: str, **env: str) -> tuple[int
     return r.returncode, (lines[-1] if lines else {}), r.stderr
 
 
-def _sweep(tmp_path: Path, s3: dict, mode: str) -> tuple[list, dict, dict, int]:
+class _Snapshot:
+    """The run as the first save left it, copied aside once and put back before each kill
+    (objects copied on the server: a training process per kill point made the sweep slow)."""
+
+    def __init__(self, s3: dict, url: str) -> None:
+        import s3fs
+
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **s3["options"])
+        self.run = url.removeprefix("s3://")
+        self.copy = f"{self.run}-snapshot"
+        self._mirror(self.run, self.copy)
+
+    def _mirror(self, src: str, dst: str) -> None:
+        self.fs.invalidate_cache()
+        if self.fs.exists(dst):
+            self.fs.rm(dst, recursive=True)
+        for key in self.fs.find(src):
+            self.fs.copy(key, dst + key[len(src):])
+        self.fs.invalidate_cache()
+
+    def put_back(self) -> None:
+        self._mirror(self.copy, self.run)
+
+
+def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, dict, dict, int]:
     """Kill the process that restores step 10, steps its scheduler and saves step 10 again
-    (``mode``) at each of its mutating operations in turn; after each kill, restore in a new
-    process. The state restored must be step 10 bitwise, as the old save or the new one: the
-    one whose manifest was uploaded last before the kill (the first save's until the first
-    upload of that manifest by this process, then the other's at each one). Returns what each
-    kill point restored, both states, and the exit status of the run that was not killed."""
+    (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind);
+    after each kill, restore in a new process. The state restored must be step 10 bitwise, as
+    the old save or the new one: the one whose manifest was uploaded last before the kill
+    (the first save's until the first upload of that manifest by this process, then the
+    other's at each one). Returns what each kill point restored, both states, and the exit
+    status of the run that was not killed."""
     note = tmp_path / "note"
+    url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
+    rc, first, err = _run(tmp_path, s3, url, "first")
+    assert rc == 0 and first["step"] == 10, err[-3000:]
+    snapshot = _Snapshot(s3, url)
     uploads = 0  # of the step's manifest, by the killed process before it died
     outcomes = []
     for k in range(1, 300):
-        url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
-        rc, first, err = _run(tmp_path, s3, url, "first")
-        assert rc == 0 and first["step"] == 10, err[-3000:]
+        snapshot.put_back()
         note.unlink(missing_ok=True)
-        rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=str(k),
+        rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=f"{kind}{k}",
                               UNBROKEN_KILL_NOTE=str(note))
         if rc != -signal.SIGKILL:
             return outcomes, first, again, rc  # past the last operation
-        _, kind, path = note.read_text().split()
+        _, killed, path = note.read_text().split()
         rc, back, err = _run(tmp_path, s3, url, "check")
-        assert rc == 0, f"kill at {k} ({kind} {path}): {err[-3000:]}"
-        want = again if uploads % 2 else first
-        which = "new" if uploads % 2 else "old"
-        outcomes.append((k, kind, path, which))
+        assert rc == 0, f"kill at {kind}{k} ({killed} {path}): {err[-3000:]}"
+        if kind:  # (only kills after the new manifest's upload: see the test)
+            want, which = again, "new"
+        else:
+            want, which = (again, "new") if uploads % 2 else (first, "old")
+        outcomes.append((k, killed, path, which))
         assert back == {"step": 10, "digest": want["digest"]}, (
-            f"kill at {k} ({kind} {path}): restored {back}, expected the {which} step 10 "
-            f"({want}); the other is {again if want is first else first}")
-        if kind == "fsync" and path == f"{url}/gen-000000010/MANIFEST.json":
+            f"kill at {kind}{k} ({killed} {path}): restored {back}, expected the {which} step "
+            f"10 ({want}); the other is {again if want is first else first}")
+        if killed == "fsync" and path == f"{url}/gen-000000010/MANIFEST.json":
             uploads += 1  # (a kill here came before the upload: the next one comes after)
     pytest.fail("the superseding save never finished")
 
 
 def test_a_superseding_save_killed_at_any_operation_restores_the_same_step(s3, tmp_path):
-    """Before the new manifest's upload, the old generation must come back; after it, the
-    new one; in every case bitwise, never step 0 (nor an older step)."""
-    outcomes, first, again, rc = _sweep(tmp_path, s3, "again")
-    assert rc == 0
-    assert first["digest"] != again["digest"]
-    # the sweep went through the copies into aside/ and the deletion of the old objects
-    assert any(w == "old" and "/aside/" in p for _, _, p, w in outcomes), outcomes
-    assert any(w == "new" and kind == "unlink" and "/gen-000000010/u-" in p
-               for _, kind, p, w in outcomes), outcomes
-
-
-def test_a_superseding_save_that_fails_its_read_back_puts_the_old_one_back_at_any_kill(
-        s3, tmp_path):
     """The new generation is committed, fails its read-back (simulated) and the superseded
-    one is put back: a kill at any point of that leaves one of the two, never neither; the
-    run that is not killed ends with the old one back."""
+    one is put back: a kill at any operation of all that (the old one copied aside, the
+    manifest replaced, the old upload folder deleted, and the same again the other way)
+    leaves the old one or the new one, bitwise, never step 0 (nor an older step); the run
+    that is not killed ends with the old one back. A save whose read-back passes does the
+    same up to its manifest's upload, then deletes the old upload folder: each of those
+    deletions is a kill point of its own, after which the new one is restored."""
     outcomes, first, again, rc = _sweep(tmp_path, s3, "again-unreadable")
     assert rc == 1
+    assert first["digest"] != again["digest"]
     assert [w for *_, w in outcomes].count("new") > 0, outcomes
+    # the sweep went through the copies into aside/ and the deletions of the upload folders
+    assert any(w == "old" and "/aside/" in p for _, _, p, w in outcomes), outcomes
+    assert any(kind == "unlink" and "/gen-000000010/u-" in p for _, kind, p, _ in outcomes)
     url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
     assert _run(tmp_path, s3, url, "first")[0] == 0
     assert _run(tmp_path, s3, url, "again-unreadable")[0] == 1
     rc, back, err = _run(tmp_path, s3, url, "check")
     assert (rc, back) == (0, {"step": 10, "digest": first["digest"]}), err[-3000:]
+    # the passing save: killed at each deletion (its manifest was replaced before the first)
+    outcomes, first, again, rc = _sweep(tmp_path, s3, "again", kind="unlink:")
+    assert rc == 0 and outcomes, outcomes
+    assert any("/gen-000000010/u-" in p for _, _, p, _ in outcomes), outcomes
+    assert all("/gen-000000010/u-" in p or "/aside/" in p or p.endswith("/LEASE.json")
+               for _, _, p, _ in outcomes), outcomes  # (the lease: given up at close)
 
 
 COUNTING = textwrap.dedent('''
