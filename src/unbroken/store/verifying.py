@@ -102,6 +102,10 @@ class Verifying:
         ident = self.file_identity(info)
         if ident is not None and self._verified.get(info.path) == ident:
             return None
+        return self.hashed_verdict(info)
+
+    def hashed_verdict(self, info: GenerationInfo) -> str | None:
+        """`verify` ``info`` (every byte hashed): ``None``, or why it fails."""
         try:
             self.verify(info)
         except CorruptCheckpoint as e:
