@@ -113,6 +113,21 @@ REFUSED: dict[str, tuple[Callable[[Tree], Any], tuple[str, ...]]] = {
 }
 
 
+def refused_for(folder: Path, words: tuple[str, ...], caplog: pytest.LogCaptureFixture
+                ) -> tuple[Any, str]:
+    """The newest generation of ``folder`` is named by ``verify --deep`` and refused by
+    ``restore()`` with ``words``; generation 2 is restored instead: (its state, the refusal)."""
+    _, info, tree, _ = read(folder)
+    problems = deep_problems(tree, info.manifest, info.path)
+    assert any(all(w in p for w in words) for p in problems), (words, problems)
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        step, state = restored(folder)
+    assert step == 2
+    rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
+    assert rejected and all(w in rejected[0] for w in words), (words, rejected)
+    return state, rejected[0]
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_a_resealed_state_torch_never_holds_is_refused_and_the_previous_generation_used(
         run: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, name: str) -> None:
@@ -122,17 +137,8 @@ def test_a_resealed_state_torch_never_holds_is_refused_and_the_previous_generati
     _, info, tree, meta = read(folder)
     damage(tree)
     assert reseal(folder, info, tree, meta)  # (the hashes agree: only the content tells)
-    # verify --deep names it too
-    _, info, tree, _ = read(folder)
-    problems = deep_problems(tree, info.manifest, info.path)
-    assert any(all(w in p for w in words) for p in problems), (words, problems)
-
-    with caplog.at_level(logging.WARNING, logger="unbroken"):
-        step, state = restored(folder)
-    assert step == 2
-    rejected = [r.getMessage() for r in caplog.records if "rejected" in r.getMessage()]
-    assert rejected and all(w in rejected[0] for w in words), (words, rejected)
-    assert "gen-000000003" in rejected[0]
+    state, rejected = refused_for(folder, words, caplog)
+    assert "gen-000000003" in rejected
     # what it restored is generation 2 exactly (a copy of the run untouched restores it too)
     pristine = tmp_path / "pristine"
     shutil.copytree(run, pristine)
