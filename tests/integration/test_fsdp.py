@@ -58,6 +58,21 @@ def test_a_killed_fsdp_job_resumes_bitwise_on_every_rank(runs, tmp_path):
                            tmp_path / "r.jsonl"], 15)
 
 
+def test_each_rank_reads_only_the_shard_files_its_chunks_are_in(runs, tmp_path):
+    """Restored on the saving job's 2 ranks and mesh, each rank reads its own shard file, not
+    the other's (each is read whole: every rank's would be the whole model and optimizer)."""
+    folder = tmp_path / "run"
+    shutil.copytree(runs / "killed", folder)
+    log = tmp_path / "reads"
+    r = torchrun(2, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--epochs", "1",
+                 env={"READ_LOG": str(log)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        shards = [n for n in Path(f"{log}.{rank}").read_text().split()
+                  if n.startswith("gen-000000015/") and n.endswith(".shards.safetensors")]
+        assert shards == [f"gen-000000015/rank{rank:05d}.shards.safetensors"], (rank, shards)
+
+
 @pytest.mark.parametrize("ranks", [1, 4])
 def test_a_job_of_two_restores_on_another_world_size_element_for_element(runs, tmp_path,
                                                                          ranks):

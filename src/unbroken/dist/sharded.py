@@ -185,7 +185,7 @@ def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mappi
                 model: torch.nn.Module, read: Callable[[str], bytes | memoryview], where: str,
                 meta: Mapping[str, str]) -> None:
     """Put the sharded tensors of ``index`` back into ``tree``, each as the live run holds
-    it (`_target`): a DTensor with this job's mesh and placements, whatever the saving job's
+    it (`_like`): a DTensor with this job's mesh and placements, whatever the saving job's
     were, or a plain tensor. ``read(name)`` returns a shard file's hash-verified bytes.
     Nothing live is changed."""
     import torch.distributed.checkpoint as dcp
@@ -193,8 +193,17 @@ def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mappi
     _, live = split(live_tree)
     params = dict(model.named_parameters())
     reader = _Reader(index, read, where, meta)
-    for key, entry in index["tensors"].items():  # before allocating what the index says
+    wanted = {}
+    for key, entry in index["tensors"].items():
+        like = _like(key, entry, live, params)
+        # Only the shard files holding chunks this rank loads (that overlap the DTensor's
+        # own chunks, from which DCP plans its reads) are read, each whole, in memory: with
+        # the saving job's mesh, its own. A tensor read whole is checked against its files
+        # before the size the index gives it is allocated.
+        region = like.__create_chunk_list__() if is_sharded(like) else None  # type: ignore[union-attr]
         for c in entry["chunks"]:
+            if region is not None and not any(_overlap(c, r) for r in region):
+                continue
             stored = reader.tensors(c["file"]).get(c["key"])
             if stored is None:
                 raise CorruptCheckpoint(f"{where}/{c['file']}: no tensor {c['key']!r}, which "
@@ -204,7 +213,9 @@ def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mappi
                     f"{where}/{SHARDS_FILE}: {_name(key)}: chunk {c['key']!r} of {c['file']} "
                     f"should hold {math.prod(c['sizes'])} elements, the file holds "
                     f"{stored.numel()}")
-    wanted = {key: _target(key, entry, live, params) for key, entry in index["tensors"].items()}
+        dtype = _DTYPE_BY_NAME[entry["dtype"]]
+        wanted[key] = (torch.empty_like(like, dtype=dtype) if like is not None
+                       else torch.empty(torch.Size(entry["size"]), dtype=dtype))
     try:
         with _quiet():
             dcp.load(wanted, storage_reader=reader, no_dist=True,
@@ -227,21 +238,27 @@ def load_shards(tree: dict[str, Any], index: Mapping[str, Any], live_tree: Mappi
         node[path[-1]] = tensor
 
 
-def _target(key: str, entry: Mapping[str, Any], live: Mapping[str, Any],
-            params: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The tensor a saved sharded tensor loads into: shaped like the live run's tensor at the
-    same path (for the state of a parameter a fresh optimizer has not created yet: like that
-    parameter), so a DTensor keeps this job's mesh and placements; a tensor the live run does
-    not hold sharded is read whole."""
-    dtype = _DTYPE_BY_NAME[entry["dtype"]]
-    size = torch.Size(entry["size"])
+def _like(key: str, entry: Mapping[str, Any], live: Mapping[str, Any],
+          params: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """The live tensor a saved sharded tensor loads like: the live run's tensor at the same
+    path, of the same shape (for the state of a parameter a fresh optimizer has not created
+    yet: that parameter), so that a DTensor keeps this job's mesh and placements; None for
+    a tensor the live run does not hold so (read whole)."""
     path = json.loads(key)
     like = live.get(key)
     if like is None and len(path) == 4 and path[:2] == ["optimizer", "state"]:
         like = params.get(path[2])
-    if isinstance(like, torch.Tensor) and like.shape == size:
-        return torch.empty_like(like, dtype=dtype)
-    return torch.empty(size, dtype=dtype)
+    if isinstance(like, torch.Tensor) and like.shape == torch.Size(entry["size"]):
+        return like
+    return None
+
+
+def _overlap(chunk: Mapping[str, Any], region: Any) -> bool:
+    """Whether a saved chunk (its ``offsets`` and ``sizes``) and a live one (DCP's
+    ``ChunkStorageMetadata``) share an element."""
+    return all(a < b + m and b < a + n for a, n, b, m in zip(
+        chunk["offsets"], chunk["sizes"], region.offsets, region.sizes, strict=True)) and all(
+        chunk["sizes"]) and all(region.sizes)
 
 
 class _Reader:

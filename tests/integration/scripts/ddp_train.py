@@ -108,6 +108,16 @@ def main() -> None:
             return hash_file(path, *a, **k)
 
         ckpt.store.fs.hash_file = logged
+    if os.environ.get("READ_LOG"):  # which files each rank reads (READ_LOG.<rank>)
+        read_verified = ckpt.store.read_verified
+
+        def logged_read(info, *a, **k):
+            out = read_verified(info, *a, **k)
+            with open(f"{os.environ['READ_LOG']}.{rank}", "a") as f:
+                f.write("".join(f"{info.name}/{name}\n" for name in out))
+            return out
+
+        ckpt.store.read_verified = logged_read
     step = ckpt.restore()
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     if os.environ.get("DIVERGE") and rank == 1:
