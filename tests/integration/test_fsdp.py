@@ -126,3 +126,19 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(runs, tmp_path):
     assert "rank 1: " in r.stderr and "rank00001.shards.safetensors" in r.stderr
     for restore in first_restores(tmp_path / "t.jsonl"):
         assert restore["step"] == 10 and restore["rejected"] == ["gen-000000015"]
+
+
+def test_an_unsharded_generation_into_an_fsdp2_model_is_refused_before_any_change(tmp_path):
+    """Refused while validating (as every rank's verdict is agreed), naming the tensor, with
+    the live optimizer and scheduler as they were; not by the model's own load after the
+    optimizer and the small parts were loaded."""
+    from conftest import run_script
+
+    r = run_script("fsdp_unsharded_into_sharded.py", str(tmp_path), fresh_interpreter=True,
+                   timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["error"] == "StateMismatch", got
+    assert "'0.weight' is sharded in the live model" in got["message"], got
+    assert "saved unsharded" in got["message"], got
+    assert (got["optimizer_states"], got["last_epoch"], got["lr"]) == (0, 0, 0.01), got

@@ -143,3 +143,28 @@ def test_saving_a_past_step_is_refused(tmp_path):
             ckpt.step_done(step)
         with pytest.raises(UpdateBoundaryError, match="save\\(3\\)"):
             ckpt.save(3)
+
+
+def test_a_model_refusing_its_state_after_the_optimizer_took_its_own_says_so(tmp_path):
+    """The optimizer is loaded before the model and is too large to copy first: when the
+    model's own load then refuses, the error says the optimizer was restored already (not
+    "nothing was changed"), and the optimizer holds the saved state, as said."""
+    model = net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    steps(model, opt)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.save(3)
+    saved = {k: v.clone() for k, v in opt.state[next(model.parameters())].items()}
+    model2 = net()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("this module refuses")
+
+    model2.register_load_state_dict_pre_hook(refuse)
+    with unbroken.Checkpointer(tmp_path / "run", model=model2, optimizer=opt2) as ckpt:
+        with pytest.raises(StateMismatch, match="optimizer was restored already") as raised:
+            ckpt.restore()
+    assert "nothing was changed" not in str(raised.value)
+    after = opt2.state[next(model2.parameters())]
+    assert all(torch.equal(saved[k], after[k]) for k in saved)

@@ -228,6 +228,15 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
             raise StateMismatch(f"{where}: live model tensor {k!r} is on the meta device and "
                                 "holds no memory to restore into; materialize the model "
                                 "first (e.g. model.to_empty(device='cpu')), then restore()")
+        if type(t) not in _PLAIN_TENSORS and type(s) is not type(t):
+            from ..dist.sharded import is_sharded  # (imports DTensor only where one is live)
+
+            if is_sharded(t) and not is_sharded(s):  # (checked here: before any live change)
+                raise StateMismatch(
+                    f"{where}: model tensor {k!r} is sharded in the live model (a DTensor, "
+                    "FSDP2) but was saved unsharded: a generation saved without sharding "
+                    "cannot be loaded into an FSDP2 model; continue it with the model as it "
+                    "was saved (unsharded), or save it from a sharded job")
         if (not isinstance(s, torch.Tensor) or s.shape != t.shape
                 or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
@@ -244,6 +253,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     return saved
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 

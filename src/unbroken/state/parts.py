@@ -314,12 +314,17 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                         parts[prev].load_state_dict(backup[prev])
                     except Exception:  # noqa: BLE001 - best effort; the error below says why
                         pass
+            changed = [p for p in big if p in [*done, name]]  # (too large to have copies)
             if name in big and isinstance(e, OSError):  # reading the verified file failed
                 raise UnbrokenError(
                     f"part {name!r}: reading the saved state into the live objects failed "
-                    f"({e}); the {' and '.join(p for p in big if p in [*done, name])} are "
-                    "partly restored now: build them anew (restart) before restoring "
-                    "again") from e
+                    f"({e}); the {' and '.join(changed)} are partly restored now: build them "
+                    "anew (restart) before restoring again") from e
+            if name == MODEL and OPTIMIZER in done:
+                raise StateMismatch(
+                    f"part {name!r}: {type(obj).__name__}.load_state_dict refused the saved "
+                    f"state ({e}); the optimizer was restored already: build it anew "
+                    "(restart) before restoring again") from e
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({e}); nothing was changed") from e
         done.append(name)
