@@ -268,6 +268,8 @@ class Persisting:
                 pass  # a rank already gone: nothing left to wait for
         if self._persister is not None:
             self._persister.close()
+        if self._save_group is not self._group:  # (every rank is past "closing": none uses it)
+            self._save_group.destroy()
         self._writer.close()
         self._watch.close()
         self._preemption.close()

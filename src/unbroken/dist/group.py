@@ -95,6 +95,19 @@ class Group:
         """Rank 0: the writer lock, the manifest, retention and every decision."""
         return self.rank == 0
 
+    def destroy(self) -> None:
+        """Tear down a group this process made (`background_group`), once no collective of
+        its is pending on any rank: its gloo threads and connections end here, not in the
+        interpreter's teardown, where a live group's threads can abort the process
+        ("terminate called without an active exception"). Local, not collective."""
+        dist: Any = sys.modules.get("torch.distributed")
+        if self.pg is not None and dist is not None and dist.is_initialized():
+            try:
+                dist.destroy_process_group(self.pg)
+            except (RuntimeError, ValueError):  # (already gone with the default group)
+                pass
+        self.active = False
+
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args, group=self.pg)

@@ -93,6 +93,7 @@ def main() -> None:
     sampler = unbroken.ResumableSampler(len(data), batch_size=16, seed=0)  # rank from dist
     loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler,
                                       num_workers=args.workers)
+    groups = len(dist.distributed_c10d._world.pg_map)  # (the job's, before the Checkpointer's)
     ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, scheduler=sched,
                                  data=loader, every=args.every,
                                  signals=[signal.SIGTERM], async_save=args.async_save,
@@ -148,6 +149,8 @@ def main() -> None:
         with open(args.dump, "w") as f:
             json.dump(dump, f)
     ckpt.close()
+    # an async save's own group is torn down by close(), not left to the interpreter's exit
+    assert len(dist.distributed_c10d._world.pg_map) == groups, dist.distributed_c10d._world.pg_map
     dist.destroy_process_group()
     # Past this point everything is saved; with 4 gloo ranks on 2 cores, interpreter teardown
     # aborts now and then ("terminate called without an active exception", in gloo's
