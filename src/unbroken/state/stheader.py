@@ -17,6 +17,11 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit safetensors itself applies
 ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
             "U8": 1, "BOOL": 1, "C64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4,
             "U64": 8}
+# The bits an element of each dtype the format defines takes (the sub-byte ones packed, a
+# tensor's bits a whole number of bytes): what `audit` accepts in a foreign file. unbroken
+# itself writes and restores those of ITEMSIZE only.
+BITS = {**{name: 8 * size for name, size in ITEMSIZE.items()}, "F8_E4M3FNUZ": 8,
+        "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "F6_E2M3": 6, "F6_E3M2": 6, "F4": 4}
 
 
 # A validated header entry: (key, safetensors dtype name, shape, begin, end), in the header's
@@ -67,7 +72,7 @@ def read_header(data: bytes | memoryview, where: str, limit: int, size: int | No
         try:
             dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
             count = bound = 1
-            ok = (dtype in ITEMSIZE and type(shape) is list and len(shape) <= 64
+            ok = (dtype in BITS and type(shape) is list and len(shape) <= 64
                   and type(begin) is int and type(end) is int)
             if ok:
                 for d in shape:
@@ -82,10 +87,11 @@ def read_header(data: bytes | memoryview, where: str, limit: int, size: int | No
             ok = False
         if not ok:
             raise CorruptCheckpoint(f"{where}: malformed header entry for tensor {key!r}")
-        if end - begin != count * ITEMSIZE[dtype]:
+        bits = count * BITS[dtype]
+        if bits % 8 or end - begin != bits // 8:
             raise CorruptCheckpoint(
                 f"{where}: tensor {key!r} spans {end - begin} bytes but dtype {dtype} and shape "
-                f"{shape} need {count * ITEMSIZE[dtype]}")
+                f"{shape} need {bits / 8:g}")
         entries.append((key, dtype, shape, begin, end))
         if expected >= 0:
             expected = end if begin == expected else -1

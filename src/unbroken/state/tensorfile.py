@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import operator
 import struct
 from collections.abc import Callable, Mapping
@@ -143,6 +144,12 @@ def _header_body(items: list[tuple[tuple[str, torch.dtype, torch.Size], int]]) -
     for (key, dtype, shape), nbytes in items:
         kind = kinds.get((dtype, shape))
         if kind is None:
+            if len(shape) > 64 or math.prod(d or 1 for d in shape) >= 1 << 62:
+                # (what `read_header` refuses is never written: a save must read back)
+                raise UnsupportedValue(
+                    f"tensor {key!r} of shape {list(shape)}: safetensors readers take at most "
+                    "64 dimensions whose sizes (zeros as 1) multiply to under 2**62; reshape "
+                    "it, or keep it out of the saved state")
             kind = kinds[dtype, shape] = (f'"dtype":"{ST_DTYPES[dtype]}","shape":'
                                           f'[{",".join(map(str, shape))}]')
         entries.append(f'{_json_key(key)}:{{{kind},"data_offsets":[{offset},'
@@ -273,11 +280,24 @@ def decode_safetensors(data: bytes | memoryview, where: str
         # for its dtype and shape.
         base = 8 + struct.unpack("<Q", bytes(data[:8]))[0]
         address = np.frombuffer(data, dtype=np.uint8).ctypes.data + base
-        return _views(data, entries, base, address), metadata
+        try:
+            return _views(data, entries, base, address), metadata
+        except KeyError:  # (its lookup of a dtype unbroken never writes: no check a tensor)
+            _refuse_foreign_dtypes(entries, where)
+            raise
+    _refuse_foreign_dtypes(entries, where)
     try:
         return load(bytes(data)), metadata
     except Exception as e:  # the parser's own error type; we already validated the header
         raise CorruptCheckpoint(f"{where}: safetensors could not parse it ({e})") from None
+
+
+def _refuse_foreign_dtypes(entries: list[_Entry], where: str) -> None:
+    """A dtype the format defines but unbroken never writes (F4, F8_E8M0, ...): corrupt."""
+    for key, name, *_ in entries:
+        if name not in _ST_BY_NAME:
+            raise CorruptCheckpoint(f"{where}: tensor {key!r} has dtype {name}, which unbroken "
+                                    f"does not restore (it writes {', '.join(_ST_BY_NAME)})")
 
 
 def _views(data: memoryview, entries: list[_Entry], base: int, address: int
