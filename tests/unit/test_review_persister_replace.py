@@ -261,6 +261,19 @@ def test_random_kills_around_saves(fast_tmp, seed, share):
         n for _, _, n in outcomes), outcomes
 
 
+def _stopped(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: a process running on the other core when
+    the signal is sent may still read a request first (then it has taken the save)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] in "Tt":
+                return
+        time.sleep(0.001)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 # -- 2. the replacement dies too --------------------------------------------------------------
 
 
@@ -318,7 +331,7 @@ def test_a_replacement_that_also_dies_before_taking_the_save_is_save_failed(
 
             monkeypatch.setattr(ProcessPersister, "_ready", stopped_once_ready)
             killer = None
-        os.kill(first, signal.SIGSTOP)
+        _stopped(first)
         t0 = time.monotonic()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -380,7 +393,7 @@ def test_close_right_after_a_save_whose_process_died_before_taking_it(fast_tmp):
     first = worker_pid(ck)
     step_(model, opt, 2)
     ck.step_done(2)
-    os.kill(first, signal.SIGSTOP)
+    _stopped(first)
     # (the warning comes from the save's background thread, once the kill is seen)
     with pytest.warns(UnbrokenWarning, match=rf"persisting process {first} had ended \(exit "
                       r"code -9.*before it took the save of generation 2; a new one takes it"):
@@ -418,7 +431,7 @@ def test_restore_on_the_writer_right_after_a_replaced_save(fast_tmp):
         step_(model, opt, 2)
         ck.step_done(2)
         first = worker_pid(ck)
-        os.kill(first, signal.SIGSTOP)  # it never reads the request
+        _stopped(first)  # it never reads the request
         # (the warning comes from the save's background thread, once the kill is seen)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

@@ -28,6 +28,7 @@ be committed or not: a restore verifies it)."""
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import socket
@@ -96,7 +97,14 @@ class ProcessPersister:
         os.register_at_fork(after_in_child=lambda: _forget_in_child(me))
 
     def _fail(self, what: str, e: BaseException) -> SaveFailed:
-        pid = self._proc.pid if self._proc is not None else "none"
+        proc = self._proc
+        pid = proc.pid if proc is not None else "none"
+        if proc is not None and isinstance(e, (_wire.Closed, ConnectionError)):
+            # (its socket closes before it can be reaped: it is ending)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=_ENDING_S)
+        if proc is not None and proc.poll() is not None:
+            self._proc = None  # (its end is told here: the next save starts one, unwarned)
         return SaveFailed(f"{self._store.root}: {what} (persisting process {pid}): {e}; older "
                           "generations are untouched")
 
