@@ -206,7 +206,9 @@ def test_random_kills_around_saves(fast_tmp, seed, share):
             if said:
                 assert outcome == "ok", (mode, said)  # a replaced save commits
             cur = ck._persister._proc
-            if cur.pid in killed:  # (killed after it replied, or failed)
+            if cur is None:  # (its end told by the SaveFailed: the next save starts one)
+                assert outcome == "failed" and workers_of_me() == [], (mode, outcome)
+            elif cur.pid in killed:  # (killed after it replied)
                 ended(cur.pid)
                 assert workers_of_me() == []
             else:
