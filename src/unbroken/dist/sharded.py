@@ -34,10 +34,11 @@ from torch.futures import Future
 
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
 from ..state.jsontext import dumps_json
-from ..state.tensorfile import ST_DTYPES, decode_safetensors, encode_safetensors
-from ._shard_index import _DTYPE_BY_NAME, _SHARD_FILE, SHARDS_FILE, _merge, _name, shard_file
+from ..state.tensorfile import ST_DTYPES, encode_safetensors
+from ._shard_index import _DTYPE_BY_NAME, SHARDS_FILE, _merge, _name, shard_file
 from ._shard_index import SHARDS_SCHEMA as SHARDS_SCHEMA
 from ._shard_index import read_index as read_index
+from ._shard_read import ShardReader
 from .group import Group
 
 # (No DTensor is of these types: a Parameter made of a DTensor is of the DTensor's type.)
@@ -266,9 +267,9 @@ class _Reader:
 
     def __init__(self, index: Mapping[str, Any], read: Callable[[str], bytes | memoryview],
                  where: str, meta: Mapping[str, str]) -> None:
-        self.index, self.read, self.where, self.meta = index, read, where, meta
+        self.index, self.where = index, where
         self.error: UnbrokenError | None = None
-        self._files: dict[str, dict[str, torch.Tensor]] = {}
+        self._shards = ShardReader(index, read, where, meta)
 
     def reset(self, checkpoint_id: Any = None) -> None:
         pass
@@ -335,18 +336,8 @@ class _Reader:
         return done
 
     def tensors(self, file: str) -> dict[str, torch.Tensor]:
-        if file not in self._files:
-            where = f"{self.where}/{file}"
-            tensors, stamped = decode_safetensors(self.read(file), where)
-            match = _SHARD_FILE.fullmatch(file)
-            assert match is not None  # read_index checked every name
-            expected = {**self.meta, "unbroken.part": "shards",
-                        "unbroken.rank": str(int(match.group(1)))}
-            if stamped != expected:
-                raise CorruptCheckpoint(f"{where}: stamped {stamped}, expected {expected}: the "
-                                        "file belongs to another generation")
-            self._files[file] = tensors
-        return self._files[file]
+        """Shard file ``file``'s tensors, its stamps checked (`ShardReader.decode`)."""
+        return self._shards.decode(file)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:

@@ -6,7 +6,9 @@ state decodes. A generation can pass that and still never train: a NaN or an inf
 (a resealed ``exp_avg`` of shape [2**40, 0] decodes, loads, and fails at the first step), an
 impossible hyperparameter, or a scheduler or GradScaler state torch's own classes could not
 hold. `deep_problems` reads the decoded state tree (`unbroken.state.generation.decode_generation`)
-and names each such problem; it changes nothing and imports no user code.
+and names each such problem; it changes nothing and imports no user code. The sharded
+tensors of an FSDP2 generation, which the tree lacks, are read from their shard files one
+file at a time and checked chunk by chunk (`_sharded_values`).
 
 It is tolerant of what legitimately varies: parts that are absent, an optimizer without
 state yet, extras of any shape, third-party optimizers (whose state layouts are their own
@@ -17,12 +19,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..errors import shown
+from ..dist._shard_index import SHARDS_FILE  # (not `dist.sharded`: no torch.distributed)
+from ..dist._shard_read import Read, ShardReader, generation_stamps, key_path
+from ..errors import CorruptCheckpoint, shown
 from ..state.parts import MODEL, OPTIMIZER, SCALER, SCHEDULER, STATE_FILE
 from ..state.wellformed import (
     MAX_DEPTH,
@@ -38,7 +44,6 @@ from ..store.manifest import Manifest
 
 __all__ = ["deep_problems"]
 
-SHARDS_FILE = "shards.json"  # (as `unbroken.dist.sharded`, without importing torch.distributed)
 
 # Elements per pass of a finiteness scan: the temporaries (16 MiB masks, a 64 MiB float32 copy
 # of a float8 chunk) stay bounded whatever the size of the tensor, which is a mapped file.
@@ -48,7 +53,8 @@ _NATIVE = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64
 
 
 def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
-                  shards: Mapping[str, Any] | None = None) -> list[str]:
+                  shards: Mapping[str, Any] | None = None, read: Read | None = None
+                  ) -> list[str]:
     """Every problem of a decoded, hash-verified generation that would keep it from loading
     or training correctly, one message each (file, key, what was expected, what was found);
     an empty list when there is none.
@@ -56,8 +62,11 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
     ``tree`` is what ``decode_generation`` returns for the generation's shared files,
     ``manifest`` its manifest (file names), ``where`` its folder. ``shards`` is its
     validated ``shards.json`` (`unbroken.dist.sharded.read_index`) when it has one: the
-    global shapes of sharded tensors, which the tree does not hold. Without it, names and
-    shapes of a sharded generation are not checked (the tree lacks the sharded tensors)."""
+    global shapes of sharded tensors, which the tree does not hold, and where their chunks
+    are, whose values are checked as the tree's tensors are (`_sharded_values`), read one
+    shard file at a time by ``read(name)`` (its hash-verified bytes; by default read from
+    ``where`` and checked against ``manifest``). Without it, names, shapes and values of a
+    sharded generation's sharded tensors are not checked (the tree lacks them)."""
     out: list[str] = []
     names = {a.name for a in manifest.artifacts}
     state_json = f"{where}/{STATE_FILE}"
@@ -87,7 +96,11 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
                 # -inf by design, a trained weight never does; NaN is never legitimate
                 out.extend(_finite(t, f"model tensor {key!r}", file,
                                    allow_inf=key not in trained))
+    in_model, in_optimizer = (_sharded_values(shards, manifest, where, trained, read)
+                              if shards is not None else ([], []))
+    out.extend(in_model)
     out.extend(later)
+    out.extend(in_optimizer)
     if SCHEDULER in tree:
         scheduler_problems(tree[SCHEDULER], "scheduler", groups, state_json, out)
     if SCALER in tree:
@@ -158,14 +171,145 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
     return len(groups)
 
 
+# -- sharded tensors ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Found:
+    """What the chunks of one sharded tensor scanned so far hold that is refused."""
+
+    nans: int = 0
+    infs: int = 0
+    first: tuple[int, ...] | None = None  # global index of the first refused value
+    file: str = ""  # the shard file holding it
+
+
+def _sharded_values(index: Mapping[str, Any], manifest: Manifest, where: str,
+                    trained: set[str], read: Read | None) -> tuple[list[str], list[str]]:
+    """(the model's, the optimizer's) problems of the sharded tensors ``index`` lists: a
+    shard file that does not decode or belongs to another generation, a chunk it lacks or
+    holds with another dtype or shape than the index says, and NaN or inf values, as
+    `_finite` finds them in an unsharded tensor (inf allowed in a model tensor no optimizer
+    trains), reported once per tensor with the global index of its first such value.
+
+    The shard files are read one at a time and dropped before the next (each chunk of a
+    file scanned in place), so memory stays bounded by one file: an FSDP tensor has a chunk
+    in every rank's file, and reassembling tensors one by one would read each file again
+    for each tensor."""
+    reader = ShardReader(index, read or _verified_reader(where, manifest), where,
+                         generation_stamps(manifest), keep=False)
+    found: dict[str, _Found] = {}
+    broken: list[str] = []  # the files' and chunks' own problems
+    for file, chunks in reader.files():
+        try:
+            tensors = reader.decode(file)
+        except CorruptCheckpoint as e:  # (then every chunk of it is unread: said once)
+            broken.append(str(e))
+            continue
+        for key, c in chunks:
+            try:
+                t = reader.chunk(key, c, tensors)
+            except CorruptCheckpoint as e:
+                broken.append(str(e))
+                continue
+            path = key_path(key)
+            if path[0] not in (MODEL, OPTIMIZER):
+                continue  # extras: their layouts are the user's (as unsharded, module doc)
+            hit = _scan(t, allow_inf=path[0] == MODEL and path[1] not in trained)
+            if hit is None:
+                continue
+            # A chunk is a box of the tensor: its own row-major order is the tensor's, so
+            # its first refused value is the first among its own in the whole tensor.
+            at = tuple(o + i for o, i in zip(c["offsets"], _unravel(hit[2], c["sizes"])))
+            f = found.setdefault(key, _Found())
+            f.nans, f.infs = f.nans + hit[0], f.infs + hit[1]
+            if f.first is None or at < f.first:
+                f.first, f.file = at, file
+        del tensors  # (the file's bytes go with its last view)
+    model: list[str] = []
+    optimizer: list[str] = []
+    for key in (k for k in reader.entries if k in found):  # (the index's order)
+        f, path = found[key], key_path(key)
+        assert f.first is not None
+        count = len(reader.entries[key]["chunks"])
+        message = _non_finite(
+            f"{where}/{f.file}", _sharded_label(path), reader.dtype(key), reader.size(key),
+            f.nans, f.infs, f.first, allow_inf=path[0] == MODEL and path[1] not in trained,
+            how=f", sharded in {count} chunk{'s' if count != 1 else ''}")
+        (model if path[0] == MODEL else optimizer).append(message)
+    return model + broken, optimizer
+
+
+def _sharded_label(path: list[Any]) -> str:
+    """A sharded tensor as the messages of an unsharded one name it: ``model tensor
+    '0.weight'``, ``optimizer state['0.weight']['exp_avg']``."""
+    if path[0] == OPTIMIZER and len(path) >= 3 and path[1] == "state":
+        return f"optimizer state[{path[2]!r}]" + "".join(f"[{k!r}]" for k in path[3:])
+    return f"{path[0]} tensor {path[1]!r}" + "".join(f"[{k!r}]" for k in path[2:])
+
+
+def _verified_reader(where: str, manifest: Manifest) -> Read:
+    """``read(name)``: the bytes of artifact ``name`` of the generation in ``where``, hashed
+    against ``manifest`` by the store that holds it (the folder's, or the object store's of
+    a URL) as `unbroken verify` reads every file; a local file is hashed streaming and then
+    mapped, so its pages are the page cache's, read as the scan touches them."""
+    from ..store.backends._mapped import MappedFiles
+    from ..store.generations import GenerationStore, generation_name
+    from ..store.opening import is_url, open_store
+    from ..store.verifying import GenerationInfo
+
+    if is_url(where):
+        # (on an object store a generation's files are in its upload folder: RUN/gen-N/u-...)
+        tail = "/" + "/".join(filter(None, (generation_name(manifest.generation),
+                                              manifest.folder)))
+        if not where.rstrip("/").endswith(tail):
+            raise CorruptCheckpoint(f"{where}: not the folder of generation "
+                                    f"{manifest.generation} (expected a path ending in {tail})")
+        try:
+            store = open_store(where.rstrip("/")[:-len(tail)])
+        except ValueError as e:
+            raise CorruptCheckpoint(f"{where}: the shard files cannot be read ({e})") from None
+    else:
+        store = GenerationStore(os.path.dirname(os.path.abspath(where)))
+    info = GenerationInfo(manifest.generation, where, "complete", manifest=manifest)
+    listed = {a.name for a in manifest.artifacts}
+
+    def read(name: str) -> bytes | memoryview:
+        if name not in listed:
+            raise CorruptCheckpoint(f"{where}/{name}: named in {SHARDS_FILE}, missing from "
+                                    "the manifest")
+        mapped = MappedFiles()
+        try:
+            data: bytes | memoryview = store.read_verified(
+                info, [name], mapped=mapped, map_if=lambda a: True)[name]
+        finally:
+            mapped.close()  # (its descriptors: the mapping stays while the views need it)
+        return data
+
+    return read
+
+
 # -- tensors and values -------------------------------------------------------------------------
 
 
 def _finite(t: torch.Tensor, label: str, file: str, allow_inf: bool = False) -> list[str]:
     """One message if ``t`` (floating or complex) holds NaN (or, unless ``allow_inf``, inf):
     how many of each, and the index of the first. Scanned in chunks of `_CHUNK` elements."""
-    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+    found = _scan(t, allow_inf)
+    if found is None:
         return []
+    nans, infs, first = found
+    return [_non_finite(file, label, t.dtype, tuple(t.shape), nans, infs,
+                        _unravel(first, t.shape), allow_inf)]
+
+
+def _scan(t: torch.Tensor, allow_inf: bool) -> tuple[int, int, int] | None:
+    """(NaNs, infs, flat index of the first) of ``t`` when it holds NaN (or, unless
+    ``allow_inf``, inf); None when it holds none, or is neither floating nor complex.
+    Scanned in flat slices of `_CHUNK` elements; NaNs and infs are counted only in slices
+    that hold something refused."""
+    if not (t.is_floating_point() or t.is_complex()) or t.numel() == 0:
+        return None
     flat = t.reshape(-1)
     nans = infs = 0
     first = -1
@@ -175,7 +319,7 @@ def _finite(t: torch.Tensor, label: str, file: str, allow_inf: bool = False) -> 
             try:
                 c = c.to(torch.complex64 if c.is_complex() else torch.float32)
             except (RuntimeError, TypeError):
-                return []  # a packed dtype (float4) that no kernel reads: nothing to check
+                return None  # a packed dtype (float4) that no kernel reads: nothing to check
         # aminmax propagates NaN and is one pass, 10-20x faster than an isfinite mask: the
         # masks below run only on a chunk that holds something non-finite
         low, high = torch.aminmax(torch.view_as_real(c) if c.is_complex() else c)
@@ -188,12 +332,17 @@ def _finite(t: torch.Tensor, label: str, file: str, allow_inf: bool = False) -> 
             first = lo + int(bad.to(torch.uint8).argmax())  # argmax: the first maximum
         nans += int(torch.isnan(c).sum())
         infs += int(torch.isinf(c).sum())
-    if first < 0:
-        return []
+    return None if first < 0 else (nans, infs, first)
+
+
+def _non_finite(file: str, label: str, dtype: torch.dtype, shape: tuple[int, ...], nans: int,
+                infs: int, first: tuple[int, ...], allow_inf: bool, how: str = "") -> str:
+    """The message of a tensor holding ``nans`` NaN and ``infs`` inf, the first at index
+    ``first`` (``how``: how it is stored, when not whole in ``file``)."""
     kinds = f"{nans} NaN" if allow_inf else f"{nans} NaN and {infs} inf"
-    return [f"{file}: {label} ({str(t.dtype).removeprefix('torch.')} {list(t.shape)}) holds "
-            f"{kinds} of {t.numel()} values, the first at index {list(_unravel(first, t.shape))};"
-            f" expected {'no NaN' if allow_inf else 'finite values'}"]
+    return (f"{file}: {label} ({str(dtype).removeprefix('torch.')} {list(shape)}{how}) holds "
+            f"{kinds} of {math.prod(shape)} values, the first at index {list(first)}; "
+            f"expected {'no NaN' if allow_inf else 'finite values'}")
 
 
 def _unravel(index: int, shape: Sequence[int]) -> tuple[int, ...]:

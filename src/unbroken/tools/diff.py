@@ -7,12 +7,18 @@ Equality is bitwise: two generations saved from the same state must diff as equa
 equals a NaN in the same position, and ``0.0`` differs from ``-0.0`` (reported with a max abs
 difference of 0). Both generations are held in memory (they are checkpoints the user can
 load); tensors are compared one at a time, in slices, and only the differing elements of a
-slice are widened to float64, so the scratch memory stays bounded whatever the model."""
+slice are widened to float64, so the scratch memory stays bounded whatever the model.
+
+Sharded tensors (FSDP2's DTensors, whose chunks ``shards.json`` indexes in every saving
+rank's shard file) are compared as the others, by name: chunk against chunk when both
+generations chunk a tensor alike, else each reassembled whole (one tensor of each side at a
+time), so a generation saved by 2 ranks diffs against one saved by 4, or by one process."""
 
 from __future__ import annotations
 
+import math
 import reprlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +27,7 @@ import torch
 
 from .._runview import UsageError, open_run, split_generation
 from .._table import table
-from ..dist.sharded import SHARDS_FILE
+from ..dist._shard_index import SHARDS_FILE
 from ..errors import CorruptCheckpoint, UnbrokenError
 from ..picking import rank_rng
 from ..state._digest import digest_tree
@@ -30,6 +36,7 @@ from ..state.parts import RNG
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
 from ..store.verifying import GenerationInfo
+from ._diff_shards import Sharded, place_shards
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22  # elements compared at once: ~150 MB of scratch at most
@@ -78,6 +85,8 @@ def _load(store: GenerationStore, info: GenerationInfo) -> Side:
     check_stamps(m, info.path, {**tree, RNG: streams[0]} if streams else tree, meta)
     for rank, own in enumerate(streams):
         tree[f"{RNG}[rank {rank}]"] = own
+    if SHARDS_FILE in files:
+        place_shards(tree, files, info.path, m)
     return Side(store, info, tree, SHARDS_FILE in files)
 
 
@@ -137,7 +146,8 @@ def _is_node(value: Any) -> bool:
     if isinstance(value, Mapping):
         return bool(value)
     return (isinstance(value, (list, tuple)) and any(
-        isinstance(v, (Mapping, list, tuple, torch.Tensor, np.ndarray)) for v in value))
+        isinstance(v, (Mapping, list, tuple, torch.Tensor, np.ndarray, Sharded))
+        for v in value))
 
 
 def leaves(tree: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -168,8 +178,8 @@ def part_leaves(part: str, tree: Any) -> dict[str, Any]:
     return {key or ".": value for key, value in leaves(tree)}  # ".": the part is one leaf
 
 
-def _as_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
+def _as_tensor(value: Any) -> torch.Tensor | Sharded | None:
+    if isinstance(value, (torch.Tensor, Sharded)):
         return value
     if isinstance(value, np.ndarray):
         try:
@@ -179,11 +189,11 @@ def _as_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def describe(t: torch.Tensor) -> Any:
+def describe(t: torch.Tensor | Sharded) -> Any:
     """A tensor in a report: its value when it has one element (the Adam step), else
     ``float32[3, 4]``."""
-    if t.numel() == 1 and not t.is_complex():
-        return t.reshape(-1)[0].item()
+    if math.prod(t.shape) == 1 and not t.dtype.is_complex:
+        return (t.whole() if isinstance(t, Sharded) else t).reshape(-1)[0].item()
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
@@ -199,24 +209,35 @@ def shown(value: Any) -> Any:
     return _short.repr(value)
 
 
-def tensor_diff(a: torch.Tensor, b: torch.Tensor) -> dict[str, Any] | None:
+def tensor_diff(a: torch.Tensor | Sharded, b: torch.Tensor | Sharded) -> dict[str, Any] | None:
     """None when bitwise equal; else the change (shape, dtype, or values: how many elements
-    differ, max abs and max rel difference, rel = abs / max(|a|, tiny))."""
+    differ, max abs and max rel difference, rel = abs / max(|a|, tiny)). A `Sharded` tensor
+    is compared chunk against chunk with another chunked alike, else reassembled."""
     out: dict[str, Any] = {"kind": "tensor", "a": describe(a), "b": describe(b)}
     if a.dtype != b.dtype:
         return {**out, "change": "dtype"}
-    if a.shape != b.shape:
+    if tuple(a.shape) != tuple(b.shape):
         return {**out, "change": "shape"}
-    x, y = a.detach().cpu().contiguous().reshape(-1), b.detach().cpu().contiguous().reshape(-1)
+    if (isinstance(a, Sharded) and isinstance(b, Sharded)
+            and a.reader.layout(a.key) == b.reader.layout(b.key)):
+        theirs = {tuple(c["offsets"]): t for c, t in b.reader.chunks(b.key)}
+        pairs: Iterable[tuple[torch.Tensor, torch.Tensor]] = (
+            (t, theirs[tuple(c["offsets"])]) for c, t in a.reader.chunks(a.key))
+    else:  # (one of a kind, or chunked otherwise: each whole, one tensor a side at a time)
+        pairs = [(a.whole() if isinstance(a, Sharded) else a,
+                  b.whole() if isinstance(b, Sharded) else b)]
     count, max_abs, max_rel = 0, 0.0, 0.0
-    for at in range(0, x.numel(), _CHUNK):  # bounded scratch memory, whatever the tensor
-        found = _chunk_diff(x[at:at + _CHUNK], y[at:at + _CHUNK])
-        if found is not None:
-            count += found[0]
-            max_abs, max_rel = max(max_abs, found[1]), max(max_rel, found[2])
+    for ta, tb in pairs:
+        x = ta.detach().cpu().contiguous().reshape(-1)
+        y = tb.detach().cpu().contiguous().reshape(-1)
+        for at in range(0, x.numel(), _CHUNK):  # bounded scratch memory, whatever the tensor
+            found = _chunk_diff(x[at:at + _CHUNK], y[at:at + _CHUNK])
+            if found is not None:
+                count += found[0]
+                max_abs, max_rel = max(max_abs, found[1]), max(max_rel, found[2])
     if count == 0:
         return None
-    return {**out, "change": "values", "differing": count, "elements": x.numel(),
+    return {**out, "change": "values", "differing": count, "elements": math.prod(a.shape),
             "max_abs": max_abs, "max_rel": max_rel}
 
 
@@ -324,9 +345,6 @@ def diff_sides(a: Side, b: Side) -> dict[str, Any]:
         parts[part] = found
     notes = [f"{label}: skipped {why}" for label, side in (("A", a), ("B", b))
              for why in side.skipped]
-    if a.sharded or b.sharded:
-        notes.append(f"sharded tensors (DTensor chunks indexed by {SHARDS_FILE}) are not "
-                     "compared; the rest of the state is")
     assert a.info.manifest is not None and b.info.manifest is not None  # (verified: `_load`)
     identity = compare_part(_identity_leaves(a.info.manifest.identity),
                             _identity_leaves(b.info.manifest.identity))
