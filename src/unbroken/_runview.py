@@ -263,7 +263,7 @@ def aside_lines(entries: list[dict[str, Any]]) -> list[str]:
             table(["folder", "reason", "moved", "size"], rows, right=(3,), indent="  ")]
 
 
-Problems = Callable[[dict[str, Any], Manifest, str, Any], list[str]]
+Problems = Callable[[dict[str, Any], Manifest, str, Any, Any], list[str]]
 
 
 def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None,
@@ -271,7 +271,7 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     """Re-hash every artifact (streaming), then decode the generation's structure (headers,
     references, stamps) from copy-on-write mappings: memory stays bounded by the headers
     and ``state.json``, whatever the size of the tensors. ``deep(tree, manifest, path,
-    shards)`` lists what else is wrong with the decoded state (`tools.deep`): any problem
+    shards, read)`` (``read(name)``: an artifact's bytes, hashed here) lists what else is wrong with the decoded state (`tools.deep`): any problem
     makes the generation corrupt, all of them listed in ``problems``."""
     from .dist.sharded import SHARDS_FILE, read_index
     from .state.generation import check_sizes, check_stamps, decode_generation
@@ -300,7 +300,7 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
         if deep is not None:
             index = (read_index(files[SHARDS_FILE], f"{info.path}/{SHARDS_FILE}")
                      if SHARDS_FILE in files else None)
-            problems = deep(tree, m, info.path, index)
+            problems = deep(tree, m, info.path, index, files.__getitem__)  # (hashed above)
             if problems:
                 rec["problems"] = problems
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""

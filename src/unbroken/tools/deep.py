@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +63,9 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
     validated ``shards.json`` (`unbroken.dist.sharded.read_index`) when it has one: the
     global shapes of sharded tensors, which the tree does not hold, and where their chunks
     are, whose values are checked as the tree's tensors are (`_sharded_values`), read one
-    shard file at a time by ``read(name)`` (its hash-verified bytes; by default read from
-    ``where`` and checked against ``manifest``). Without it, names, shapes and values of a
-    sharded generation's sharded tensors are not checked (the tree lacks them)."""
+    shard file at a time by ``read(name)`` (its hash-verified bytes). Without ``shards``,
+    names, shapes and values of a sharded generation's sharded tensors are not checked (the
+    tree lacks them); without ``read``, their values are not."""
     out: list[str] = []
     names = {a.name for a in manifest.artifacts}
     state_json = f"{where}/{STATE_FILE}"
@@ -97,7 +96,7 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
                 out.extend(_finite(t, f"model tensor {key!r}", file,
                                    allow_inf=key not in trained))
     in_model, in_optimizer = (_sharded_values(shards, manifest, where, trained, read)
-                              if shards is not None else ([], []))
+                              if shards is not None and read is not None else ([], []))
     out.extend(in_model)
     out.extend(later)
     out.extend(in_optimizer)
@@ -185,7 +184,7 @@ class _Found:
 
 
 def _sharded_values(index: Mapping[str, Any], manifest: Manifest, where: str,
-                    trained: set[str], read: Read | None) -> tuple[list[str], list[str]]:
+                    trained: set[str], read: Read) -> tuple[list[str], list[str]]:
     """(the model's, the optimizer's) problems of the sharded tensors ``index`` lists: a
     shard file that does not decode or belongs to another generation, a chunk it lacks or
     holds with another dtype or shape than the index says, and NaN or inf values, as
@@ -196,7 +195,7 @@ def _sharded_values(index: Mapping[str, Any], manifest: Manifest, where: str,
     file scanned in place), so memory stays bounded by one file: an FSDP tensor has a chunk
     in every rank's file, and reassembling tensors one by one would read each file again
     for each tensor."""
-    reader = ShardReader(index, read or _verified_reader(where, manifest), where,
+    reader = ShardReader(index, read, where,
                          generation_stamps(manifest), keep=False)
     found: dict[str, _Found] = {}
     broken: list[str] = []  # the files' and chunks' own problems
@@ -246,47 +245,6 @@ def _sharded_label(path: list[Any]) -> str:
     if path[0] == OPTIMIZER and len(path) >= 3 and path[1] == "state":
         return f"optimizer state[{path[2]!r}]" + "".join(f"[{k!r}]" for k in path[3:])
     return f"{path[0]} tensor {path[1]!r}" + "".join(f"[{k!r}]" for k in path[2:])
-
-
-def _verified_reader(where: str, manifest: Manifest) -> Read:
-    """``read(name)``: the bytes of artifact ``name`` of the generation in ``where``, hashed
-    against ``manifest`` by the store that holds it (the folder's, or the object store's of
-    a URL) as `unbroken verify` reads every file; a local file is hashed streaming and then
-    mapped, so its pages are the page cache's, read as the scan touches them."""
-    from ..store.backends._mapped import MappedFiles
-    from ..store.generations import GenerationStore, generation_name
-    from ..store.opening import is_url, open_store
-    from ..store.verifying import GenerationInfo
-
-    if is_url(where):
-        # (on an object store a generation's files are in its upload folder: RUN/gen-N/u-...)
-        tail = "/" + "/".join(filter(None, (generation_name(manifest.generation),
-                                              manifest.folder)))
-        if not where.rstrip("/").endswith(tail):
-            raise CorruptCheckpoint(f"{where}: not the folder of generation "
-                                    f"{manifest.generation} (expected a path ending in {tail})")
-        try:
-            store = open_store(where.rstrip("/")[:-len(tail)])
-        except ValueError as e:
-            raise CorruptCheckpoint(f"{where}: the shard files cannot be read ({e})") from None
-    else:
-        store = GenerationStore(os.path.dirname(os.path.abspath(where)))
-    info = GenerationInfo(manifest.generation, where, "complete", manifest=manifest)
-    listed = {a.name for a in manifest.artifacts}
-
-    def read(name: str) -> bytes | memoryview:
-        if name not in listed:
-            raise CorruptCheckpoint(f"{where}/{name}: named in {SHARDS_FILE}, missing from "
-                                    "the manifest")
-        mapped = MappedFiles()
-        try:
-            data: bytes | memoryview = store.read_verified(
-                info, [name], mapped=mapped, map_if=lambda a: True)[name]
-        finally:
-            mapped.close()  # (its descriptors: the mapping stays while the views need it)
-        return data
-
-    return read
 
 
 # -- tensors and values -------------------------------------------------------------------------
