@@ -173,6 +173,30 @@ def test_torn_newest_generation_is_refused_and_the_previous_used(tmp_path, forks
     assert [u["step"] for u in resumed if u["event"] == "update"] == [11, 12]
 
 
+def test_a_finished_run_run_again_or_killed_after_its_final_commit_trains_nothing(
+        capsys, tmp_path, forks, finished, monkeypatch):
+    """``fit`` ends with a generation of its final state (max_epochs reached; its last epoch's
+    batch count is still in the loops, the loader already at the next epoch's start): run
+    again, the script restores it and trains nothing; SIGKILLed right after that generation's
+    commit, the resumed process does the same."""
+    source, _ = finished
+    shutil.copytree(source, tmp_path / "run")
+    r = forks.example("--run", str(tmp_path / "run"), *SMALL, trace=tmp_path / "again.jsonl")
+    assert "finished: 12 updates (resumed from 12), epoch 2" in r.stdout, r.stdout
+    assert [e for e in read_trace(tmp_path / "again.jsonl") if e["event"] == "update"] == []
+    assert sorted(p.name for p in (tmp_path / "run").glob("gen-*")) == sorted(
+        p.name for p in source.glob("gen-*"))  # (the final state was saved: nothing new)
+
+    monkeypatch.setattr(harness, "run_process", forks.run_process)
+    code = main(["check", "--json", "--workdir", str(tmp_path / "check"), "--at", "12",
+                 "--phase", "after-commit", "--", sys.executable, EXAMPLE, "--run",
+                 str(tmp_path / "unused"), *SMALL])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["verdict"] == "equivalent", out
+    kills = [k for case in out["cases"] for k in case["kills"]]
+    assert [(k["reached"], k["resumed_from"]) for k in kills] == [(True, 12)], kills
+
+
 def test_max_steps_stops_identically_after_a_resume(tmp_path, forks):
     """A run ending by max_steps inside an epoch, killed inside an update after a save and
     resumed, stops at the same update as the uninterrupted run; run again, it trains nothing."""
@@ -239,9 +263,12 @@ def test_setups_that_cannot_resume_exactly_are_refused(tmp_path, forks):
         "optimizer given": ("UnsupportedSetup", "takes the model, optimizer"),
         "ckpt_path": ("UnsupportedSetup", "fit(ckpt_path="),
         "max_steps raised in the last epoch": ("StateMismatch", "the epoch ended early"),
+        "GradientAccumulationScheduler": ("UnsupportedSetup", "GradientAccumulationScheduler("),
+        "metric not storable": ("UnsupportedSetup", "trainer.callback_metrics['note'] is a "),
     }.items():
         assert got[case][0] == kind and words in got[case][1], (case, got[case])
     assert got["from train_dataloader()"] == 4  # the module's hook may return the loader
+    assert got["scheduled accumulation saved"] == []  # refused before anything was trained
     # A GradScaler of the precision plugin is a part of every generation, and comes back.
     assert got["scaler"] == [["scaler"], 2, 4], got["scaler"]
 
@@ -252,6 +279,7 @@ def _refusals(tmp: str) -> dict[str, Any]:
     step resumed from, the step reached]."""
     import lightning as L
     import torch
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
     from lightning.pytorch.plugins import MixedPrecision
 
     import unbroken
@@ -284,9 +312,9 @@ def _refusals(tmp: str) -> dict[str, Any]:
                          enable_model_summary=False, callbacks=list(callbacks), **kwargs)
 
     def fit(name: str, data: Any, net: Any = None, ckpt_path: str | None = None,
-            **kwargs: Any) -> UnbrokenCallback:
+            more: tuple[L.Callback, ...] = (), **kwargs: Any) -> UnbrokenCallback:
         cb = UnbrokenCallback(os.path.join(tmp, name), every=2)
-        trainer(cb, **kwargs).fit(net or Net(), data, ckpt_path=ckpt_path)
+        trainer(cb, *more, **kwargs).fit(net or Net(), data, ckpt_path=ckpt_path)
         return cb
 
     def lightning_checkpoint() -> str:
@@ -298,6 +326,10 @@ def _refusals(tmp: str) -> dict[str, Any]:
     class Hooked(Net):
         def train_dataloader(self):
             return loader()
+
+    class Note(L.Callback):  # a callback metric the state codec cannot store without pickle
+        def on_train_batch_end(self, trainer, *args):
+            trainer.callback_metrics["note"] = object()
 
     cases = {
         "plain DataLoader": lambda: fit("a", torch.utils.data.DataLoader(ds, batch_size=8)),
@@ -311,6 +343,10 @@ def _refusals(tmp: str) -> dict[str, Any]:
         # holds max_steps): the restored loops are done before any batch is fetched
         "max_steps raised in the last epoch": lambda: (fit("h", loader(), max_steps=2),
                                                        fit("h", loader(), max_steps=4)),
+        # it changes accumulate_grad_batches by epoch; the loader's windows are fixed
+        "GradientAccumulationScheduler": lambda: fit(
+            "i", loader(), more=(GradientAccumulationScheduler({0: 1, 1: 2}),)),
+        "metric not storable": lambda: fit("j", loader(), more=(Note(),)),
     }
     out: dict[str, Any] = {}
     for case, call in cases.items():
@@ -320,6 +356,7 @@ def _refusals(tmp: str) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[case] = [type(e).__name__, str(e)]
     out["from train_dataloader()"] = fit("g", None, Hooked()).step
+    out["scheduled accumulation saved"] = sorted(p.name for p in Path(tmp, "i").glob("gen-*"))
     amp = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}
     fit("amp", loader(), **amp)
     parts = json.loads(Path(tmp, "amp", "gen-000000004", "MANIFEST.json").read_text())

@@ -1,6 +1,18 @@
-"""Lightning's training state besides the model and optimizer, as a state part of the
-Lightning adapter (`unbroken.integrations.lightning`): the fit loop's progress trackers, the
-callbacks' and datamodule's state, and a requested stop."""
+"""Lightning's loops for the Lightning adapter (`unbroken.integrations.lightning`): the training
+state besides the model and optimizer, as a state part (`_LoopState`: the fit loop's progress
+trackers, the callbacks' and datamodule's state, the callback metrics and a requested stop),
+and validation inside ``fit`` that leaves training's random streams as it found them
+(`_QuietValidation`).
+
+Why the latter: iterating a validation ``DataLoader`` with workers draws their base seed from
+the global torch RNG, and a ``persistent_workers=True`` loader does so only on its first pass,
+which a resumed process makes at a later update than the uninterrupted run did (a random
+transform of the validation data in the main process draws from the streams too). Run as it
+is, validation would thus shift every later dropout mask of a resumed run. So each validation
+of ``fit`` runs on a copy of the streams (Python, NumPy, torch CPU and initialized CUDA
+devices) that is put back afterwards, and persistent validation workers are stopped after each
+validation (the sanity check's before the first): each validation starts workers seeded at its
+own update, as a resumed process does."""
 
 from __future__ import annotations
 
@@ -8,22 +20,28 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loops.fit_loop import RestartStage
 from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 
-from ..errors import StateMismatch
+from ..errors import StateMismatch, UnsupportedSetup
+from ..state.rng import fork_rng_streams
 
-_STATE_VERSION = 2  # 2: with the callbacks' and datamodule's state
+_STATE_VERSION = 3  # 2: with the callbacks' and datamodule's state; 3: the callback metrics
+_READS = (2, _STATE_VERSION)  # a version-2 generation resumes with no callback metrics
 
 
 class _LoopState:
     """Lightning's training state besides the model and optimizer, as a state part: every
     progress tracker of the fit loop and its children (epochs, batches, optimizer and
     scheduler steps, validation batches), the logger's stepped-batch count, the Trainer's
-    ``should_stop``, and what
-    Lightning's own checkpoint holds of the callbacks (``state_dict()`` of each, e.g.
-    ``EarlyStopping``'s patience count and best score) and of a ``LightningDataModule``."""
+    ``should_stop``, what Lightning's own checkpoint holds of the callbacks (``state_dict()`` of
+    each, e.g. ``EarlyStopping``'s patience count and best score) and of a
+    ``LightningDataModule``, and ``trainer.callback_metrics`` as logged so far (tensors and
+    numbers): a validation in the middle of an epoch (``val_check_interval``) logs what an
+    epoch-end plateau scheduler or ``EarlyStopping(check_on_train_epoch_end=True)`` reads
+    after a resume."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         # (Untyped: the Trainer's connectors set callbacks and datamodule, read by name.)
@@ -37,7 +55,15 @@ class _LoopState:
                 "batches_that_stepped": self._fit.epoch_loop._batches_that_stepped,
                 "should_stop": self._trainer.should_stop,
                 "callbacks": {key: cb.state_dict() for key, cb in self._callbacks().items()},
-                "datamodule": datamodule.state_dict() if datamodule is not None else {}}
+                "datamodule": datamodule.state_dict() if datamodule is not None else {},
+                "metrics": self._metrics()}
+
+    def _metrics(self) -> dict[str, Any]:
+        """The callback metrics logged so far, as stored values (tensors detached and copied:
+        a later in-place update must not reach a save still in flight)."""
+        # The connector's own dict, not the ``callback_metrics`` property: reading that one
+        # folds the running epoch's results in, which a save must not do to the run.
+        return _plain(self._trainer._logger_connector._callback_metrics, "callback_metrics")
 
     def _callbacks(self) -> dict[str, pl.Callback]:
         """The callbacks with a state, by ``state_key`` (as Lightning's checkpoint keys them)."""
@@ -46,9 +72,15 @@ class _LoopState:
     def validate_state_dict(self, state: Mapping[str, Any], where: str) -> None:
         """Refuse a state of another shape before anything is loaded."""
         live = self.state_dict()
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise StateMismatch(f"{where}: not a version-{_STATE_VERSION} state of Lightning's "
-                                f"loops (found {state!r:.80})")
+        if not isinstance(state, Mapping) or state.get("version") not in _READS:
+            raise StateMismatch(f"{where}: not a version-{' or '.join(map(str, _READS))} "
+                                f"state of Lightning's loops (found {state!r:.80})")
+        metrics = state.get("metrics", {})
+        if not isinstance(metrics, Mapping) or not _storable(metrics):
+            raise StateMismatch(
+                f"{where}: the saved callback metrics are not a mapping of names to tensors "
+                f"or numbers (found {metrics!r:.80}); the generation was not written by this "
+                "adapter: resume from another generation or start a new run folder")
         if _shape(state.get("progress")) != _shape(live["progress"]) or not isinstance(
                 state.get("batches_that_stepped"), int) or not isinstance(
                 state.get("should_stop"), bool):
@@ -79,6 +111,12 @@ class _LoopState:
             callbacks[key].load_state_dict(dict(saved))
         if state["datamodule"]:
             self._trainer.datamodule.load_state_dict(dict(state["datamodule"]))
+        # What the uninterrupted run's callback metrics hold here (the dict accumulates over
+        # ``fit``): an epoch-end plateau step or EarlyStopping check reads the value of a
+        # validation that ran before the save. Tensors go back to the module's device.
+        device = self._trainer.strategy.root_device
+        self._trainer._logger_connector._callback_metrics = {
+            key: _on(value, device) for key, value in state.get("metrics", {}).items()}
         epoch = fit.epoch_progress.current
         if epoch.ready > epoch.processed:
             # Saved inside an epoch: re-enter it without its start hooks (they ran before the
@@ -123,8 +161,88 @@ def _load_progress(loop: Any, saved: Mapping[str, Any], prefix: str = "") -> Non
             _load_progress(value, saved, f"{prefix}{name}.")
 
 
+def _plain(metrics: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """``metrics`` as values the state codec stores without pickle (tensors detached and
+    copied, numbers as they are, nested mappings of them), or `UnsupportedSetup` naming the
+    first other value."""
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        where = f"{path}[{key!r}]"
+        if not isinstance(key, str):
+            raise UnsupportedSetup(
+                f"trainer.{where}: a callback metric named by a {type(key).__name__}, not a "
+                "str; the callback saves the callback metrics by name: log them with "
+                "self.log(name, ...)")
+        if isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        elif type(value) in (int, float, bool):
+            out[key] = value
+        elif isinstance(value, Mapping):
+            out[key] = _plain(value, where)
+        else:
+            raise UnsupportedSetup(
+                f"trainer.{where} is a {type(value).__module__}.{type(value).__qualname__}: "
+                "the callback saves the callback metrics (what epoch-end schedulers and "
+                "EarlyStopping read after a resume) as tensors or numbers only, nothing "
+                "pickled; log tensors or numbers (self.log) or drop that entry")
+    return out
+
+
+def _storable(metrics: Mapping[str, Any]) -> bool:
+    """Whether a decoded metrics tree holds only what `_plain` stores."""
+    return all(isinstance(k, str) and (
+        isinstance(v, torch.Tensor) or type(v) in (int, float, bool)
+        or isinstance(v, Mapping) and _storable(v)) for k, v in metrics.items())
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, Mapping):
+        return {k: _on(v, device) for k, v in value.items()}
+    return value
+
+
 def _shape(tree: Any) -> Any:
     """Keys and value types of a progress tree (what must match to load it)."""
     if isinstance(tree, Mapping):
         return {k: _shape(v) for k, v in tree.items()}
     return type(tree).__name__
+
+
+class _QuietValidation:
+    """Stands in for the fit loop's ``val_loop.run`` (an instance attribute over the method)
+    while the callback holds the Trainer; `remove` puts the method back."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        loop: Any = trainer.fit_loop.epoch_loop.val_loop  # (untyped: set over its method)
+        self._loop = loop
+        self._run = loop.run
+        loop.run = self
+
+    def __call__(self) -> Any:
+        _stop_persistent_workers(self._loop)
+        try:
+            with fork_rng_streams():
+                return self._run()
+        finally:
+            _stop_persistent_workers(self._loop)
+
+    def remove(self) -> None:
+        """Let the validation loop run as Lightning's own again."""
+        if vars(self._loop).get("run") is self:
+            del self._loop.run
+
+
+def _stop_persistent_workers(loop: Any) -> None:
+    """Shut down the workers a ``persistent_workers=True`` validation loader keeps between
+    passes, so that its next pass starts (and seeds) new ones."""
+    combined = getattr(loop, "_combined_loader", None)
+    for dataloader in getattr(combined, "flattened", None) or ():
+        iterator = getattr(dataloader, "_iterator", None)  # kept only by a persistent loader
+        if iterator is None:
+            continue
+        stop = getattr(iterator, "_shutdown_workers", None)
+        if stop is not None:
+            stop()
+        dataloader._iterator = None  # (torch's DataLoader builds a new iterator from None)

@@ -29,22 +29,29 @@ What stands between ``Trainer.fit`` and an exact mid-epoch resume, and how it is
   ``max_epochs``/``max_steps`` continue exactly as in the uninterrupted run. The same part
   holds what Lightning's checkpoint keeps of the callbacks (each ``state_dict()``, e.g.
   ``EarlyStopping``'s patience count and best score; a resume needs the same stateful
-  callbacks), of a ``LightningDataModule`` and ``trainer.should_stop`` (an early-stopped run
-  stays stopped).
+  callbacks), of a ``LightningDataModule``, ``trainer.should_stop`` (an early-stopped run
+  stays stopped) and ``trainer.callback_metrics`` (a validation before the save, e.g. by
+  ``val_check_interval``, logged what an epoch-end plateau scheduler or EarlyStopping reads).
 * **RNG and state.** Model (the LightningModule), optimizer, LR scheduler, the precision
   plugin's ``GradScaler`` (16-bit mixed precision), the Python, NumPy and torch RNG streams
   (and any ``generators=`` registered) go through `unbroken.Checkpointer` as usual; seeding
   by ``seed_everything`` is harmless (the loader seeds its workers from seed, epoch and
   position, never from the global streams).
+* **Validation.** Each validation inside ``fit`` runs on a copy of the global RNG streams
+  that is put back afterwards, and stops persistent validation workers when it ends: their
+  base seed is drawn from the torch stream on a pass that starts them, which a resumed process
+  makes at another update than the uninterrupted run (`._lightning_loops`).
 
 Configurations that cannot continue exactly are refused with `UnsupportedSetup` (a typed
 `unbroken.errors.UnbrokenError`): a train dataloader that is not a `ResumableLoader`, several
 train dataloaders, several optimizers or LR schedulers, manual optimization, a loader
-``accumulation`` different from ``accumulate_grad_batches``, ``limit_train_batches``,
-``overfit_batches``, ``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``.
-Not saved (as with Lightning's own checkpoints): metrics logged with ``on_epoch=True``
-accumulate over the batches of the process that logs them (a plateau scheduler or
-EarlyStopping should monitor a validation metric or a per-step one), and what
+``accumulation`` different from ``accumulate_grad_batches``, a
+``GradientAccumulationScheduler``, ``limit_train_batches``, ``overfit_batches``,
+``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``.
+Not saved (as with Lightning's own checkpoints): the running epoch's aggregates of training
+metrics logged with ``on_epoch=True`` accumulate over the batches of the process that logs
+them (a plateau scheduler or EarlyStopping should monitor a validation metric or a per-step
+one; the callback metrics logged before the save are restored), and what
 ``on_save_checkpoint`` hooks would add to Lightning's checkpoint dict.
 """
 
@@ -64,7 +71,8 @@ from ..data.loader import ResumableLoader
 from ..errors import StateMismatch, UnbrokenError, UnsupportedSetup, UpdateBoundaryError
 from ..trace import TRACE_ENV
 from ._closing import close_after
-from ._lightning_loops import _LoopState
+from ._lightning_checks import _check_trainer, _not_resumable
+from ._lightning_loops import _LoopState, _QuietValidation
 
 __all__ = ["LOOPS", "UnbrokenCallback", "UnsupportedSetup"]
 
@@ -107,6 +115,7 @@ class UnbrokenCallback(pl.Callback):
         self._loader: ResumableLoader | None = None
         self._trainer: pl.Trainer | None = None
         self._loops: _LoopState | None = None
+        self._validation: _QuietValidation | None = None
         self._done: dict[str, Any] | None = None  # the update awaiting its boundary
         self._grad_norm: torch.Tensor | None = None
         self._unchecked = False  # restored, no batch fetched yet (`_check_position` pending)
@@ -153,6 +162,9 @@ class UnbrokenCallback(pl.Callback):
         loader, optimizer, scheduler = self._parts(trainer, pl_module)
         self._trainer = trainer
         self._loops = _LoopState(trainer)
+        # (From here: the sanity check before training runs as Lightning's own, whose draws a
+        # restore replaces anyway.)
+        self._validation = _QuietValidation(trainer)
         self._tracing = bool(os.environ.get(TRACE_ENV) or self.options.get("trace"))
         extras = {**(self.options.get("extras") or {}), LOOPS: self._loops}
         options = {k: v for k, v in self.options.items() if k != "extras"}
@@ -254,12 +266,20 @@ class UnbrokenCallback(pl.Callback):
         return False
 
     def _check_position(self, trainer: pl.Trainer) -> None:
-        """The loader's cursor must be where Lightning's loops are (a pass starts here)."""
+        """The loader's cursor must be where Lightning's loops are (a pass starts here), or,
+        for loops that ended their last epoch in full, at the start of the next epoch."""
         assert self._loader is not None
-        loader, batches = self._loader, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        loader, fit = self._loader, trainer.fit_loop
+        epochs: Any = fit.epoch_progress.current  # (a processed tracker, typed as its base)
+        batches = fit.epoch_loop.batch_progress.current.ready
         where = (loader.epoch, loader.consumed // loader.sampler.batch_size
                  if loader.sampler is not None else batches)
-        if where != (trainer.current_epoch, batches):
+        # A finished epoch keeps its batch count until the next epoch starts, while the
+        # loader's cursor rolled over to that next epoch's first batch: a run that reached
+        # max_epochs (or max_steps at an epoch's end), restored with nothing left to train.
+        finished = (epochs.ready == epochs.processed and batches == len(loader)
+                    and where == (trainer.current_epoch, 0))
+        if where != (trainer.current_epoch, batches) and not finished:
             raise StateMismatch(
                 f"the ResumableLoader is at epoch {where[0]}, batch {where[1]}, Lightning's loops "
                 f"at epoch {trainer.current_epoch}, batch {batches}: the epoch ended early (a "
@@ -275,7 +295,8 @@ class UnbrokenCallback(pl.Callback):
                 if (self._unchecked and not trainer.should_stop
                         and not 0 <= trainer.max_steps <= trainer.global_step):
                     # Restored loops that were done before a batch was fetched: fine when
-                    # they hold a requested stop (EarlyStopping's) or max_steps is reached;
+                    # they hold a requested stop (EarlyStopping's), max_steps is reached or
+                    # their last epoch ended in full (max_epochs: a finished run run again);
                     # else they ended an epoch early (max_steps raised in the last epoch),
                     # which a fetch would have refused.
                     self._check_position(trainer)
@@ -300,6 +321,9 @@ class UnbrokenCallback(pl.Callback):
     def _close(self) -> None:
         ckpt, self.checkpointer = self.checkpointer, None
         self._done, self._trainer, self._loops = None, None, None
+        validation, self._validation = self._validation, None
+        if validation is not None:
+            validation.remove()
         if ckpt is not None:
             ckpt.close()
 
@@ -357,29 +381,3 @@ class _FitPass:
             # end the pass here: its workers stop now, not when the process exits.
             next(self._it, None)
         return batch
-
-
-def _check_trainer(trainer: pl.Trainer) -> None:
-    """Trainer settings under which Lightning's epoch is not the loader's epoch."""
-    # Each must keep its default (the Trainer's connectors set them: untyped, read by name).
-    problems = [f"{name}={getattr(trainer, name)!r}" for name, default in (
-        ("limit_train_batches", 1.0), ("overfit_batches", 0),
-        ("reload_dataloaders_every_n_epochs", 0), ("fast_dev_run", False))
-        if getattr(trainer, name) != default]
-    if problems:
-        raise UnsupportedSetup(
-            f"Trainer({', '.join(problems)}): Lightning's epochs would then differ from the "
-            "ResumableLoader's (a shorter epoch, a new loader), so the saved position would "
-            "not be the next batch; drop these settings (shorten an epoch with a smaller "
-            "dataset or ResumableSampler instead)")
-
-
-def _not_resumable(dataloader: Any) -> str:
-    kind = type(dataloader).__name__
-    if isinstance(dataloader, (list, tuple, Mapping)) or kind == "CombinedLoader":
-        return (f"fit's train dataloaders are a {kind}: the UnbrokenCallback resumes exactly "
-                "one unbroken.ResumableLoader; combine the datasets in one")
-    return (f"fit's train dataloader is a {kind}, whose position inside an epoch cannot be "
-            "saved (Lightning restarts or replays its epoch, and may rebuild it with a sampler "
-            "of its own); use unbroken.ResumableLoader(dataset, unbroken.ResumableSampler("
-            "len(dataset), batch_size, seed=...), num_workers=...)")

@@ -1,0 +1,49 @@
+"""Setups the Lightning adapter (`unbroken.integrations.lightning`) cannot resume exactly,
+refused by name with `UnsupportedSetup` before anything is trained."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+from ..errors import UnsupportedSetup
+
+
+def _check_trainer(trainer: pl.Trainer) -> None:
+    """Trainer settings under which Lightning's epoch is not the loader's epoch, or its update
+    windows not the loader's."""
+    connected: Any = trainer  # (the connectors set these attributes: untyped, read by name)
+    schedulers = [cb for cb in connected.callbacks
+                  if isinstance(cb, GradientAccumulationScheduler)]
+    if schedulers:
+        raise UnsupportedSetup(
+            f"GradientAccumulationScheduler(scheduling={schedulers[0].scheduling!r}) changes "
+            "accumulate_grad_batches from epoch to epoch, but the ResumableLoader's update "
+            "windows (accumulation=) are fixed for the run, so updates and saves would no "
+            "longer fall on the loader's window boundaries; drop the scheduler and give "
+            "Trainer(accumulate_grad_batches=N) and ResumableLoader(accumulation=N) one value")
+    # Each must keep its default.
+    problems = [f"{name}={getattr(trainer, name)!r}" for name, default in (
+        ("limit_train_batches", 1.0), ("overfit_batches", 0),
+        ("reload_dataloaders_every_n_epochs", 0), ("fast_dev_run", False))
+        if getattr(trainer, name) != default]
+    if problems:
+        raise UnsupportedSetup(
+            f"Trainer({', '.join(problems)}): Lightning's epochs would then differ from the "
+            "ResumableLoader's (a shorter epoch, a new loader), so the saved position would "
+            "not be the next batch; drop these settings (shorten an epoch with a smaller "
+            "dataset or ResumableSampler instead)")
+
+
+def _not_resumable(dataloader: Any) -> str:
+    kind = type(dataloader).__name__
+    if isinstance(dataloader, (list, tuple, Mapping)) or kind == "CombinedLoader":
+        return (f"fit's train dataloaders are a {kind}: the UnbrokenCallback resumes exactly "
+                "one unbroken.ResumableLoader; combine the datasets in one")
+    return (f"fit's train dataloader is a {kind}, whose position inside an epoch cannot be "
+            "saved (Lightning restarts or replays its epoch, and may rebuild it with a sampler "
+            "of its own); use unbroken.ResumableLoader(dataset, unbroken.ResumableSampler("
+            "len(dataset), batch_size, seed=...), num_workers=...)")
