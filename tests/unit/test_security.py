@@ -365,3 +365,20 @@ def test_aside_symlink_is_refused(run, tmp_path):
     with pytest.warns(UnbrokenWarning, match="aside: not a folder"):
         restore(run)  # falls back; the refused generation stays where it is
     assert list(outside.iterdir()) == [] and gen2.is_dir()
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "symlink"])
+def test_a_lock_that_is_no_regular_file_is_refused_alike_naming_it(tmp_path, kind):
+    """A LOCK planted as a folder, a FIFO or a symbolic link: the same typed refusal, naming
+    the file and what it is (a folder once opened the run read-only, a FIFO failed it)."""
+    root = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    with unbroken.Checkpointer(root, model=model) as ckpt:
+        ckpt.save(1)
+    lock = root / "LOCK"
+    lock.unlink()
+    {"folder": lock.mkdir, "fifo": lambda: os.mkfifo(lock),
+     "symlink": lambda: lock.symlink_to(tmp_path / "elsewhere")}[kind]()
+    with pytest.raises(CorruptCheckpoint, match=r"LOCK: (is a|not a regular)") as raised:
+        unbroken.Checkpointer(root, model=model)
+    assert str(lock) in str(raised.value) and "remove it" in str(raised.value)

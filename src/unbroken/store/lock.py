@@ -54,9 +54,10 @@ def acquire_writer_lock(root: str) -> int:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
                      os.O_NONBLOCK, 0o644)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise CorruptCheckpoint(f"{path}: is a symbolic link; the lock file must be a "
-                                    "regular file inside the run folder (remove it)") from None
+        if e.errno in (errno.ELOOP, errno.EISDIR):  # (as any other file that is not one)
+            kind = "a symbolic link" if e.errno == errno.ELOOP else "a folder"
+            raise CorruptCheckpoint(f"{path}: is {kind}; the lock file must be a regular "
+                                    "file inside the run folder (remove it)") from None
         raise _unwritable(path, e, "cannot be created or opened for writing") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
