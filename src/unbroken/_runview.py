@@ -271,8 +271,9 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     """Re-hash every artifact (streaming), then decode the generation's structure (headers,
     references, stamps) from copy-on-write mappings: memory stays bounded by the headers
     and ``state.json``, whatever the size of the tensors. ``deep(tree, manifest, path,
-    shards, read)`` (``read(name)``: an artifact's bytes, hashed here) lists what else is wrong with the decoded state (`tools.deep`): any problem
-    makes the generation corrupt, all of them listed in ``problems``."""
+    shards, read)`` (``read(name)``: an artifact's bytes, hashed here) lists what else is
+    wrong with the decoded state (`tools.deep`): any problem makes the generation corrupt,
+    all of them listed in ``problems``."""
     from .dist.sharded import SHARDS_FILE, read_index
     from .state.generation import check_sizes, check_stamps, decode_generation
     from .state.parts import STATE_FILE
