@@ -242,13 +242,14 @@ def _record(shape: bytes, stride: bytes, dtype: str = "FloatStorage", offset: by
     (b"J\xff\xff\xff\xff\x85", b"K\x01\x85", None, "shape (-1,)"),
     (b"K\x00J\xfb\xff\xff\xff\x86", b"K\x01K\x01\x86", None, "shape (0, -5)"),
     (b"\x8a\x09" + bytes(8) + b"\x01\x85", b"K\x01\x85", None, "under 2**62"),  # (2**64)
-    (b"\x8a\x05\x00\x00\x00\x40\x00\x85", b"K\x00\x85", None, "repeats a storage of 16"),
+    (b"\x8a\x05\x00\x00\x00\x40\x00\x85", b"K\x00\x85", None, "repeats a storage of 4"),
 ], ids=["quantized", "sub-byte", "negative", "negative-after-0", "past-int64", "expanded-4-GiB"])
 def test_a_crafted_tensor_record_is_refused_typed(tmp_path, capsys, shape, stride, v3, words):
     """A record torch's kernels would crash on (a quantized or sub-byte dtype), or reject
     deep inside (a negative dimension, one past int64), or that would make 4 GiB of a
     16-byte storage (a stride of 0): a CorruptCheckpoint naming the tensor, exit 1."""
-    _archive(tmp_path / "x.pt", _record(shape, stride, v3=v3), {"0": bytes(16)})
+    # (the storage holds what its persistent id says, 1 element: torch refuses otherwise)
+    _archive(tmp_path / "x.pt", _record(shape, stride, v3=v3), {"0": bytes(4)})
     code, doc = run_import(tmp_path / "x.pt", tmp_path / "run", capsys)
     assert code == 1 and "x.pt:w" in doc["error"] and words in doc["error"], doc
     assert not (tmp_path / "run").exists() or not os.listdir(tmp_path / "run")
@@ -259,6 +260,8 @@ def test_views_of_one_storage_read_it_once_and_import_exactly(tmp_path, capsys):
     text = lambda s: b"X" + len(s).to_bytes(4, "little") + s.encode()  # noqa: E731
     one = _record(b"K\x01\x85", b"K\x01\x85", offset=b"K\x03")
     entry = one[one.index(b"}(") + 2 + len(text("w")):-2]  # (the rebuild of tensor w)
+    # (its persistent id counts the storage's 16 Mi elements: torch refuses a mismatch)
+    entry = entry.replace(b"K\x01tQ", b"J" + (16 << 20).to_bytes(4, "little") + b"tQ")
     pkl = b"\x80\x02}(" + b"".join(text(f"t{i}") + entry for i in range(3000)) + b"u."
     storage = torch.arange(16 << 20, dtype=torch.float32).numpy().tobytes()
     _archive(tmp_path / "x.pt", pkl, {"0": storage})

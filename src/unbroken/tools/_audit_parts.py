@@ -21,6 +21,10 @@ _COUNTER_KEYS = {"epoch", "global_step", "step", "steps", "iteration", "iter", "
 _IDENTITY_KEYS = {"config", "cfg", "args", "hparams", "hyper_parameters", "hyperparameters",
                   "model_config", "tokenizer", "identity", "data_revision", "training_args"}
 _MAX_NODES = 200_000
+# What the walk may spend on the paths it names (``file:key.key[3]``): a dict nested 23 deep
+# under one memoized 1 MiB key would make a 23 MiB path for each of its entries.
+_MAX_PATH_BYTES = 64 << 20
+_KEY_SHOWN = 80  # characters of a key shown in a path
 
 
 @dataclass
@@ -86,23 +90,31 @@ def _weights(m: dict[Any, Any]) -> bool:
 
 def _positional(opt: dict[Any, Any]) -> bool | None:
     """Whether an optimizer state dict keys its state by parameter position (what
-    ``optimizer.state_dict()`` writes) rather than by parameter name."""
+    ``optimizer.state_dict()`` writes) rather than by parameter name. Each list is looked
+    at once (40,000 groups may share one 40,000-long params list), and the look stops at
+    the first name."""
     state = _mapping(opt.get("state"))
-    keys = list(state) if state else []
-    for group in opt.get("param_groups") or []:
+    lists: list[Any] = [list(state)] if state else []
+    groups = opt.get("param_groups")
+    seen: set[int] = set()
+    for group in groups if isinstance(groups, list) else []:
         g = _mapping(group)
         params = g.get("params") if g else None
-        keys += params if isinstance(params, list) else []
-    if not keys:
+        if isinstance(params, list) and id(params) not in seen:
+            seen.add(id(params))
+            lists.append(params)
+    if not any(lists):
         return None
-    return all(type(k) is int or (isinstance(k, str) and k.isdigit()) for k in keys)
+    return all(type(k) is int or (isinstance(k, str) and len(k) < 20 and k.isdigit())
+               for keys in lists for k in keys)
 
 
 def find_parts(root: Any, prefix: str, found: Findings, rank: int | None) -> None:
     """Walk a (symbolic) object tree and record every part whose shape it recognises."""
     seen: set[int] = set()
     todo: list[tuple[Any, str, int]] = [(root, prefix, 0)]
-    while todo and len(seen) < _MAX_NODES:
+    spent = 0  # bytes of the paths made
+    while todo and len(seen) < _MAX_NODES and spent < _MAX_PATH_BYTES:
         node, where, depth = todo.pop()
         if id(node) in seen or depth > 24:
             continue
@@ -113,7 +125,10 @@ def find_parts(root: Any, prefix: str, found: Findings, rank: int | None) -> Non
             found.rng.append((stream, label, rank))
             continue
         if isinstance(node, (list, tuple)):
-            todo += [(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(node)]
+            for i, v in enumerate(node):
+                if id(v) not in seen and spent < _MAX_PATH_BYTES:
+                    todo.append((v, f"{where}[{i}]", depth + 1))
+                    spent += len(where) + 8
             continue
         m = _mapping(node)
         if m is None:
@@ -129,8 +144,12 @@ def find_parts(root: Any, prefix: str, found: Findings, rank: int | None) -> Non
         else:
             sep = "" if not where else ":" if depth == 0 else "."  # file:key.key
             for k, v in m.items():
-                path = f"{where}{sep}{k}" if isinstance(k, str) else f"{where}[{shown(k)}]"
-                if isinstance(k, str) and depth < 3:
+                if spent >= _MAX_PATH_BYTES:
+                    break
+                path = (f"{where}{sep}{k[:_KEY_SHOWN]}" if isinstance(k, str)
+                        else f"{where}[{_key_text(k)}]")
+                spent += len(path)
+                if isinstance(k, str) and depth < 3 and len(k) <= 64:
                     key = k.lower()
                     if key in _DATA_KEYS and not isinstance(v, ps.Tensor):
                         found.data.append(path)
@@ -138,7 +157,17 @@ def find_parts(root: Any, prefix: str, found: Findings, rank: int | None) -> Non
                         found.counters.append(path)
                     elif key in _IDENTITY_KEYS:
                         found.identity.append(path)
-                todo.append((v, path, depth + 1))
+                if id(v) not in seen:
+                    todo.append((v, path, depth + 1))
+
+
+def _key_text(key: Any) -> str:
+    """A non-string key as a path shows it (a tuple key is at most 64 deep: `_pickle_scan`
+    refuses deeper ones, but its repr may still be long)."""
+    try:
+        return shown(key)
+    except RecursionError:
+        return f"<a {type(key).__name__}>"
 
 
 # -- the verdict --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A pickle is a program for a small stack machine; unpickling runs it, and its GLOBAL /
 STACK_GLOBAL / REDUCE instructions import and call whatever the file names. Here the program
-is walked with ``pickletools``' ``genops`` (which only decodes instructions) and interpreted
+is decoded by `._pickle_ops` (which reads every argument at least as permissively as
+CPython's unpicklers, and executes nothing) and interpreted
 *symbolically*: a global becomes a `Global` name, never an imported object; a call becomes a
 `Call` record, never a call. The result is the object tree as far as plain data goes (dicts,
 lists, strings, numbers), with tensors as `Tensor` placeholders (shape and dtype from the
@@ -17,76 +18,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pickletools import genops
-from typing import Any, BinaryIO
+from typing import Any
 
-# -- what a global is ---------------------------------------------------------------------------
+from ._pickle_globals import WEIGHTS_ONLY_GLOBALS, classify, dangerous, fixed
+from ._pickle_ops import PickleSyntaxError, Readable, WorkExceeded, _Work, read_ops
 
-# The allowlist of torch's weights_only unpickler (torch/_weights_only_unpickler.py,
-# `_get_allowed_globals`); written out so that auditing needs no torch internals. A test
-# checks that it covers torch's own list.
-_REBUILD = {"_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_qtensor",
-            "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
-            "_rebuild_sparse_tensor", "_rebuild_meta_tensor_no_storage",
-            "_rebuild_nested_tensor", "_rebuild_wrapper_subclass",
-            "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor"}
-_DTYPES = ("float32 float64 float16 bfloat16 complex32 complex64 complex128 bool uint8 int8 "
-           "int16 int32 int64 uint16 uint32 uint64 qint8 quint8 qint32 quint4x2 quint2x4 "
-           "float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e8m0fnu "
-           "float4_e2m1fn_x2 bits8 bits16 bits1x8 bits2x4 bits4x2 per_tensor_affine "
-           "per_tensor_symmetric per_channel_affine per_channel_symmetric "
-           "per_channel_affine_float_qparams").split() + [
-    f"{u}int{n}" for u in ("", "u") for n in range(1, 8)]
-WEIGHTS_ONLY_GLOBALS = frozenset(
-    {"_codecs.encode", "builtins.bytearray", "builtins.complex", "builtins.set",
-     "collections.Counter", "collections.OrderedDict", "torch.nn.parameter.Parameter",
-     "torch.serialization._get_layout", "torch.Size", "torch.Tensor", "torch.device",
-     "torch.storage.TypedStorage", "torch.storage.UntypedStorage",
-     "torch._tensor._rebuild_from_type_v2"}
-    | {f"torch._utils.{f}" for f in _REBUILD} | {f"torch.{d}" for d in _DTYPES})
-# Legacy tensor and storage classes (torch.FloatStorage, torch.cuda.LongTensor, ...).
-_TENSOR_CLASS = re.compile(
-    r"torch\.(cuda\.)?(sparse\.)?(BFloat16|Bool|Byte|Char|ComplexDouble|ComplexFloat|Double|"
-    r"Float|Half|Int|Long|Short|QInt32|QInt8|QUInt2x4|QUInt4x2|QUInt8)(Storage|Tensor)")
-
-# NumPy arrays and RNG states (Trainer and Accelerate save ``np.random.get_state()``): loading
-# them needs these globals allowlisted, which torch's weights-only loader refuses by default.
-_NUMPY = re.compile(r"numpy\.(_core|core)\.multiarray\.(_reconstruct|scalar)|numpy\.(ndarray|dtype)"
-                    r"|numpy\.dtypes\.\w+DType|numpy\.random\._pickle\.__\w+_ctor")
-# The dataclasses and enum of a DCP ``.metadata`` file (and the pathlib path of its
-# checkpoint id): torch's own, constructed with no code of the file's choosing, but outside
-# the weights_only allowlist (DCP reads the file with plain pickle).
-_DCP = re.compile(r"torch\.distributed\.checkpoint\.(metadata\.(Metadata|TensorStorageMetadata|"
-                  r"BytesStorageMetadata|ChunkStorageMetadata|TensorProperties|MetadataIndex|"
-                  r"StorageMeta|_MEM_FORMAT_ENCODING)|filesystem\._StorageInfo)"
-                  r"|pathlib\.(_local\.)?(Pure)?(Posix|Windows)?Path")
-# Globals that run commands or code as soon as they are called: named as dangerous.
-_DANGEROUS_MODULES = {"os", "posix", "nt", "sys", "subprocess", "shutil", "socket", "runpy",
-                      "importlib", "ctypes", "pty", "code", "codeop", "webbrowser", "marshal",
-                      "pickle", "_pickle", "types", "operator", "functools", "torch.hub"}
-_DANGEROUS_BUILTINS = {"eval", "exec", "compile", "getattr", "setattr", "delattr", "open",
-                       "__import__", "globals", "locals", "vars", "input", "breakpoint"}
-
-
-def classify(qualname: str) -> str:
-    """``"weights_only"`` (torch's weights-only loader allows it), ``"numpy"`` (NumPy array
-    or RNG state), ``"dcp"`` (DCP metadata classes) or ``"code"`` (importing it runs code
-    the file chose: a user class, a library class, or worse)."""
-    if qualname in WEIGHTS_ONLY_GLOBALS or _TENSOR_CLASS.fullmatch(qualname):
-        return "weights_only"
-    if _NUMPY.fullmatch(qualname):
-        return "numpy"
-    if _DCP.fullmatch(qualname):
-        return "dcp"
-    return "code"
-
-
-def dangerous(qualname: str) -> bool:
-    """A global that executes commands or arbitrary code when called (os.system, eval...)."""
-    module, _, name = qualname.rpartition(".")
-    return (module in _DANGEROUS_MODULES or module.split(".")[0] in _DANGEROUS_MODULES
-            or (module == "builtins" and name in _DANGEROUS_BUILTINS) or module == "?")
-
+__all__ = ["WEIGHTS_ONLY_GLOBALS", "classify", "dangerous", "fixed", "scan_pickle"]
 
 # -- the symbolic values ------------------------------------------------------------------------
 
@@ -130,6 +67,7 @@ class Tensor:
     key: str | None = None
     offset: int = 0
     stride: tuple[int, ...] | None = None
+    numel: int | None = None  # the storage's element count, as its persistent id says
 
 
 @dataclass(frozen=True)
@@ -145,6 +83,9 @@ class _Mark:
 class _Key:
     """Stands for a dict key that is not hashable (only a crafted pickle makes one)."""
 
+    def __repr__(self) -> str:
+        return "<an unhashable or too deeply nested key>"
+
 
 _STORAGE_DTYPE = {"Float": "float32", "Double": "float64", "Half": "float16",
                   "BFloat16": "bfloat16", "Long": "int64", "Int": "int32", "Short": "int16",
@@ -152,12 +93,13 @@ _STORAGE_DTYPE = {"Float": "float32", "Double": "float64", "Half": "float16",
                   "ComplexDouble": "complex128"}
 
 
-def _tensor(args: Any) -> Tensor:
+def _tensor(args: Any, work: _Work) -> Tensor:
     """A Tensor from the arguments of torch._utils._rebuild_tensor*: (storage, offset, size,
-    stride, ...) where storage is a persistent id ('storage', StorageClass, key, ...)."""
+    stride, ...) where storage is a persistent id ('storage', StorageClass, key, location,
+    numel)."""
     if not isinstance(args, tuple) or len(args) < 3:
         return Tensor(None, None)
-    shape = tuple(args[2]) if isinstance(args[2], (tuple, list)) else None
+    shape = work.copy(args[2])
     if shape is not None and not all(type(d) is int for d in shape):
         shape = None
     dtype = None
@@ -167,43 +109,42 @@ def _tensor(args: Any) -> Tensor:
     if len(args) > 6 and isinstance(args[6], Global):  # _rebuild_tensor_v3 names its dtype
         dtype = args[6].name
     key = pid[2] if isinstance(pid, tuple) and len(pid) > 2 and type(pid[2]) is str else None
+    numel = pid[4] if isinstance(pid, tuple) and len(pid) > 4 and type(pid[4]) is int else None
     offset = args[1] if type(args[1]) is int else -1
-    stride = tuple(args[3]) if len(args) > 3 and isinstance(args[3], (tuple, list)) and all(
-        type(d) is int for d in args[3]) else None
-    return Tensor(shape, dtype, key, offset, stride)
+    stride = work.copy(args[3]) if len(args) > 3 else None
+    if stride is not None and not all(type(d) is int for d in stride):
+        stride = None
+    return Tensor(shape, dtype, key, offset, stride, numel)
 
 
-def _reduce(func: Any, args: Any) -> Any:
+def _reduce(func: Any, args: Any, work: _Work, depth: int = 0) -> Any:
     """The symbolic result of calling ``func(*args)``: plain data for the few callables whose
     meaning is known (OrderedDict, torch.Size, tensor rebuilds), else a `Call` record."""
     name = func.qualname if isinstance(func, Global) else ""
     if name in ("collections.OrderedDict", "builtins.dict", "collections.Counter"):
         out: dict[Any, Any] = {}
         if isinstance(args, tuple) and args and isinstance(args[0], (list, tuple)):
+            work.charge(len(args[0]))
             for pair in args[0]:  # protocol 0/1 writes OrderedDict([[k, v], ...])
                 if isinstance(pair, (list, tuple)) and len(pair) == 2:
-                    _setitem(out, pair[0], pair[1])
+                    _setitem(out, pair[0], pair[1], work)
         return out
     if name == "torch.Size" and isinstance(args, tuple) and args \
             and isinstance(args[0], (tuple, list)):
-        return tuple(args[0])
+        return work.copy(args[0])
     if name.startswith("torch._utils._rebuild_tensor") or name in (
             "torch._utils._rebuild_device_tensor_from_cpu_tensor",):
-        return _tensor(args)
+        return _tensor(args, work)
     if name.startswith("torch._utils._rebuild_parameter") and isinstance(args, tuple) and args:
         return args[0]
     if name == "torch._tensor._rebuild_from_type_v2" and isinstance(args, tuple) \
-            and len(args) > 2 and isinstance(args[2], tuple):
-        return _reduce(args[0], args[2])
+            and len(args) > 2 and isinstance(args[2], tuple) and depth < 8:
+        return _reduce(args[0], args[2], work, depth + 1)
     return Call(func, args)
 
 
-def _setitem(target: Any, key: Any, value: Any) -> None:
-    try:
-        if not _shallow(key):  # (hash() of a tuple nested 300,000 deep overflows C's stack)
-            raise TypeError
-        hash(key)
-    except TypeError:
+def _setitem(target: Any, key: Any, value: Any, work: _Work) -> None:
+    if type(key) not in (str, int) and not _cheap_hash(key, work):
         key = _Key()
     if isinstance(target, dict):
         target[key] = value
@@ -211,15 +152,37 @@ def _setitem(target: Any, key: Any, value: Any) -> None:
         target.items[key] = value
 
 
-def _shallow(key: Any, depth: int = 0) -> bool:
-    """Whether ``key`` nests tuples at most `_MAX_KEY_DEPTH` deep (a dict key's hash recurses
-    into them in C, without a depth guard)."""
-    if type(key) is not tuple:
-        return True
-    return depth < _MAX_KEY_DEPTH and all(_shallow(k, depth + 1) for k in key)
+def _cheap_hash(key: Any, work: _Work) -> bool:
+    """Whether ``key`` can be a dict key at a bounded cost. Hashing a tuple (or a persistent
+    id, which hashes its payload) recurses in C without a depth guard: 300,000 levels
+    overflow the C stack, and a tuple of two references to one tuple, 60 levels deep, takes
+    2**60 steps (an equal key's comparison the same). So the key is walked first, as a tree,
+    at most `_MAX_KEY_DEPTH` deep and `_MAX_KEY_NODES` nodes (charged to the work budget)."""
+    todo: list[tuple[Any, int]] = [(key, 0)]
+    nodes = 0
+    while todo:
+        node, depth = todo.pop()
+        nodes += 1
+        if nodes > _MAX_KEY_NODES or depth > _MAX_KEY_DEPTH:
+            work.charge(nodes)
+            return False
+        if type(node) is tuple:
+            todo += [(k, depth + 1) for k in node]
+        elif type(node) is PersistentId:
+            todo.append((node.pid, depth + 1))
+        elif type(node) in (list, dict, Tensor, _Mark):
+            work.charge(nodes)
+            return False  # (unhashable)
+    work.charge(nodes)
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
 
 
 _MAX_KEY_DEPTH = 64
+_MAX_KEY_NODES = 10_000
 
 
 def _extend(target: Any, values: list[Any]) -> None:
@@ -235,23 +198,28 @@ _PUSH_ARG = {"INT", "BININT", "BININT1", "BININT2", "LONG", "LONG1", "LONG4", "S
              "BINSTRING", "SHORT_BINSTRING", "BINBYTES", "SHORT_BINBYTES", "BINBYTES8",
              "BYTEARRAY8", "UNICODE", "SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "FLOAT",
              "BINFLOAT"}
-_CONSTANT = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}  # genops gives no argument
+_CONSTANT = {"NONE": None, "NEWTRUE": True, "NEWFALSE": False}  # (no argument)
 _NO_OP = {"PROTO", "FRAME", "READONLY_BUFFER"}
 
 
 @dataclass
 class PickleScan:
     """One pickle, read without executing it: its object tree, the globals it names (in
-    order, each once) and an error when the stream could not be fully interpreted."""
+    order, each once) and an error when the stream could not be fully interpreted.
+    ``not_pickle``: the stream fails on its very first instruction, where CPython's
+    unpicklers fail too, before anything could be imported (a text file, say)."""
     root: Any = None
     globals: list[str] = field(default_factory=list)
     unresolved: int = 0
     error: str | None = None
+    not_pickle: bool = False
+    _seen: set[str] = field(default_factory=set, repr=False)
 
     def _add(self, g: Global) -> None:
         if g is UNRESOLVED:
             self.unresolved += 1
-        elif g.qualname not in self.globals:
+        elif g.qualname not in self._seen:  # (a set: a million globals, each looked up)
+            self._seen.add(g.qualname)
             self.globals.append(g.qualname)
 
 
@@ -263,6 +231,7 @@ class _Machine:
         self.stack: list[Any] = []
         self.marks: list[list[Any]] = []
         self.memo: dict[int, Any] = {}
+        self.work = _Work()
 
     def pop_mark(self) -> list[Any]:
         items, self.stack = self.stack, self.marks.pop()
@@ -297,18 +266,18 @@ class _Machine:
             items = self.pop_mark()
             out: dict[Any, Any] = {}
             for i in range(0, len(items) - 1, 2):
-                _setitem(out, items[i], items[i + 1])
+                _setitem(out, items[i], items[i + 1], self.work)
             self.stack.append(out)
         elif name in ("APPEND", "ADDITEMS", "APPENDS"):
             values = [s.pop()] if name == "APPEND" else self.pop_mark()
             _extend(self.stack[-1], values)
         elif name == "SETITEM":
             value, key = s.pop(), s.pop()
-            _setitem(s[-1], key, value)
+            _setitem(s[-1], key, value, self.work)
         elif name == "SETITEMS":
             items = self.pop_mark()
             for i in range(0, len(items) - 1, 2):
-                _setitem(self.stack[-1], items[i], items[i + 1])
+                _setitem(self.stack[-1], items[i], items[i + 1], self.work)
         elif name == "POP":
             if s:
                 s.pop()
@@ -346,7 +315,7 @@ class _Machine:
             self.stack.append(Call(items[0], tuple(items[1:])))
         elif name == "REDUCE":
             args = s.pop()
-            s[-1] = _reduce(s[-1], args)
+            s[-1] = _reduce(s[-1], args, self.work)
         elif name == "NEWOBJ":
             args = s.pop()
             s[-1] = Call(s[-1], args)
@@ -371,18 +340,23 @@ class _Machine:
 
 # Instructions interpreted per pickle: a torch.save of 100,000 tensors takes about 2.5 million.
 MAX_INSTRUCTIONS = 8_000_000
+_IDENTIFIER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
-def scan_pickle(stream: BinaryIO) -> PickleScan:
+def scan_pickle(stream: Readable) -> PickleScan:
     """Read one pickle from ``stream`` (up to and including its STOP) without executing it.
 
-    When the stack machine cannot follow (a malformed or crafted stream), the rest of the
-    stream is still decoded for GLOBAL instructions and every later STACK_GLOBAL counts as an
-    unresolved global, so nothing a real unpickler would import goes unreported."""
+    When the stack machine cannot follow (a malformed or crafted stream, or one past the
+    instruction or work budget), the rest of the stream is still decoded for GLOBAL
+    instructions and every later STACK_GLOBAL counts as an unresolved global, so nothing a
+    real unpickler would import goes unreported; the scan then has an ``error``, which
+    flags it."""
     scan = PickleScan()
     machine: _Machine | None = _Machine(scan)
+    decoded = 0  # instructions decoded
     try:
-        for ops, (op, arg, _pos) in enumerate(genops(stream)):
+        for ops, (name, arg, pos) in enumerate(read_ops(stream)):
+            decoded = ops + 1
             if machine is not None and ops >= MAX_INSTRUCTIONS:
                 # (each instruction may keep an object: a 20 KB file of 20 million empty
                 # dicts held 4 GB)
@@ -391,17 +365,29 @@ def scan_pickle(stream: BinaryIO) -> PickleScan:
                 machine = None
             if machine is not None:
                 try:
-                    if machine.step(op.name, arg):
+                    if machine.step(name, arg):
                         return scan
                     continue
-                except (IndexError, KeyError, TypeError, AttributeError, RecursionError) as e:
-                    scan.error = f"malformed pickle at byte {_pos}: {op.name} ({e!r})"
+                except (IndexError, KeyError, TypeError, AttributeError, RecursionError,
+                        ValueError) as e:
+                    scan.error = f"malformed pickle at byte {pos}: {name} ({e!r:.200})"
                     machine = None
-            if op.name in ("GLOBAL", "INST"):
+                    # Nothing ran before a first instruction no unpickler can run (a text
+                    # file); a global it names with a plausible module still counts.
+                    scan.not_pickle = ops == 0 and not (
+                        name in ("GLOBAL", "INST")
+                        and _IDENTIFIER.fullmatch(str(arg).partition(" ")[0]))
+                except WorkExceeded as e:
+                    scan.error = f"not interpreted further at byte {pos}: {e}"
+                    machine = None
+            if name in ("GLOBAL", "INST"):
                 module, _, gname = str(arg).partition(" ")
                 scan._add(Global(module, gname))
-            elif op.name in ("STACK_GLOBAL", "EXT1", "EXT2", "EXT4"):
+            elif name in ("STACK_GLOBAL", "EXT1", "EXT2", "EXT4"):
                 scan._add(UNRESOLVED)
-    except (ValueError, MemoryError, OverflowError) as e:  # genops: unknown opcode, bad
-        scan.error = scan.error or f"malformed pickle: {e}"  # argument, no STOP
+    except PickleSyntaxError as e:  # an instruction that cannot be decoded, no STOP
+        scan.error = scan.error or f"malformed pickle: {e}"
+        scan.not_pickle = scan.not_pickle or (decoded == 0 and e.certain)
+    except (ValueError, OSError, MemoryError, OverflowError) as e:  # (the container's read)
+        scan.error = scan.error or f"unreadable pickle: {e!s:.200}"
     return scan

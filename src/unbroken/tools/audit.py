@@ -21,7 +21,7 @@ from typing import Any
 from .._commands import arg, emit, tool
 from .._runview import UsageError
 from .._table import table
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, shown
 from ..state.jsontext import loads_json
 from ..state.stheader import read_safetensors_header
 from . import _pickle_files as pfiles
@@ -33,7 +33,6 @@ _PICKLED = (".bin", ".pt", ".pth", ".pkl", ".ckpt", ".pickle")
 _IDENTITY_FILES = re.compile(r"config\.json|generation_config\.json|tokenizer(_config)?\.json|"
                              r"special_tokens_map\.json|tokenizer\.model|vocab\.(txt|json)|"
                              r"merges\.txt|training_args\.bin|preprocessor_config\.json")
-_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 _RANK = re.compile(r"_(\d+)\.(pth|pkl|pt|bin)$")
 
 
@@ -72,8 +71,12 @@ class Audit:
             return None
         if name.endswith(".json"):
             return None
-        pf = pfiles.read_pickle_file(full)
-        if not _looks_like_pickle(full, pf):
+        try:
+            pf = pfiles.read_pickle_file(full)
+        except (CorruptCheckpoint, OSError) as e:
+            self.files.append(FileReport(name, "unreadable", errors=[str(e)]))
+            return None
+        if pf.not_pickle:
             self.files.append(FileReport(name, "not a pickle (not read)"))
             return pf
         report = FileReport(name, pf.format, notes=list(pf.notes), errors=pf.errors,
@@ -92,7 +95,7 @@ class Audit:
     def _safetensors(self, full: str, name: str) -> int | None:
         """The number of tensors a safetensors header names; the header only is read."""
         try:
-            with open(full, "rb") as f:
+            with pfiles.open_regular(full) as f:
                 size = os.fstat(f.fileno()).st_size
                 head = f.read(8)
                 n = int.from_bytes(head, "little")
@@ -107,18 +110,6 @@ class Audit:
         count = len(header)
         self.files.append(FileReport(name, f"safetensors ({count} tensors, header only)"))
         return count
-
-
-def _looks_like_pickle(path: str, pf: pfiles.PickleFile) -> bool:
-    """Whether a stream that did not parse is a (broken or crafted) pickle at all: it starts
-    like one of protocol 2+, or it names an importable global (a pickle of protocol 0 that
-    names a global and then breaks counts: unpickling would run what comes before)."""
-    scans = [s for _n, s in pf.scans]
-    if not scans or not scans[0].error or pf.format.startswith("torch.save (zip"):
-        return bool(scans)
-    with open(path, "rb") as f:
-        proto = f.read(1) == b"\x80"
-    return proto or any(_DOTTED.fullmatch(g) for g in pf.globals())
 
 
 # -- what PATH is -------------------------------------------------------------------------------
@@ -141,6 +132,8 @@ def audit_path(path: str) -> Audit:
         audit.found.model.append("(the whole file)")
         return audit
     pf = audit.read(path, name)
+    if pf is None and audit.files and audit.files[-1].format == "unreadable":
+        raise UsageError(f"{path}: {audit.files[-1].errors[0]}")
     if pf is None or audit.files[-1].format == "not a pickle (not read)":
         raise UsageError(f"{path}: not a recognised checkpoint (neither a torch.save file, a "
                          "pickle, a safetensors file nor a checkpoint folder)")
@@ -214,7 +207,7 @@ def _audit_folder(path: str) -> Audit:
 
 def _trainer_state(audit: Audit, where: str) -> None:
     try:
-        with open(where, "rb") as f:
+        with pfiles.open_regular(where) as f:
             state = loads_json(f.read(MAX_JSON_BYTES + 1), where, MAX_JSON_BYTES)
     except (CorruptCheckpoint, OSError) as e:
         audit.files.append(FileReport("trainer_state.json", "JSON", errors=[str(e)]))
@@ -243,7 +236,10 @@ def _audit_dcp(path: str, names: list[str]) -> Audit:
     bytes_at = _dcp_bytes(path, state.get("storage_data"), as_bytes, audit)
     for fqn, meta in entries.items():
         keys = planner.get(fqn) if isinstance(planner, dict) else None
-        keys = tuple(keys) if isinstance(keys, (tuple, list)) and keys else (fqn,)
+        # (plain keys, a bounded path: a planner entry may be a list shared by every entry,
+        # 100,000 long, or hold unhashable values)
+        keys = tuple(keys) if isinstance(keys, (tuple, list)) and 0 < len(keys) <= 64 and all(
+            type(k) in (str, int) for k in keys) else (fqn,)
         leaf: Any = bytes_at.get(fqn, "<bytes>")
         if isinstance(meta, ps.Call) and meta.name.endswith("TensorStorageMetadata"):
             st = meta.state if isinstance(meta.state, dict) else {}
@@ -266,37 +262,64 @@ def _audit_dcp(path: str, names: list[str]) -> Audit:
     return audit
 
 
+MAX_DCP_BYTES = 4 << 30  # bytes entries read per DCP folder, all together
+
+
 def _dcp_bytes(path: str, storage: Any, as_bytes: set[Any], audit: Audit) -> dict[Any, Any]:
-    """Scan every bytes entry (a torch.save archive inside a shard: DCP loads it with
-    torch.load) for globals; return each entry's value as far as it is plain data."""
+    """Scan every bytes entry (DCP loads it with ``torch.load(weights_only=False)``: a
+    torch.save archive, or any pickle) for globals; return each entry's value as far as it
+    is plain data. An entry whose range cannot be read is reported, flagged."""
     out: dict[Any, Any] = {}
     if not isinstance(storage, dict):
         return out
+    budget = MAX_DCP_BYTES
+    done: dict[tuple[str, int, int], Any] = {}  # (one read per range, however often named)
     for index, info in storage.items():
         fqn = index.state.get("fqn") if isinstance(index, ps.Call) and isinstance(
             index.state, dict) else None
-        if fqn not in as_bytes:
+        if type(fqn) is not str or fqn not in as_bytes:
             continue  # a tensor: its bytes are data, never read
         st = info.state if isinstance(info, ps.Call) and isinstance(info.state, dict) else {}
         rel, offset, length = st.get("relative_path"), st.get("offset"), st.get("length")
-        if not (isinstance(rel, str) and type(offset) is int and type(length) is int) \
-                or "/" in rel or rel.startswith(".") or length > pfiles.MAX_PICKLE_BYTES:
-            continue
+        label = (f"{rel[:80] if isinstance(rel, str) else '?'}@"
+                 f"{shown(offset) if type(offset) is int else '?'} ({fqn[:200]})")
         try:
-            with open(os.path.join(path, rel), "rb") as f:
-                f.seek(offset)
-                blob = f.read(length)
-        except OSError:
+            if not (isinstance(rel, str) and type(offset) is int and type(length) is int):
+                raise CorruptCheckpoint("its storage record names no file, offset and length")
+            if "/" in rel or "\\" in rel or rel.startswith("."):
+                raise CorruptCheckpoint(f"its file {rel!r} is not in the checkpoint folder")
+            if offset < 0 or length < 0:
+                raise CorruptCheckpoint(f"a negative offset or length ({offset}, {length})")
+            if length > min(pfiles.MAX_PICKLE_BYTES, budget):
+                raise CorruptCheckpoint(f"{length} bytes: too large to scan")
+            if (rel, offset, length) not in done:
+                budget -= length
+                done[(rel, offset, length)] = _dcp_entry(os.path.join(path, rel), offset,
+                                                         length)
+            pf = done[(rel, offset, length)]
+        except (CorruptCheckpoint, OSError) as e:
+            audit.files.append(FileReport(label, "DCP bytes entry", errors=[
+                f"{path}: bytes entry {label}: {e}"]))
             continue
-        if blob[:2] != b"PK":
-            continue  # a tensor's raw bytes
-        pf = pfiles.read_zip_bytes(blob)
         code = [g for g in pf.globals() if ps.classify(g) == "code"]
         if code or pf.unresolved or pf.errors:
-            audit.files.append(FileReport(f"{rel}@{offset} ({fqn})", pf.format, code=code,
+            audit.files.append(FileReport(label, pf.format, code=code,
                                           unresolved=pf.unresolved, errors=pf.errors))
         out[fqn] = pf.root
     return out
+
+
+def _dcp_entry(where: str, offset: int, length: int) -> pfiles.PickleFile:
+    """The bytes entry at ``offset`` in the shard ``where``, scanned; its range must lie in
+    the file (a regular one)."""
+    with pfiles.open_regular(where) as f:
+        size = os.fstat(f.fileno()).st_size
+        if offset + length > size:
+            raise CorruptCheckpoint(f"bytes {offset} to {offset + length} of {where}, which "
+                                    f"holds {size}")
+        f.seek(offset)
+        blob = f.read(length)
+    return pfiles.read_pickle_bytes(blob)
 
 
 # -- the command --------------------------------------------------------------------------------
@@ -342,7 +365,8 @@ def _audit(args: argparse.Namespace) -> int:
                          + (" -- runs commands or code" if ps.dangerous(g) else ""))
         if f.unresolved:
             lines.append(f"WOULD IMPORT CODE: {f.unresolved} unresolved global(s) in {f.name}")
-        lines += [f"unreadable: {e}" for e in f.errors]
+        lines += [f"unreadable: {e} (cannot be read in full; torch.load may run code from it)"
+                  for e in f.errors]
     if numpy:
         lines.append("needs numpy globals (refused by torch.load(weights_only=True) unless "
                      "allowlisted): " + ", ".join(numpy))

@@ -16,7 +16,6 @@ refuses, naming the missing parts). The generation's manifest names the source i
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import warnings
@@ -31,6 +30,7 @@ import xxhash
 from .._runview import UsageError
 from ..errors import CorruptCheckpoint, UnbrokenError, shown
 from ..state.identity import Identity
+from ..state.jsontext import loads_json
 from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
 
@@ -85,8 +85,9 @@ def _read_folder(src: str) -> dict[str, Any]:
 def _read_archive(path: str, kind: str) -> dict[str, Any]:
     """A torch.save zip archive's tensors, without unpickling (see the module doc)."""
     if not pfiles.is_zip(path):
-        raise UsageError(f"{path}: not a torch.save zip archive (a legacy torch.save file or "
-                         "another format): re-save it with torch.save, or export safetensors")
+        raise UsageError(f"{path}: not a torch.save zip archive (a legacy torch.save file, "
+                         "legacy tar or plain pickle, which unbroken does not import, or another "
+                         "format): re-save it with torch.save, or export safetensors")
     scanned = pfiles.read_pickle_file(path)
     unsafe = [g for g in scanned.globals() if ps.classify(g) not in ("weights_only", "numpy")]
     if scanned.errors or scanned.unresolved or unsafe:
@@ -99,10 +100,11 @@ def _read_archive(path: str, kind: str) -> dict[str, Any]:
     step = root.get("global_step", 0) if isinstance(root, dict) else 0
     state = _state_dict(root, path)
     try:
-        with zipfile.ZipFile(path) as z:
-            base = next(n for n in z.namelist() if n.endswith("/data.pkl")).rsplit("/", 1)[0]
+        with pfiles.open_regular(path) as f, zipfile.ZipFile(f) as z:
+            base = _archive_folder(z, path)
+            need = _needed(state)
             storages: dict[str, bytes] = {}  # (one read each, however many views)
-            tensors = {name: _materialize(z, base, t, f"{path}:{name}", storages)
+            tensors = {name: _materialize(z, base, t, f"{path}:{name}", storages, need)
                        for name, t in state.items()}
     except (zipfile.BadZipFile, zlib.error, EOFError, NotImplementedError, ValueError,
             StopIteration) as e:
@@ -111,6 +113,22 @@ def _read_archive(path: str, kind: str) -> dict[str, Any]:
     return {"format": kind or "torch.save archive", "tensors": tensors,
             "files": {path: _digest(path)}, "step": step if type(step) is int else 0,
             "config": None}
+
+
+def _archive_folder(z: zipfile.ZipFile, path: str) -> str:
+    """The one folder every entry of a torch.save archive is in (torch refuses an archive
+    whose entries are not all in the folder of its first: ``a/data.pkl`` and ``b/data.pkl``
+    would be read differently by different readers)."""
+    folders = {n.split("/", 1)[0] if "/" in n else None for n in z.namelist()}
+    if len(folders) != 1 or None in folders:
+        shown_ = sorted(str(f) for f in folders)[:4]
+        raise CorruptCheckpoint(f"{path}: a torch.save archive has all its entries in one "
+                                f"folder; this one has entries in {shown_}")
+    base = folders.pop()
+    assert base is not None
+    if f"{base}/data.pkl" not in z.NameToInfo:
+        raise CorruptCheckpoint(f"{path}: no {base}/data.pkl in the archive")
+    return base
 
 
 def _state_dict(root: Any, path: str) -> dict[str, ps.Tensor]:
@@ -137,54 +155,98 @@ _DIM = range(1 << 62)  # a dimension, stride or offset torch can hold (int64, wi
 _EXPANDED_BYTES = 64 << 20
 
 
+_MAX_DIMS = 64  # (what safetensors headers may hold: `state.stheader`)
+
+
+def _extent(t: ps.Tensor, item: int) -> int:
+    """The bytes of its storage a valid record's view reaches (0 for an empty one)."""
+    if not math.prod(t.shape or ()) or t.stride is None or t.shape is None:
+        return 0
+    return (t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True)) + 1) \
+        * item
+
+
+def _needed(state: dict[str, ps.Tensor]) -> dict[str, int]:
+    """Per storage record, the bytes its views reach (read once, that far and no further);
+    records that fail their checks are left to `_materialize` to refuse."""
+    need: dict[str, int] = {}
+    for t in state.values():
+        dtype = getattr(torch, t.dtype, None) if isinstance(t.dtype, str) else None
+        if dtype in _IMPORTED and t.key is not None and _valid_shape(t):
+            assert isinstance(dtype, torch.dtype)
+            end = _extent(t, dtype.itemsize)
+            need[t.key] = max(need.get(t.key, 0), end)
+    return need
+
+
+def _valid_shape(t: ps.Tensor) -> bool:
+    """Shape, strides and offset torch can hold: at most 64 dimensions of non-negative
+    integers under 2**62, whose product (zeros left out: strides are computed from it even
+    when a zero makes the count 0) stays under 2**62."""
+    if (t.shape is None or t.stride is None or len(t.stride) != len(t.shape)
+            or len(t.shape) > _MAX_DIMS or not all(
+                type(n) is int and n in _DIM for n in (*t.shape, *t.stride, t.offset))):
+        return False
+    return math.prod(n or 1 for n in t.shape) in _DIM
+
+
 def _materialize(z: zipfile.ZipFile, base: str, t: ps.Tensor, where: str,
-                 storages: dict[str, bytes]) -> torch.Tensor:
+                 storages: dict[str, bytes], need: dict[str, int]) -> torch.Tensor:
     """The tensor ``t`` describes, copied out of the archive's storage record, with its
     dtype, shape, strides and offset checked against the storage's size (each storage read
-    once, into ``storages``)."""
+    once, into ``storages``, as far as its views reach)."""
     dtype = getattr(torch, t.dtype, None) if isinstance(t.dtype, str) else None
     if dtype not in _IMPORTED:
         raise CorruptCheckpoint(f"{where}: a tensor of dtype {shown(t.dtype)}, which unbroken "
                                 f"does not import (plain numeric dtypes only)")
-    if (t.key is None or t.shape is None or t.stride is None
-            or len(t.stride) != len(t.shape) or not all(
-                type(n) is int and n in _DIM for n in (*t.shape, *t.stride, t.offset))):
+    if t.key is None or not _valid_shape(t):
         raise CorruptCheckpoint(f"{where}: a tensor record unbroken cannot read: shape "
                                 f"{shown(t.shape, 80)}, strides {shown(t.stride, 80)} and offset "
-                                f"{shown(t.offset)}, where non-negative integers under 2**62 "
-                                "go")
-    assert isinstance(dtype, torch.dtype)
-    raw = storages.get(t.key)
-    if raw is None:
-        try:
-            raw = storages[t.key] = z.read(f"{base}/data/{t.key}")
-        except KeyError:
-            raise CorruptCheckpoint(f"{where}: storage {t.key!r} missing from the archive") \
-                from None
-    item = torch.empty((), dtype=dtype).element_size()
-    if len(raw) % item:
-        raise CorruptCheckpoint(f"{where}: storage of {len(raw)} bytes is not a whole number "
-                                f"of {t.dtype} elements")
+                                f"{shown(t.offset)}, where at most {_MAX_DIMS} non-negative "
+                                "integers under 2**62 (their product too) go")
+    assert isinstance(dtype, torch.dtype) and t.shape is not None and t.stride is not None
+    item = dtype.itemsize
+    try:
+        info = z.getinfo(f"{base}/data/{t.key}")
+    except KeyError:
+        raise CorruptCheckpoint(f"{where}: storage {t.key!r} missing from the archive") \
+            from None
+    # (torch refuses a record whose size is not its persistent id's count of elements; a
+    # 9 MB deflated record may declare 2 GiB)
+    if type(t.numel) is not int or info.file_size != t.numel * item:
+        raise CorruptCheckpoint(f"{where}: storage record {t.key!r} declares "
+                                f"{info.file_size} bytes where its persistent id says "
+                                f"{shown(t.numel)} {t.dtype} elements of {item} bytes: record "
+                                "size does not match")
     numel = math.prod(t.shape)
     if not numel:
         return torch.empty(t.shape, dtype=dtype)
-    last = t.offset + sum((n - 1) * s for n, s in zip(t.shape, t.stride, strict=True))
-    if last >= len(raw) // item:
+    end = _extent(t, item)
+    if end > info.file_size:
         raise CorruptCheckpoint(f"{where}: shape {list(t.shape)} with strides "
                                 f"{list(t.stride)} at offset {t.offset} reaches past its "
-                                f"storage of {len(raw) // item} elements")
-    if numel * item > max(len(raw), _EXPANDED_BYTES):
+                                f"storage of {info.file_size // item} elements")
+    if numel * item > max(info.file_size, _EXPANDED_BYTES):
         raise CorruptCheckpoint(f"{where}: shape {list(t.shape)} with strides "
-                                f"{list(t.stride)} repeats a storage of {len(raw)} bytes into "
-                                f"{numel * item} bytes; an expanded view that large is not "
-                                "imported")
+                                f"{list(t.stride)} repeats a storage of {info.file_size} bytes "
+                                f"into {numel * item} bytes; an expanded view that large is "
+                                "not imported")
+    raw = storages.get(t.key)
+    if raw is None or len(raw) < end:
+        with z.open(info) as member:
+            raw = storages[t.key] = member.read(max(end, need.get(t.key, 0)))
+        if len(raw) < end:
+            raise CorruptCheckpoint(f"{where}: storage record {t.key!r} ends after "
+                                    f"{len(raw)} of its {info.file_size} bytes")
     with warnings.catch_warnings():  # (read-only bytes: only read, by the clone)
         warnings.simplefilter("ignore", UserWarning)
-        flat = torch.frombuffer(raw, dtype=dtype)
+        flat = torch.frombuffer(raw, dtype=dtype, count=len(raw) // item)
     return flat.as_strided(t.shape, t.stride, t.offset).clone()
 
 
 def _safetensors(path: str) -> dict[str, torch.Tensor]:
+    with pfiles.open_regular(path):  # (a FIFO in its place: refused, not waited on)
+        pass
     try:
         return dict(safetensors.torch.load_file(path))
     except Exception as e:  # noqa: BLE001 -- the reader's own errors on a bad file
@@ -193,20 +255,16 @@ def _safetensors(path: str) -> dict[str, torch.Tensor]:
 
 def _digest(path: str) -> str:
     h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
+    with pfiles.open_regular(path) as f:
         while chunk := f.read(8 << 20):
             h.update(chunk)
     return h.hexdigest()
 
 
 def _json(path: str) -> Any:
-    if os.path.getsize(path) > MAX_CONFIG_BYTES:
-        raise CorruptCheckpoint(f"{path}: over {MAX_CONFIG_BYTES} bytes")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptCheckpoint(f"{path}: not valid JSON ({e})") from None
+    """A JSON file of the source, parsed with unbroken's bounded reader (size, nesting)."""
+    with pfiles.open_regular(path) as f:
+        return loads_json(f.read(MAX_CONFIG_BYTES + 1), path, MAX_CONFIG_BYTES, unique=False)
 
 
 def _trainer_step(path: str) -> int:
@@ -236,6 +294,19 @@ def _holder(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     return root
 
 
+_MAX_NAME_PARTS = 64  # dotted parts of a tensor name (modules nested that deep)
+
+
+def _check_names(tensors: dict[str, torch.Tensor], src: str) -> None:
+    """Refuse a tensor name nested deeper than any model: its modules would be nested as
+    deep, and ``Module.state_dict`` recurses through them (5,000 parts: RecursionError)."""
+    for name in tensors:
+        parts = name.count(".") + 1
+        if parts > _MAX_NAME_PARTS:
+            raise CorruptCheckpoint(f"{src}: tensor {name[:80]!r}... has {parts} dotted "
+                                    f"parts; at most {_MAX_NAME_PARTS} are imported")
+
+
 def import_checkpoint(src: str, run: str) -> dict[str, Any]:
     """Write ``src``'s weights as the first generation of the new run ``run`` (see the
     module doc); returns what was imported."""
@@ -250,6 +321,7 @@ def import_checkpoint(src: str, run: str) -> dict[str, Any]:
         raise UsageError(f"{run}: exists and is not a folder (a file, or a link to nothing); "
                          "name a new run folder")
     source = read_source(src)
+    _check_names(source["tensors"], src)
     config = source["config"]
     identity = Identity(config=config if isinstance(config, dict) else None)
     ckpt = Checkpointer(run, model=_holder(source["tensors"]), identity=identity)
