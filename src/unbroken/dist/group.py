@@ -29,9 +29,16 @@ def background_group(process_group: Any, timeout: float) -> Group:
     import torch.distributed as dist
 
     if process_group is None:
-        return Group(dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
+        group = Group(dist.new_group(backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout)))
+        # (named by a counter that never goes back: a later group never meets this one's
+        # rendezvous keys in the store, so `close` may tear it down)
+        group.disposable = True
+        return group
     # A subgroup's ranks alone make it (others may be making their own subgroup's at the same
-    # point: a group of every rank's would pair them up wrongly), named by its ranks.
+    # point: a group of every rank's would pair them up wrongly), named by its ranks. Never
+    # torn down: torch names the next group of the same ranks as this one once it is gone,
+    # and its rendezvous would read this one's keys, left in the store.
     return Group(dist.new_group(ranks=dist.get_process_group_ranks(process_group),
                                 backend="gloo", timeout=datetime.timedelta(seconds=timeout),
                                 use_local_synchronization=True))
@@ -78,6 +85,7 @@ class Group:
                              "not one of its ranks; pass the subgroup this rank belongs to")
         self.active = joined and dist.get_world_size(process_group) > 1
         self.pg = process_group
+        self.disposable = False  # (a group `background_group` made that `destroy` may end)
         self.rank = dist.get_rank(process_group) if self.active else 0
         self.size = dist.get_world_size(process_group) if self.active else 1
         # torch names a broadcast's source by its rank in the world, not in the group
@@ -96,12 +104,13 @@ class Group:
         return self.rank == 0
 
     def destroy(self) -> None:
-        """Tear down a group this process made (`background_group`), once no collective of
-        its is pending on any rank: its gloo threads and connections end here, not in the
-        interpreter's teardown, where a live group's threads can abort the process
-        ("terminate called without an active exception"). Local, not collective."""
+        """Tear down a group `background_group` made (``disposable``; any other is left as
+        it is), once no collective of its is pending on any rank: its gloo threads and
+        connections end here, not in the interpreter's teardown, where a live group's
+        threads can abort the process ("terminate called without an active exception").
+        Local, not collective."""
         dist: Any = sys.modules.get("torch.distributed")
-        if self.pg is not None and dist is not None and dist.is_initialized():
+        if self.disposable and self.pg is not None and dist is not None and dist.is_initialized():
             try:
                 dist.destroy_process_group(self.pg)
             except (RuntimeError, ValueError):  # (already gone with the default group)
