@@ -157,10 +157,10 @@ def _read_stream(f: _Capped) -> PickleFile:
 
 def _read_tar(raw: BinaryIO) -> PickleFile | None:
     """The legacy tar format, or None when ``raw`` is not a tar file (what torch's
-    ``tarfile.open`` decides). ``torch.load`` reads this format only with
-    ``weights_only=False``, unpickling each member with the full unpickler: it is always
-    flagged. Every pickle of the ``storages``, ``tensors`` and ``pickle`` members is
-    scanned, as far as their records can be followed."""
+    ``tarfile.open`` decides). torch reads this format only with its full loader (never
+    the weights-only one), which runs whatever each member names: it is always flagged.
+    Every pickle of the ``storages``, ``tensors`` and ``pickle`` members is scanned, as far
+    as their records can be followed."""
     try:
         tar = tarfile.open(fileobj=raw, mode="r:")
     except tarfile.TarError:
@@ -170,8 +170,8 @@ def _read_tar(raw: BinaryIO) -> PickleFile | None:
             "tar", PickleScan(error=f"a tar file tarfile cannot read ({e!s:.200})"))])
     out = PickleFile("torch.save (legacy tar format)")
     out.scans.append(("tar", PickleScan(error=(
-        "the legacy tar format: torch.load reads it only with weights_only=False, "
-        "unpickling its members with the full unpickler"))))
+        "the legacy tar format: torch reads it only with its full loader (not the "
+        "weights-only one), which runs whatever its members name"))))
     with tar:
         try:
             for count, member in enumerate(tar):

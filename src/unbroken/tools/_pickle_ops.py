@@ -1,13 +1,13 @@
 """Decoding a pickle's instructions (opcode and argument) without executing them, for
 `._pickle_scan`.
 
-``pickletools.genops`` is stricter than the unpicklers that run the file: it reads an INT or
-LONG in base 10 where they read ``int(text, 0)`` (``I0x10``), a STRING as ASCII where
-``torch.load`` decodes UTF-8, and it requires a newline where ``pickle._Unpickler`` does not.
-A stream it rejected was filed as "not a pickle" while ``torch.load`` ran its globals. Here
-every argument is read at least as permissively as both of CPython's unpicklers
-(``pickle._Unpickler`` in Lib/pickle.py and the C ``_pickle`` that ``pickle.load`` and
-``torch.load`` use): a stream either of them accepts, this accepts. Where it fails, the error
+``pickletools.genops`` is stricter than the readers that run the file: it reads an INT or
+LONG in base 10 where they read ``int(text, 0)`` (``I0x10``), a STRING as ASCII where torch's
+loader decodes UTF-8, and it requires a newline where CPython's pure-Python reader does not.
+A stream it rejected was filed as "not a pickle" while torch's full loader ran its globals.
+Here every argument is read at least as permissively as both of CPython's readers (the
+pure-Python one in Lib/pickle.py and the C one that torch's loader uses): a stream either of
+them accepts, this accepts. Where it fails, the error
 says whether the real unpicklers certainly fail at the same point too (`PickleSyntaxError.
 certain`): only such a failure on the very first instruction lets a file be called "not a
 pickle"."""
@@ -78,8 +78,8 @@ def _skip(f: Readable, n: int) -> None:
 
 def _line(f: Readable) -> bytes:
     """One text argument as the unpicklers read it: up to and including its newline. At the
-    end of the stream a line without one is returned as it is (pickle._Unpickler then drops
-    its last character; the C unpickler refuses it)."""
+    end of the stream a line without one is returned as it is (the pure-Python reader then
+    drops its last character; the C reader refuses it)."""
     data = f.readline(MAX_LINE + 1)
     if len(data) > MAX_LINE and not data.endswith(b"\n"):
         raise PickleSyntaxError(f"a text argument over {MAX_LINE} bytes", certain=False)
@@ -89,8 +89,8 @@ def _line(f: Readable) -> bytes:
 
 
 def _bodies(line: bytes) -> list[bytes]:
-    """The argument's text as each unpickler sees it: pickle._Unpickler drops the last
-    character; the C unpickler reads up to the newline, as a C string (to its first NUL)."""
+    """The argument's text as each reader sees it: the pure-Python one drops the last
+    character; the C one reads up to the newline, as a C string (to its first NUL)."""
     out = [line[:-1]]
     if line.endswith(b"\n"):
         out.append(line[:-1].split(b"\0", 1)[0])
@@ -108,7 +108,7 @@ _STRTOD = re.compile(rb"[+-]?(inf(inity)?|nan|(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?)(
 
 def _int_text(line: bytes, base: int, long: bool = False) -> int:
     """An INT, LONG, GET or PUT argument, accepted if either unpickler accepts it."""
-    candidates = [line] if not long else []  # pickle._Unpickler's INT: int(line, 0)
+    candidates = [line] if not long else []  # (the pure-Python reader's INT: int(line, 0))
     for body in _bodies(line):
         candidates.append(body[:-1] if long and body.endswith(b"L") else body)
     for text in candidates:

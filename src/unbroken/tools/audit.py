@@ -266,8 +266,8 @@ MAX_DCP_BYTES = 4 << 30  # bytes entries read per DCP folder, all together
 
 
 def _dcp_bytes(path: str, storage: Any, as_bytes: set[Any], audit: Audit) -> dict[Any, Any]:
-    """Scan every bytes entry (DCP loads it with ``torch.load(weights_only=False)``: a
-    torch.save archive, or any pickle) for globals; return each entry's value as far as it
+    """Scan every bytes entry (DCP loads it with torch's full loader, not the weights-only
+    one: a torch.save archive, or any pickle) for globals; return each entry's value as far as it
     is plain data. An entry whose range cannot be read is reported, flagged."""
     out: dict[Any, Any] = {}
     if not isinstance(storage, dict):
