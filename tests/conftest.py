@@ -49,3 +49,18 @@ def fast_tmp(tmp_path):
         shutil.rmtree(d, ignore_errors=True)
     else:
         yield tmp_path
+
+
+@pytest.fixture
+def sealed_export(tmp_path):
+    """(folder, model): an inference export of a seeded Linear(4, 2), with identity, lineage
+    and recorded outputs on fixed inputs (export.json sealed by its checksum)."""
+    import torch
+
+    from unbroken.tools.export import export_model
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    export_model(model, tmp_path / "exp", identity={"config": {"width": 4}},
+                 lineage={"run_id": "r", "step": 1}, inputs=torch.randn(3, 4))
+    return tmp_path / "exp", model

@@ -128,13 +128,6 @@ def test_values_already_inf_or_nan_are_not_blamed_on_the_cast(tmp_path):
 # -- export.json's own checksum ----------------------------------------------------------------
 
 
-@pytest.fixture
-def sealed(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    export_model(model, tmp_path / "exp", identity={"config": {"width": 4}},
-                 lineage={"run_id": "r", "step": 1}, inputs=torch.randn(3, 4))
-    return tmp_path / "exp", model
 
 
 def _edit(folder, change) -> None:
@@ -144,8 +137,8 @@ def _edit(folder, change) -> None:
     path.write_text(json.dumps(doc, indent=2))
 
 
-def test_export_json_carries_a_checksum_of_its_other_fields(sealed):
-    folder, model = sealed
+def test_export_json_carries_a_checksum_of_its_other_fields(sealed_export):
+    folder, model = sealed_export
     doc = json.loads((folder / "export.json").read_text())
     assert doc["checksum"] == checksum(doc)
     assert verify_export(folder, model)["checksum"] == doc["checksum"]
@@ -161,15 +154,15 @@ def test_export_json_carries_a_checksum_of_its_other_fields(sealed):
     lambda d: d.update(checksum="0" * 32),
     lambda d: d.update(extra=1),
 ], ids=["identity", "lineage", "cast", "dtype", "fixed-null", "created", "checksum", "added"])
-def test_any_edit_of_export_json_is_corruption(sealed, change):
-    folder, model = sealed
+def test_any_edit_of_export_json_is_corruption(sealed_export, change):
+    folder, model = sealed_export
     _edit(folder, change)
     with pytest.raises(CorruptCheckpoint, match="export.json checksum .*export again"):
         verify_export(folder, model)
 
 
-def test_an_export_without_a_checksum_still_verifies_and_says_so(sealed):
-    folder, model = sealed
+def test_an_export_without_a_checksum_still_verifies_and_says_so(sealed_export):
+    folder, model = sealed_export
     _edit(folder, lambda d: d.pop("checksum"))
     with pytest.warns(UnbrokenWarning, match="no checksum"):
         report = verify_export(folder, model)

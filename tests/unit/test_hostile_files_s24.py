@@ -19,18 +19,11 @@ from unbroken.errors import CorruptCheckpoint
 from unbroken.state._digest import digest_tree
 from unbroken.state.jsontext import loads_json
 from unbroken.store.manifest import checksum
-from unbroken.tools.export import export_model, verify_export
+from unbroken.tools.export import verify_export
 
 # -- verify-export of a damaged, resealed export -----------------------------------------------
 
 
-@pytest.fixture
-def export(tmp_path):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 2)
-    export_model(model, tmp_path / "exp", identity={"config": {"width": 4}},
-                 lineage={"run_id": "r", "step": 1}, inputs=torch.randn(3, 4))
-    return tmp_path / "exp", model
 
 
 def _reseal(folder: Path, change_doc=None) -> None:
@@ -79,9 +72,9 @@ def _uncovered(folder: Path) -> None:
     (_utf8, "model.safetensors: not valid UTF-8"),
     (_uncovered, "model.safetensors: tensors cover"),
 ], ids=["fixed-truncated", "weights-truncated", "entry-without-dtype", "utf8", "uncovered"])
-def test_a_damaged_resealed_export_is_corruption_naming_its_file(export, capsys, damage, named
-                                                                  ) -> None:
-    folder, model = export
+def test_a_damaged_resealed_export_is_corruption_naming_its_file(sealed_export, capsys, damage,
+                                                                  named) -> None:
+    folder, model = sealed_export
     damage(folder)
     _reseal(folder)
     with pytest.raises(CorruptCheckpoint, match=named):
@@ -92,8 +85,9 @@ def test_a_damaged_resealed_export_is_corruption_naming_its_file(export, capsys,
 
 
 @pytest.mark.parametrize("tensors", [5, [], "x", {"weight": 3}])
-def test_an_export_listing_its_tensors_as_no_mapping_is_not_an_export(export, tensors) -> None:
-    folder, model = export
+def test_an_export_listing_its_tensors_as_no_mapping_is_not_an_export(sealed_export,
+                                                                       tensors) -> None:
+    folder, model = sealed_export
     _reseal(folder, lambda doc: doc["weights"].update(tensors=tensors))
     with pytest.raises(CorruptCheckpoint, match="export.json: not an export document"):
         verify_export(folder, model)
