@@ -1,6 +1,7 @@
 """Lightning's loops for the Lightning adapter (`unbroken.integrations.lightning`): the training
 state besides the model and optimizer, as a state part (`_LoopState`: the fit loop's progress
-trackers, the callbacks' and datamodule's state, the callback metrics and a requested stop),
+trackers, the callbacks' and datamodule's state, the callback metrics, the running epoch
+aggregates of logged training metrics (`._lightning_results`) and a requested stop),
 and validation inside ``fit`` that leaves training's random streams as it found them
 (`_QuietValidation`).
 
@@ -27,9 +28,14 @@ from lightning.pytorch.loops.progress import _BaseProgress
 
 from ..errors import StateMismatch, UnsupportedSetup
 from ..state.rng import fork_rng_streams
+from ._lightning_results import check_saved, load_results, save_results
 
-_STATE_VERSION = 3  # 2: with the callbacks' and datamodule's state; 3: the callback metrics
-_READS = (2, _STATE_VERSION)  # a version-2 generation resumes with no callback metrics
+# 2: with the callbacks' and datamodule's state; 3: the callback metrics; 4: the running epoch
+# aggregates of training metrics ("results")
+_STATE_VERSION = 4
+# A version-2 generation resumes with no callback metrics, a version-2 or 3 one with no
+# running aggregates (as before: the resumed epoch's values cover its later batches only).
+_READS = (2, 3, _STATE_VERSION)
 
 
 class _LoopState:
@@ -41,7 +47,9 @@ class _LoopState:
     ``LightningDataModule``, and ``trainer.callback_metrics`` as logged so far (tensors and
     numbers): a validation in the middle of an epoch (``val_check_interval``) logs what an
     epoch-end plateau scheduler or ``EarlyStopping(check_on_train_epoch_end=True)`` reads
-    after a resume."""
+    after a resume; and what ``self.log(..., on_epoch=True)`` has accumulated so far in the
+    running training epoch (`._lightning_results`), so that its epoch value covers all the
+    epoch's batches."""
 
     def __init__(self, trainer: pl.Trainer) -> None:
         # (Untyped: the Trainer's connectors set callbacks and datamodule, read by name.)
@@ -50,6 +58,11 @@ class _LoopState:
         self._pending: dict[str, Any] | None = None  # re-applied after the epoch loop resets
 
     def state_dict(self) -> dict[str, Any]:
+        return {**self._live(), "results": save_results(self._trainer)}
+
+    def _live(self) -> dict[str, Any]:
+        """The state without the running aggregates (which a restore replaces: a check of a
+        saved state against the live one must not refuse what it is about to replace)."""
         datamodule = self._trainer.datamodule
         return {"version": _STATE_VERSION, "progress": _progress(self._fit),
                 "batches_that_stepped": self._fit.epoch_loop._batches_that_stepped,
@@ -71,7 +84,7 @@ class _LoopState:
 
     def validate_state_dict(self, state: Mapping[str, Any], where: str) -> None:
         """Refuse a state of another shape before anything is loaded."""
-        live = self.state_dict()
+        live = self._live()
         if not isinstance(state, Mapping) or state.get("version") not in _READS:
             raise StateMismatch(f"{where}: not a version-{' or '.join(map(str, _READS))} "
                                 f"state of Lightning's loops (found {state!r:.80})")
@@ -81,6 +94,8 @@ class _LoopState:
                 f"{where}: the saved callback metrics are not a mapping of names to tensors "
                 f"or numbers (found {metrics!r:.80}); the generation was not written by this "
                 "adapter: resume from another generation or start a new run folder")
+        if state.get("version") == _STATE_VERSION:
+            check_saved(state.get("results"), self._trainer.lightning_module, where)
         if _shape(state.get("progress")) != _shape(live["progress"]) or not isinstance(
                 state.get("batches_that_stepped"), int) or not isinstance(
                 state.get("should_stop"), bool):
@@ -117,15 +132,27 @@ class _LoopState:
         device = self._trainer.strategy.root_device
         self._trainer._logger_connector._callback_metrics = {
             key: _on(value, device) for key, value in state.get("metrics", {}).items()}
+        if "results" in state:  # (version 4; older generations resume without them)
+            load_results(self._trainer, state["results"])
         epoch = fit.epoch_progress.current
         if epoch.ready > epoch.processed:
             # Saved inside an epoch: re-enter it without its start hooks (they ran before the
             # save) and set the batch counters again once the epoch loop has reset them.
             fit._restart_stage = RestartStage.RESTARTED_MID_EPOCH
             self._pending = dict(state)
+            self._first_batch_note()
         else:
             fit._restart_stage = RestartStage.NONE
             self._pending = None
+
+    def _first_batch_note(self) -> None:
+        """The logger connector's note of the epoch's first batch as the uninterrupted run has
+        it at the next batch: a ``log`` in the epoch's first batch resets the entries of its
+        hook, a later one accumulates (so after a restore past the first batch the note must
+        say 'started', or the first ``log`` would wipe the restored running aggregates)."""
+        started = self._fit.epoch_loop.batch_progress.current.ready > 0
+        # (``on_batch_start`` turns None into True, the first batch, and True into False.)
+        self._trainer._logger_connector._first_loop_iter = True if started else None
 
     def _apply(self, state: Mapping[str, Any]) -> None:
         _load_progress(self._fit, state["progress"])

@@ -30,8 +30,12 @@ What stands between ``Trainer.fit`` and an exact mid-epoch resume, and how it is
   holds what Lightning's checkpoint keeps of the callbacks (each ``state_dict()``, e.g.
   ``EarlyStopping``'s patience count and best score; a resume needs the same stateful
   callbacks), of a ``LightningDataModule``, ``trainer.should_stop`` (an early-stopped run
-  stays stopped) and ``trainer.callback_metrics`` (a validation before the save, e.g. by
-  ``val_check_interval``, logged what an epoch-end plateau scheduler or EarlyStopping reads).
+  stays stopped), ``trainer.callback_metrics`` (a validation before the save, e.g. by
+  ``val_check_interval``, logged what an epoch-end plateau scheduler or EarlyStopping reads)
+  and the running epoch aggregates of training metrics logged with ``on_epoch=True`` (the
+  sum or extreme so far and, for a mean, the summed batch sizes; `._lightning_results`), so
+  that an epoch value such as ``train_loss_epoch``, and a plateau scheduler or EarlyStopping
+  that monitors it, covers all the epoch's batches after a resume.
 * **RNG and state.** Model (the LightningModule), optimizer, LR scheduler, the precision
   plugin's ``GradScaler`` (16-bit mixed precision), the Python, NumPy and torch RNG streams
   (and any ``generators=`` registered) go through `unbroken.Checkpointer` as usual; seeding
@@ -47,11 +51,11 @@ Configurations that cannot continue exactly are refused with `UnsupportedSetup` 
 train dataloaders, several optimizers or LR schedulers, manual optimization, a loader
 ``accumulation`` different from ``accumulate_grad_batches``, a
 ``GradientAccumulationScheduler``, ``limit_train_batches``, ``overfit_batches``,
-``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``.
-Not saved (as with Lightning's own checkpoints): the running epoch's aggregates of training
-metrics logged with ``on_epoch=True`` accumulate over the batches of the process that logs
-them (a plateau scheduler or EarlyStopping should monitor a validation metric or a per-step
-one; the callback metrics logged before the save are restored), and what
+``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``; and, at the first batch that
+logs it, a training metric whose running epoch aggregate cannot be saved: a
+``torchmetrics.Metric`` logged with ``on_epoch=True``, any ``on_epoch=True`` training metric in
+a job of several processes (each holds its own share; ``sync_dist`` syncs only at the epoch's
+end) or a ``sync_dist_group``. Not saved (as with Lightning's own checkpoints): what
 ``on_save_checkpoint`` hooks would add to Lightning's checkpoint dict.
 """
 
@@ -73,6 +77,7 @@ from ..trace import TRACE_ENV
 from ._closing import close_after
 from ._lightning_checks import _check_trainer, _not_resumable
 from ._lightning_loops import _LoopState, _QuietValidation
+from ._lightning_results import check_results
 
 __all__ = ["LOOPS", "UnbrokenCallback", "UnsupportedSetup"]
 
@@ -231,8 +236,11 @@ class UnbrokenCallback(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
                            outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Note an update that this batch completed; it is marked done at its boundary."""
+        """Note an update that this batch completed; it is marked done at its boundary.
+        Refuse a logged metric whose running epoch aggregate no save could hold now, not at
+        the first save inside an epoch (hours later, or at a SIGTERM)."""
         assert self._loader is not None
+        check_results(trainer)
         stepped = trainer.global_step - self.step
         if stepped not in (0, 1) or bool(stepped) != self._loader.at_boundary:
             raise UpdateBoundaryError(
