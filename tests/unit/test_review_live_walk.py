@@ -764,7 +764,7 @@ def test_a_cyclic_module_graph_fails_like_state_dict_instead_of_walking_forever(
 # DEFECT (fixed in src during the review; probably older than these changes, found by the
 # generated models): a module whose
 # get_extra_state returns a dict (the usual case: TransformerEngine, torchao, user counters)
-# saves, but its generation is refused as *corrupt* on restore: `optim.validate_model` loops
+# saves, but its generation is refused as *corrupt* on restore: `modelcheck.validate_model` loops
 # over `walked.live_tensors()` (= state_dict(), extra state included) and evaluates
 # ``tuple(t.shape)`` of the dict (AttributeError -> "saved state does not validate"), so the
 # run can never be continued. model.load_state_dict(original.state_dict()) restores it.

@@ -19,7 +19,8 @@ from ..errors import CorruptCheckpoint
 from ..state.codec import encode_tree
 from ..state.decoding import decode_tree
 from ..state.jsontext import dumps_json, loads_json
-from ..state.optim import optimizer_state, optimizer_state_to_torch, validate_model
+from ..state.modelcheck import validate_model
+from ..state.optim import optimizer_state, optimizer_state_to_torch
 from ..state.tensorfile import decode_safetensors, encode_safetensors
 
 _FORMAT = "unbroken.cs336/1"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue, shown
-from .livemodel import LiveModel, param_names
+from .livemodel import param_names
 
 
 def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -183,131 +183,6 @@ def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
                 if x != y:
                     return f"group {gi} position {pi} is {x!r}, live is {y!r}"
     return "same names"
-
-
-def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
-                   dtypes: bool = True, live: Mapping[str, Any] | None = None
-                   ) -> Mapping[str, Any]:
-    """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
-    model; returns the state to load. A warm start may change precision (fp32 weights into a
-    bf16 model): load_state_dict converts. A name the live model ties to a saved one (one
-    tensor under two names, as a language model's output layer shares the input embedding) is
-    filled in from it: a checkpoint written elsewhere (``save_pretrained``, an import) keeps
-    only one name, and loading that one fills both. ``live``: the model's tensors by name
-    (`LiveModel.live_tensors`), when known already."""
-    if not isinstance(saved, Mapping):
-        raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
-    if live is None:
-        live = LiveModel(model).live_tensors()
-    missing = [k for k in live if k not in saved]
-    if missing:
-        try:
-            held = {_view(t): k for k, t in live.items()
-                    if k in saved and isinstance(t, torch.Tensor)}
-            tied = {k: held[_view(live[k])] for k in missing
-                    if isinstance(live[k], torch.Tensor) and live[k].numel()
-                    and _view(live[k]) in held}
-        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-            tied = {}
-        saved = {**saved, **{k: saved[v] for k, v in tied.items()}}
-        missing = [k for k in missing if k not in tied]
-    unexpected = [k for k in saved if k not in live]
-    if missing or unexpected:
-        raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
-                            f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
-    for k, t in live.items():
-        s = saved[k]
-        if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
-            continue
-        if isinstance(t, _UNINITIALIZED):  # (a lazy module's: it has no shape yet)
-            raise StateMismatch(f"{where}: live model tensor {k!r} is uninitialized (a lazy "
-                                "module, e.g. LazyLinear, that has not run yet) and cannot take "
-                                "the saved one; run one forward pass, or otherwise materialize "
-                                "the lazy modules, before restore()")
-        if t.is_meta:  # (copying into it does nothing: the restore would "succeed" empty)
-            raise StateMismatch(f"{where}: live model tensor {k!r} is on the meta device and "
-                                "holds no memory to restore into; materialize the model "
-                                "first (e.g. model.to_empty(device='cpu')), then restore()")
-        if type(t) not in _PLAIN_TENSORS and type(s) is not type(t):
-            from ..dist.sharded import is_sharded  # (imports DTensor only where one is live)
-
-            if is_sharded(t) and not is_sharded(s):  # (checked here: before any live change)
-                raise StateMismatch(
-                    f"{where}: model tensor {k!r} is sharded in the live model (a DTensor, "
-                    "FSDP2) but was saved unsharded: a generation saved without sharding "
-                    "cannot be loaded into an FSDP2 model; continue it with the model as it "
-                    "was saved (unsharded), or save it from a sharded job")
-        if (not isinstance(s, torch.Tensor) or s.shape != t.shape
-                or dtypes and s.dtype != t.dtype):
-            found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
-                     else type(s).__name__)
-            raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
-                                f"{t.dtype} (live model), found {found}")
-        if s.dtype != t.dtype and (peak := cast_overflow(s, t.dtype)) is not None:
-            # (a warm start's cast: load_state_dict would make these finite weights inf)
-            raise StateMismatch(
-                f"{where}: model tensor {k!r} holds finite {s.dtype} values up to "
-                f"{peak:.6g} in magnitude, beyond the live model's {t.dtype} (largest "
-                f"{torch.finfo(t.dtype).max:.6g}): the cast would make them inf or nan; "
-                "warm start into a model of a wider dtype (e.g. float32), then convert")
-    return saved
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-_REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
-
-
-# A lazy module's parameter or buffer before its first forward (torch does not export the
-# class's name to type checkers).
-_UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # noqa: B009
-
-
-# Prefixes a wrapper puts before every key of the model it wraps: torch.compile's
-# OptimizedModule, DataParallel and DistributedDataParallel.
-_WRAPPERS = {"_orig_mod.": "a torch.compile'd model (torch.compile(model))",
-             "module.": "a DataParallel / DistributedDataParallel wrapper"}
-
-
-def _wrapped(missing: list[str], unexpected: list[str]) -> str:
-    """The remedy for keys that differ: a wrapper on one side only (every key of one side is
-    the other's with its prefix), or another model definition."""
-    for prefix, what in _WRAPPERS.items():
-        for bare, prefixed, side, other in ((missing, unexpected, "checkpoint", "live model"),
-                                            (unexpected, missing, "live model", "checkpoint")):
-            if prefixed and sorted(prefixed) == sorted(prefix + k for k in bare):
-                return (f"the {side}'s keys are the {other}'s with {prefix!r} before each "
-                        f"({what} on the {side}'s side only); give the Checkpointer the model "
-                        "as it was given when saving, wrapped or not")
-    return "the checkpoint was written by another model definition"
-
-
-def cast_overflow(s: torch.Tensor, dtype: torch.dtype) -> float | None:
-    """The largest magnitude among ``s``'s finite values when a cast to ``dtype`` cannot hold
-    it (IEEE types make it inf, float8_e4m3fn clamps it to 448 without a word), or None.
-    Values already inf or nan are not the cast's doing; the largest magnitude decides for
-    all (casts are monotonic), found by one ``aminmax`` for the usual tensor."""
-    if (not s.is_floating_point() or not dtype.is_floating_point or s.is_meta
-            or not s.numel() or torch.finfo(dtype).max >= torch.finfo(s.dtype).max):
-        return None
-    if s.dtype not in _REDUCIBLE:  # (float8: no aminmax or isfinite of its own)
-        s = s.float()
-    ends = torch.stack(torch.aminmax(s))
-    if not bool(torch.isfinite(ends).all()):
-        ends = s[torch.isfinite(s)]
-        if not ends.numel():
-            return None
-    peak = ends.abs().max().double()
-    info = torch.finfo(dtype)
-    # (within an ulp above the largest value, a cast rounds to it: no loss worth refusing)
-    if bool(torch.isfinite(peak.to(dtype).float())) and float(peak) <= info.max * (1 + info.eps):
-        return None
-    return float(peak)
-
-
-def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
-    """Where a tensor's elements are: two names with the same view hold one tensor."""
-    return (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape),
-            tuple(t.stride()))
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],

@@ -25,12 +25,8 @@ from ..errors import (
     shown,
 )
 from .livemodel import LiveModel
-from .optim import (
-    load_optimizer_state,
-    optimizer_state,
-    optimizer_state_to_torch,
-    validate_model,
-)
+from .modelcheck import validate_model
+from .optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
 from .wellformed import (
     TORCH_OPTIM,
     group_problems,

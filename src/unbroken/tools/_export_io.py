@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenError, UnsupportedValue
 from ..state.generation import check_sizes, check_stamps, decode_generation
-from ..state.optim import cast_overflow
+from ..state.modelcheck import cast_overflow
 from ..state.parts import MODEL, STATE_FILE
 from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
