@@ -19,6 +19,7 @@ from ..errors import CorruptCheckpoint
 from ..state.codec import encode_tree
 from ..state.decoding import decode_tree
 from ..state.jsontext import dumps_json, loads_json
+from ..state.livemodel import with_versions
 from ..state.modelcheck import validate_model
 from ..state.optim import optimizer_state, optimizer_state_to_torch
 from ..state.tensorfile import decode_safetensors, encode_safetensors
@@ -83,6 +84,6 @@ def load_checkpoint(src: str | os.PathLike[str] | IO[bytes], model: torch.nn.Mod
         raise CorruptCheckpoint(f"{where}: expected model, optimizer and an integer iteration")
     validate_model(tree["model"], model, str(where))
     ready = optimizer_state_to_torch(tree["optimizer"], model, optimizer, str(where))
-    model.load_state_dict(tree["model"])
+    model.load_state_dict(with_versions(model, tree["model"]))
     optimizer.load_state_dict(ready)
     return int(tree["iteration"])

@@ -70,6 +70,23 @@ _MAPPINGS: dict[type, str] = {dict: "dict", OrderedDict: "odict", Counter: "coun
 _MAPPING_TYPES: dict[str, Any] = {v: k for k, v in _MAPPINGS.items()}
 
 
+def uninitialized(path: str, t: torch.Tensor) -> Exception:
+    """The refusal of a lazy module's parameter or buffer before its first forward (it has no
+    shape or data yet; torch raises a ValueError when asked for its address)."""
+    if not isinstance(t, UNINITIALIZED):
+        return UnsupportedValue(f"{path}: a {type(t).__name__} whose data cannot be read "
+                                "cannot be stored")
+    return UnsupportedValue(f"{path}: an uninitialized parameter of a lazy module (e.g. "
+                            "LazyLinear) that has not run yet holds no data to store; run one "
+                            "forward pass, or otherwise materialize the lazy modules, before "
+                            "saving")
+
+
+# A lazy module's parameter or buffer before its first forward (torch does not export the
+# class's name to type checkers).
+UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # noqa: B009
+
+
 def view_ident(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What makes two tensor objects one view of the same data (tied weights: two state_dict
     entries of one parameter); None for a tensor without memory of its own (empty, or a
@@ -121,6 +138,8 @@ class _Encoder(Planning):
             ptr = t.data_ptr()
         except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
             ptr = 0
+        except ValueError:  # (what torch raises for a lazy module's parameter)
+            raise uninitialized(path, t) from None
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
         held = self._views.get(at)
         if held is not None:

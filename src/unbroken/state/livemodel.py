@@ -7,6 +7,7 @@ and says when a module's own code or hooks make ``state_dict()`` the only faithf
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -133,3 +134,20 @@ def param_names(model: torch.nn.Module) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), name)
     return names
+
+
+def with_versions(module: object, state: Mapping[str, Any]) -> Any:
+    """``state`` as ``module.state_dict()`` returns it, with the version of each module
+    (``_metadata``), for the module's own ``load_state_dict``: a module whose
+    ``_load_from_state_dict`` upgrades an older layout (``_version`` 2 and later; observers,
+    old checkpoints) reads its version there, and without one treats the state as the oldest
+    layout, rewriting state that is current. The versions are the live modules': generations
+    do not record them, and a continuation runs the code that saved it. ``state`` as it is
+    when ``module`` is no module."""
+    if not isinstance(module, torch.nn.Module):
+        return state
+    out: OrderedDict[str, Any] = OrderedDict(state)
+    out._metadata = OrderedDict(  # type: ignore[attr-defined]
+        (name, {"version": m._version})
+        for name, m in module.named_modules(remove_duplicate=False))
+    return out

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch
+from .codec import UNINITIALIZED
 from .livemodel import LiveModel
 
 
@@ -47,7 +48,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
             continue
-        if isinstance(t, _UNINITIALIZED):  # (a lazy module's: it has no shape yet)
+        if isinstance(t, UNINITIALIZED):  # (a lazy module's: it has no shape yet)
             raise StateMismatch(f"{where}: live model tensor {k!r} is uninitialized (a lazy "
                                 "module, e.g. LazyLinear, that has not run yet) and cannot take "
                                 "the saved one; run one forward pass, or otherwise materialize "
@@ -66,7 +67,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                     "cannot be loaded into an FSDP2 model; continue it with the model as it "
                     "was saved (unsharded), or save it from a sharded job")
         if (not isinstance(s, torch.Tensor) or s.shape != t.shape
-                or dtypes and s.dtype != t.dtype):
+                and not _resizes(model, k) or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
                      else type(s).__name__)
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
@@ -83,11 +84,6 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
-
-
-# A lazy module's parameter or buffer before its first forward (torch does not export the
-# class's name to type checkers).
-_UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # noqa: B009
 
 
 # Prefixes a wrapper puts before every key of the model it wraps: torch.compile's
@@ -130,6 +126,21 @@ def cast_overflow(s: torch.Tensor, dtype: torch.dtype) -> float | None:
     if bool(torch.isfinite(peak.to(dtype).float())) and float(peak) <= info.max * (1 + info.eps):
         return None
     return float(peak)
+
+
+def _resizes(model: torch.nn.Module, key: str) -> bool:
+    """Whether the module holding tensor ``key`` is one of torch's quantization modules that
+    load their own way (``torch.ao``: a per-channel observer or fake quantizer of
+    quantization-aware training resizes its scale, zero point and ranges to the saved ones in
+    its ``_load_from_state_dict``, and refuses what it cannot take). Any other module keeps
+    the shape check: a changed model definition (a BatchNorm of another width) is refused
+    here, before anything is loaded. Asked only for a tensor whose shape differs."""
+    try:
+        m = model.get_submodule(key.rpartition(".")[0])
+    except AttributeError:
+        return False
+    return (type(m).__module__.startswith("torch.ao.")
+            and type(m)._load_from_state_dict is not torch.nn.Module._load_from_state_dict)
 
 
 def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:

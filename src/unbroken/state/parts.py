@@ -24,7 +24,7 @@ from ..errors import (
     UnsupportedValue,
     shown,
 )
-from .livemodel import LiveModel
+from .livemodel import LiveModel, with_versions
 from .modelcheck import validate_model
 from .optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
 from .wellformed import (
@@ -291,16 +291,18 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
             elif name == OPTIMIZER:
                 load_optimizer_state(obj, ready[name], mapped)  # type: ignore[arg-type]
             elif name in big:
-                obj.load_state_dict(ready[name])
+                obj.load_state_dict(with_versions(obj, ready[name]))
                 if name == MODEL and mapped is not None:
                     for t in ready[name].values():  # copied by load_state_dict
-                        mapped.release(t)
+                        if isinstance(t, torch.Tensor):  # (not a module's extra state)
+                            mapped.release(t)
             else:  # (a small part keeps what it is given: its own copy, not views of a
                 # file's buffer, which it could not resize)
                 load = obj.load_state_dict
                 if name == RNG and again:  # (spawn counts cannot be put back: set last)
                     load = getattr(obj, "load_streams", load)
-                load(_own(ready[name], name))
+                state = _own(ready[name], name)
+                load(with_versions(obj, state) if isinstance(state, Mapping) else state)
             if name in big and mapped is not None:
                 mapped.finish()  # large tensors are read in the background
         except Exception as e:
@@ -316,11 +318,12 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                     f"part {name!r}: reading the saved state into the live objects failed "
                     f"({e}); the {' and '.join(changed)} are partly restored now: build them "
                     "anew (restart) before restoring again") from e
-            if name == MODEL and OPTIMIZER in done:
+            if name in big:  # (its own load_state_dict may have copied some tensors)
+                before = " (the optimizer was restored already)" if OPTIMIZER in done else ""
                 raise StateMismatch(
                     f"part {name!r}: {type(obj).__name__}.load_state_dict refused the saved "
-                    f"state ({e}); the optimizer was restored already: build it anew "
-                    "(restart) before restoring again") from e
+                    f"state ({e}){before}; the {' and '.join(changed)} may be partly restored "
+                    "now: build them anew (restart) before restoring again") from e
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({e}); nothing was changed") from e
         done.append(name)

@@ -41,6 +41,7 @@ from ..errors import (
 )
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
+from ..state.livemodel import with_versions
 from ..state.tensorfile import decode_safetensors, encode_safetensors
 from ..store.backends.local import LocalFS
 from ..store.manifest import CHECKSUM, check_seal, checksum
@@ -184,7 +185,8 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
             raise StateMismatch(f"{path}: tensors {unknown[:5]} are not in the model "
                                 f"({type(model).__name__}); build the model the export is of")
         try:
-            model.load_state_dict(state, strict=not doc.get("adapter"))
+            model.load_state_dict(with_versions(model, state),
+                                  strict=not doc.get("adapter"))
         except RuntimeError as e:
             raise StateMismatch(f"{path}: does not load into {type(model).__name__} "
                                 f"({e!s:.400})") from None
