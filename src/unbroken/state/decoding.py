@@ -71,6 +71,11 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
                 return t
         try:
             return _decode_tagged(tag, obj, dec, depth, tensors, cache)
+        except _NotStored as e:
+            raise CorruptCheckpoint(
+                f"{where}: {e.args[0]} {e.args[1]!r:.60} is referenced but no tensor file of "
+                "the part holds it (the skeleton or the list of the part's files was edited, "
+                "or a file is missing from it)") from None
         except UnbrokenError:
             raise
         except Exception as e:  # noqa: BLE001 -- any failure on untrusted input is corruption
@@ -78,6 +83,11 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
                                     f"({type(e).__name__}: {e!s:.200})") from None
 
     return dec(skeleton, 0)
+
+
+class _NotStored(Exception):
+    """(what, key): a reference to a tensor the part's files do not hold (`decode_tree`
+    names the file)."""
 
 
 # The keys each tagged entry may have: anything else means the skeleton was edited.
@@ -107,7 +117,7 @@ def _raw_bytes(obj: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> memo
     key = obj["key"]
     t = tensors.get(key) if isinstance(key, str) else None
     if t is None:
-        raise CorruptCheckpoint(f"raw bytes {key!r:.60} are referenced but not stored")
+        raise _NotStored("raw bytes", key)
     if t.dtype != torch.uint8 or t.dim() != 1:
         raise ValueError(f"raw bytes stored as {t.dtype} {tuple(t.shape)}, expected 1-D uint8")
     return t.numpy().data
@@ -124,7 +134,7 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         if key in cache:
             return cache[key]
         if key not in tensors:
-            raise CorruptCheckpoint(f"tensor {key!r} is referenced but not stored")
+            raise _NotStored("tensor", key)
         t = tensors[key]
         if "dtype" in obj:
             dtype = _dtype_from_name(obj["dtype"], key)

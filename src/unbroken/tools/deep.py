@@ -85,10 +85,11 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
         # (a sharded generation read without its shards.json: what each parameter holds is
         # not all in the tree)
         complete = SHARDS_FILE not in names or shards is not None
-        groups = _optimizer(tree[OPTIMIZER], shapes, sharded, _file(where, names, OPTIMIZER),
-                            state_json, trained, later, complete)
+        groups = _optimizer(tree[OPTIMIZER], shapes, sharded,
+                            _Files(where, names, OPTIMIZER, read), state_json, trained, later,
+                            complete)
     if isinstance(model, Mapping):
-        file = _file(where, names, MODEL)
+        file = _Files(where, names, MODEL, read)
         for key, t in model.items():
             if isinstance(t, torch.Tensor):
                 # inf only where no optimizer trains it: a persistent attention mask holds
@@ -111,7 +112,7 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
 
 
 def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
-               sharded: Mapping[tuple[Any, ...], tuple[int, ...]], file: str, state_json: str,
+               sharded: Mapping[tuple[Any, ...], tuple[int, ...]], files: _Files, state_json: str,
                trained: set[str], out: list[str], complete: bool) -> int | None:
     """Check the optimizer part (name-keyed, see `unbroken.state.optim`); fill ``trained``
     with the parameter names its groups list; return the number of groups (None: unknown).
@@ -133,6 +134,7 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
             entry = held.get(at[2], {})
             if isinstance(entry, Mapping):
                 held[at[2]] = {**entry, at[3]: torch.empty(shape, device="meta")}
+    file = files.name
     out.extend(optimizer_state_problems(cls, held, groups, shapes, file, state_json,
                                         complete))
     for gi, g in enumerate(groups):
@@ -162,11 +164,12 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
                                     and not isinstance(entry["step"], torch.Tensor)):
             step = number(entry["step"])
             if step is None or not math.isfinite(step) or step < 0:
-                out.append(f"{_at(entry['step'], file, state_json)}: {label}['step'] is "
+                holder = _at(entry["step"], files, state_json)
+                out.append(f"{holder}: {label}['step'] is "
                            f"{show(entry['step'])}; expected a finite scalar >= 0")
         for path, t in _tensors(entry, label):
             if not path.endswith("['step']"):  # (reported above, with its own bound)
-                out.extend(_finite(t, path, file))
+                out.extend(_finite(t, path, files))
     return len(groups)
 
 
@@ -250,14 +253,14 @@ def _sharded_label(path: list[Any]) -> str:
 # -- tensors and values -------------------------------------------------------------------------
 
 
-def _finite(t: torch.Tensor, label: str, file: str, allow_inf: bool = False) -> list[str]:
+def _finite(t: torch.Tensor, label: str, file: _Files, allow_inf: bool = False) -> list[str]:
     """One message if ``t`` (floating or complex) holds NaN (or, unless ``allow_inf``, inf):
     how many of each, and the index of the first. Scanned in chunks of `_CHUNK` elements."""
     found = _scan(t, allow_inf)
     if found is None:
         return []
     nans, infs, first = found
-    return [_non_finite(file, label, t.dtype, tuple(t.shape), nans, infs,
+    return [_non_finite(file.of(t), label, t.dtype, tuple(t.shape), nans, infs,
                         _unravel(first, t.shape), allow_inf)]
 
 
@@ -330,15 +333,40 @@ def _kinds(opt: Any) -> Any:
     return {k: type(v).__name__ for k, v in opt.items()}
 
 
-def _at(value: Any, file: str, state_json: str) -> str:
-    """Where a value lives: tensors in the part's safetensors file, the rest in state.json."""
-    return file if isinstance(value, torch.Tensor) else state_json
+def _at(value: Any, files: _Files, state_json: str) -> str:
+    """Where a value lives: tensors in the part's safetensors files, the rest in state.json."""
+    return files.of(value) if isinstance(value, torch.Tensor) else state_json
 
 
-def _file(where: str, names: set[str], part: str) -> str:
-    """The part's tensor file (an incremental generation may spread it over stable files)."""
-    own = sorted(n for n in names if n.startswith(part + ".") and n.endswith(".safetensors"))
-    return f"{where}/{own[0]}" if len(own) == 1 else f"{where}/{part}.*.safetensors"
+class _Files:
+    """A part's tensor files: an incremental generation spreads a part over its own file and
+    stable files of earlier generations, so a message names the one whose bytes a tensor
+    views (found by address among the verified files ``read`` gives), and the part's files
+    (``name``) where that cannot be told (a tensor copied at decode, an empty one)."""
+
+    def __init__(self, where: str, names: set[str], part: str, read: Read | None) -> None:
+        self.own = sorted(n for n in names
+                          if n.startswith(part + ".") and n.endswith(".safetensors"))
+        self.where, self.read = where, read
+        self.name = (f"{where}/{self.own[0]}" if len(self.own) == 1
+                     else f"{where}/{part}.*.safetensors")
+        self._spans: list[tuple[int, int, str]] | None = None
+
+    def of(self, t: torch.Tensor) -> str:
+        """The file whose bytes ``t`` views, else `name`."""
+        if len(self.own) < 2 or self.read is None or not t.numel() or t.device.type != "cpu":
+            return self.name
+        if self._spans is None:
+            self._spans = []
+            for n in self.own:
+                data = self.read(n)
+                view = memoryview(data)
+                if view.nbytes:
+                    at = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
+                    self._spans.append((at, at + view.nbytes, n))
+        ptr = t.data_ptr()
+        found = next((n for start, end, n in self._spans if start <= ptr < end), None)
+        return self.name if found is None else f"{self.where}/{found}"
 
 
 def _sharded_shapes(index: Mapping[str, Any] | None) -> dict[tuple[Any, ...], tuple[int, ...]]:
