@@ -14,16 +14,35 @@ import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedValue, shown
 from .livemodel import param_names
+from .optimrest import (
+    EXTRA,
+    OTHER_STATE,
+    extras,
+    owned_tree,
+    packed,
+    refuse_stray,
+    saved_rest,
+    split_state,
+)
 
 
 def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      names: dict[int, str] | None = None) -> list[list[str]]:
+                      names: dict[int, str] | None = None, refuse: str | None = None
+                      ) -> list[list[str]]:
+    """Each param group's parameters by name. A tensor outside the model gets a made-up
+    ``<not in model>...`` name (for a caller that only shows the names); with ``refuse``
+    (the end of the message) it is refused instead, as `check_optimizer_params` refuses it
+    when the Checkpointer is built: a save would keep its moments but not its value, and a
+    restore would put them onto a fresh tensor. (A param group added by add_param_group
+    after the build is met only here, at each save and restore.)"""
     names = param_names(model) if names is None else names
     # ("": not in the model, no parameter's name; the fallback is formatted only when
     # needed: ~0.2 us a parameter, in every save)
     out = [[names.get(id(p), "") for p in g["params"]] for g in optimizer.param_groups]
     for gi, group in enumerate(out):
         if "" in group:
+            if refuse is not None:
+                _refuse_outside(optimizer, names, refuse)
             group[:] = [n or f"<not in model>.group{gi}.param{pi}" for pi, n in enumerate(group)]
     return out
 
@@ -31,36 +50,59 @@ def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 def check_optimizer_params(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that trains tensors outside the model: their moments would be
     saved but their values not, and a resume would silently start them from scratch."""
-    names = param_names(model)
+    _refuse_outside(optimizer, param_names(model), "")
+
+
+def _refuse_outside(optimizer: torch.optim.Optimizer, names: Mapping[int, str],
+                    when: str) -> None:
+    """Refuse, naming the first few, the tensors the optimizer trains that ``names`` (the
+    model's parameters) lacks; ``when`` ends the message's reason."""
     outside = [f"group {gi} param {pi} {tuple(p.shape)}"
                for gi, g in enumerate(optimizer.param_groups)
                for pi, p in enumerate(g["params"]) if id(p) not in names]
     if outside:
         raise UnsupportedValue(
             f"the optimizer updates tensors that are not parameters of the model "
-            f"({', '.join(outside[:3])}); register them on the model (e.g. as an "
+            f"({', '.join(outside[:3])}){when}; register them on the model (e.g. as an "
             "nn.Parameter attribute) so their values are saved with it")
+
+
+_ADDED = (" (in a param group added after the Checkpointer was built?); a save would keep "
+          "their optimizer state but not their values, and nothing was saved")
+_UNSAVED = "; no save holds their values (a restore would start them from scratch)"
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     names: dict[int, str] | None = None) -> dict[str, Any]:
     """The optimizer's state_dict with integer parameter ids replaced by parameter names
-    (``names``: `param_names` of ``model``, when known already)."""
+    (``names``: `param_names` of ``model``, when known already); what else it holds (state
+    under string keys, other top-level entries) beside them (`optimrest`)."""
     if _indexes_only(optimizer):
-        direct = _direct_state(optimizer, _live_group_names(model, optimizer, names))
+        direct = _direct_state(optimizer, _live_group_names(model, optimizer, names, _ADDED))
         if direct is not None:
             return direct
-    sd = optimizer.state_dict()  # (its pre-hooks run before the groups are named)
-    group_names = _live_group_names(model, optimizer, names)
+    try:
+        sd = optimizer.state_dict()  # (its pre-hooks run before the groups are named)
+    except KeyError:  # (torch's own fails so on state of a tensor in no group: said typed)
+        refuse_stray(optimizer)
+        raise
+    state, groups = packed(sd)
+    group_names = _live_group_names(model, optimizer, names, _ADDED)
     by_index: dict[int, str] = {}
-    for saved_group, group in zip(sd["param_groups"], group_names):
+    for saved_group, group in zip(groups, group_names):
         by_index.update(zip(saved_group["params"], group))
-    return {
+    named, other = split_state(state, by_index)
+    out = {
         "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-        "state": {by_index[i]: s for i, s in sd["state"].items()},
-        "param_groups": [{**g, "params": group}
-                         for g, group in zip(sd["param_groups"], group_names)],
+        "state": named,
+        "param_groups": [{**g, "params": group} for g, group in zip(groups, group_names)],
     }
+    if other:
+        out[OTHER_STATE] = other
+    extra = extras(sd)
+    if extra:
+        out[EXTRA] = extra
+    return out
 
 
 def _direct_state(optimizer: torch.optim.Optimizer, group_names: list[list[str]]
@@ -89,14 +131,26 @@ def _direct_state(optimizer: torch.optim.Optimizer, group_names: list[list[str]]
 
 
 _STATE_DICT = torch.optim.Optimizer.state_dict
+_LOAD_STATE_DICT = torch.optim.Optimizer.load_state_dict
 
 
 def _indexes_only(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.state_dict()`` only indexes its state and groups: torch's own
-    method, without hooks."""
+    method (not overridden by its class, nor patched on the instance), without hooks."""
     return (type(optimizer).state_dict is _STATE_DICT
             and not optimizer._optimizer_state_dict_pre_hooks
-            and not optimizer._optimizer_state_dict_post_hooks)
+            and not optimizer._optimizer_state_dict_post_hooks
+            and "state_dict" not in optimizer.__dict__)
+
+
+def _loads_only(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.load_state_dict()`` is torch's own (not overridden by its class,
+    nor patched on the instance), without hooks: it only casts each value to its parameter's
+    dtype and device (`_identity_cast`) and sets the state and groups."""
+    return (type(optimizer).load_state_dict is _LOAD_STATE_DICT
+            and not optimizer._optimizer_load_state_dict_pre_hooks
+            and not optimizer._optimizer_load_state_dict_post_hooks
+            and "load_state_dict" not in optimizer.__dict__)
 
 
 def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
@@ -130,7 +184,8 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
                     f"{where}: param group {gi} {key!r} is {shown(saved_group[key])}, where "
                     f"the live optimizer holds a {type(live).__name__} ({shown(live)}); build "
                     "the optimizer as in the saved run")
-    live_names = _live_group_names(model, optimizer, names)
+    other, extra = saved_rest(saved, where)
+    live_names = _live_group_names(model, optimizer, names, _UNSAVED)
     if saved_names != live_names:
         raise StateMismatch(
             f"{where}: optimizer parameter groups differ from the live optimizer: saved "
@@ -150,8 +205,12 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     if unknown:
         raise StateMismatch(f"{where}: optimizer state for parameters {sorted(unknown)[:5]} "
                             "that the live optimizer does not hold")
-    return {"state": {index[k]: v for k, v in state.items()},
-            "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups]}
+    positional: dict[Any, Any] = {index[k]: v for k, v in state.items()}
+    if other:  # (string keys: torch's load keeps them as they are, apart from its indices)
+        positional.update(other)
+    return {"state": positional,
+            "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups],
+            **extra}  # (for the optimizer's own load_state_dict or hooks, which read them)
 
 
 def _same_kind(saved: Any, live: Any) -> bool:
@@ -190,30 +249,33 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
     """``optimizer.load_state_dict(ready)`` (torch's positional form), without its per-value
     casting where every value already has the dtype and device it would be cast to: then
     that cast is the identity, and skipping it saves ~15 µs a tensor (0.12 s for 10,000).
-    Anything else (a subclass that loads its own way, hooks, GPU or mixed-dtype state, fused
-    or capturable steps) goes through ``load_state_dict``.
+    Anything else (a subclass that saves or loads its own way or a method patched on the
+    instance, hooks, GPU or mixed-dtype state, fused or capturable steps, state under keys
+    that are no parameter) goes through ``load_state_dict``.
 
     With ``mapped`` (`parts.Copier`) saved tensors that view mapped files (see `parts.apply`)
     are copied into the live state tensor of the same shape and dtype (or a new one), so the
     optimizer never keeps a view of a file; the others are adopted as they are."""
-    base = torch.optim.Optimizer
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_ids = [i for g in ready["param_groups"] for i in g["params"]]
     by_id = dict(zip(saved_ids, params, strict=False))
     exact = any(g.get("fused") or g.get("capturable") for g in optimizer.param_groups)
-    fast = (type(optimizer).load_state_dict is base.load_state_dict
-            and not optimizer._optimizer_load_state_dict_pre_hooks
-            and not optimizer._optimizer_load_state_dict_post_hooks
-            and len(ready["param_groups"]) == len(optimizer.param_groups)
+    # Torch's own state_dict and load_state_dict alone: the saved dtypes are the run's, and
+    # only torch's cast to the parameter's dtype would change them (else the optimizer's own
+    # code or hooks decide what dtype each value is saved and loaded in: `_uncast` below).
+    own = _indexes_only(optimizer) and _loads_only(optimizer)
+    fast = (own and len(ready["param_groups"]) == len(optimizer.param_groups)
             and all(i in by_id and _identity_cast(by_id[i], values, exact)
                     for i, values in ready["state"].items()))
     if not fast:
         if mapped is not None:  # torch keeps what it is given: copies, not views of files
-            ready = {**ready, "state": {i: {k: _owned(None, v, mapped) for k, v in vals.items()}
-                                        for i, vals in ready["state"].items()}}
+            def keep(t: torch.Tensor) -> torch.Tensor:
+                return _owned(None, t, mapped)  # type: ignore[no-any-return]
+            ready = {k: v if k == "param_groups" else owned_tree(v, keep)
+                     for k, v in ready.items()}
             mapped.finish()  # torch may cast (copy) them: their bytes must be in first
         optimizer.load_state_dict(dict(ready))
-        _uncast(optimizer, ready, by_id)
+        _uncast(optimizer, ready, by_id, own)
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
@@ -268,11 +330,24 @@ def _identity_cast(param: torch.Tensor, values: Mapping[str, Any], exact: bool) 
     return True
 
 
+# The per-parameter values torch's own optimizer classes keep in float32 whatever their
+# parameter's dtype (their ``step`` aside): torch's load casts them to the parameter's.
+_FLOAT32_KEPT = {torch.optim.NAdam: frozenset({"mu_product"}),
+                 torch.optim.ASGD: frozenset({"eta", "mu"})}
+
+
 def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
-            by_id: Mapping[int, torch.Tensor]) -> None:
-    """After torch's ``load_state_dict``: each value torch cast from its saved dtype to its
-    floating parameter's (see `_identity_cast`) is the saved value again, on the device torch
-    put it on."""
+            by_id: Mapping[int, torch.Tensor], own: bool) -> None:
+    """After ``load_state_dict``: each value torch cast from its saved dtype to its floating
+    parameter's (see `_identity_cast`) is the saved value again, on the device torch put it
+    on. ``own``: torch's own methods saved and loaded it (`load_optimizer_state`); else the
+    optimizer's code or hooks chose the dtypes (a hook that saves bfloat16 moments and loads
+    them as float32 is not undone), and only the values a torch class keeps in float32 for
+    any parameter, saved so, are set back (`_FLOAT32_KEPT`)."""
+    kept = next((keys for cls, keys in _FLOAT32_KEPT.items() if isinstance(optimizer, cls)),
+                frozenset())
+    if not own and not kept:
+        return
     for i, values in ready["state"].items():
         param = by_id.get(i)
         live = optimizer.state.get(param) if param is not None else None
@@ -281,5 +356,6 @@ def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
         for key, v in values.items():
             now = live.get(key)
             if (key != "step" and isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor)
-                    and v.dtype != now.dtype and now.dtype == param.dtype):  # type: ignore[union-attr]
+                    and v.dtype != now.dtype and now.dtype == param.dtype  # type: ignore[union-attr]
+                    and (own or key in kept and v.dtype == torch.float32)):
                 live[key] = v.to(device=now.device)
