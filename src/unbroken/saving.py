@@ -21,6 +21,7 @@ from .state import parts as S
 from .state.codec import encode_tree
 from .state.incremental import Plan, tensor_digest
 from .state.jsontext import dumps_json, loads_json
+from .state.optimrest import EXTRA, OTHER_STATE
 from .state.tensorfile import Room
 from .store.generations import GenerationInfo, GenerationStore
 from .store.sources import Linked
@@ -78,8 +79,12 @@ def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
     for name, value in tree[S.MODEL].items():
         yield f"model {name}", value
     if S.OPTIMIZER in tree:
-        for name, value in tree[S.OPTIMIZER]["state"].items():
+        opt = tree[S.OPTIMIZER]
+        for name, value in opt["state"].items():
             yield f"optimizer state of {name}", value
+        for key in (OTHER_STATE, EXTRA):  # (what else its state_dict holds: `optimrest`)
+            if key in opt:
+                yield f"optimizer {key}", opt[key]
     for part in sorted(tree):
         if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
             yield part, tree[part]

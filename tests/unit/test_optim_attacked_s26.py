@@ -453,3 +453,18 @@ def test_state_of_a_tensor_in_no_group_is_refused_typed(tmp_path):
         opt.state[torch.zeros(3)] = {"x": 1}  # (torch's own state_dict: a bare KeyError)
         with pytest.raises(UnsupportedValue, match=r"tensor of shape \[3\].*none of its param"):
             ckpt.save(1)
+
+
+def test_ranks_compare_the_extra_entries_too():
+    """A job checks that every rank holds the same replicated state (`saving.replicated`):
+    the optimizer's extra entries and non-parameter state are part of it."""
+    from unbroken.saving import replicated
+    from unbroken.state import parts as S
+
+    tree = {S.MODEL: {"w": torch.zeros(1)},
+            S.OPTIMIZER: {"class": "x", "state": {"w": {"step": torch.zeros(())}},
+                          "param_groups": [], "extra": {"scale": 0.5},
+                          "other_state": {"global": {"n": 1}}}}
+    named = dict(replicated(tree))
+    assert named["optimizer extra"] == {"scale": 0.5}
+    assert named["optimizer other_state"] == {"global": {"n": 1}}
