@@ -74,7 +74,8 @@ class UpdateWatch:
         if data is None:
             return None
         if hasattr(data, "consumed") and hasattr(data, "epoch"):
-            return (data.epoch, data.consumed, getattr(data, "at_boundary", True))
+            return (data.epoch, data.consumed, getattr(data, "at_boundary", True),
+                    getattr(data, "handed_out", None))
         try:
             return digest_tree(data.state_dict())
         except (UnbrokenError, TypeError):
@@ -96,7 +97,8 @@ class UpdateWatch:
         moved = []
         if self.steps:
             moved.append(f"optimizer.step() ran {self.steps} time(s)")
-        if (self._position(),) != self._mark:
+        position = self._position()
+        if (position,) != self._mark and not _empty_rollover(self._mark[0], position):
             moved.append("the data loader handed out batches")
         if moved:
             raise UpdateBoundaryError(
@@ -111,6 +113,21 @@ class UpdateWatch:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _empty_rollover(before: Any, after: Any) -> bool:
+    """Whether the data position moved from ``before`` to ``after`` (``_position`` tuples) only
+    by ending epochs that handed nothing out: an iterable stream's empty pass rolls the cursor
+    over to the next epoch's start outside any update, and that is still an update boundary.
+    Only a loader that counts the batches it hands out (``handed_out``) tells this apart from
+    a whole epoch trained without ``step_done``; for any other data part a move is a move."""
+    if not (isinstance(before, tuple) and isinstance(after, tuple)
+            and len(before) == len(after) == 4):
+        return False
+    epoch0, _, boundary0, handed0 = before
+    epoch1, consumed1, boundary1, handed1 = after
+    return (handed0 is not None and handed0 == handed1 and boundary0 and boundary1
+            and consumed1 == 0 and epoch1 > epoch0)
 
 
 def _signal_at() -> int | None:

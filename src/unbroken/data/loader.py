@@ -48,8 +48,10 @@ import torch
 import torch.utils.data
 
 from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
+from ._checks import located
 from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
+from ._loader_state import check_iterable, check_settings, settings
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
 from .seeding import _RecordKeys, _SeededCollate, warn_unless_seeded
@@ -67,7 +69,9 @@ class ResumableLoader:
         worker_init_fn, multiprocessing_context: as for DataLoader.
         accumulation: micro-batches per optimizer update (N >= 1).
         seed: seed of the private DataLoader generator and of collate_fn randomness
-            (default: the sampler's seed, or 0).
+            (default: the sampler's seed, or 0). Saved with the position, like
+            ``accumulation`` and the seed of a `seeded` dataset: a resume with another one is
+            refused (`StateMismatch`).
 
     Attributes read by the Checkpointer: ``epoch``, ``state_dict()``, ``load_state_dict()``.
     """
@@ -101,6 +105,7 @@ class ResumableLoader:
         self._pass: _Pass | None = None
         self._it_epoch = 0  # the cursor of an iterable dataset (a sampler keeps its own)
         self._it_consumed = 0
+        self._handed = 0  # batches handed out since the loader was built (never saved)
         common: dict[str, Any] = dict(
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, timeout=timeout,
@@ -165,6 +170,12 @@ class ResumableLoader:
         """True when every batch handed out belongs to a completed update window."""
         p = self._pass
         return p is None or p.yielded == p.completed()
+
+    @property
+    def handed_out(self) -> int:
+        """Batches this loader handed to the training loop since it was built (not saved):
+        a save checks it to know that none was handed out since the last update boundary."""
+        return self._handed
 
     @property
     def window_size(self) -> int:
@@ -285,6 +296,7 @@ class ResumableLoader:
             p.batch_ids, batch = p.ahead.popleft()  # the workers send (sample ids, batch)
             p.window_ids += p.batch_ids
         p.yielded += 1
+        self._handed += 1
         if p.yielded == p.completed():
             self._set_cursor(*self._position_after(p, p.yielded))
             p.update_ids, p.window_ids = p.window_ids, []
@@ -304,12 +316,13 @@ class ResumableLoader:
                 f"save requested after {taken} of {size} micro-batches of the update window; "
                 f"save at an update boundary (after the optimizer step that ends the window)")
         epoch, consumed = self._cursor()
+        fields = settings(self.accumulation, self._seed, self._dataset, self._iterable)
         if self.sampler is not None:
-            return {**self.sampler._state(epoch, consumed), "accumulation": self.accumulation}
+            return {**self.sampler._state(epoch, consumed), **fields}
         dataset_state = self._iterable_source().state(epoch, consumed)
         return {"version": STATE_VERSION, "kind": "iterable", "epoch": epoch,
                 "consumed": consumed, "batch_size": self._batch_size, "dataset": dataset_state,
-                "accumulation": self.accumulation}
+                **fields}
 
     def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
         """Check a saved state against this loader without changing anything (the
@@ -317,29 +330,13 @@ class ResumableLoader:
         try:
             self._check(state)
         except StateMismatch as e:
-            raise StateMismatch(f"{where}: {e}") from None
+            raise located(e, where) from None
 
     def _check(self, state: Mapping[str, Any]) -> tuple[int, int]:
-        saved = state.get("accumulation", self.accumulation) if isinstance(state, Mapping) else None
-        if saved != self.accumulation:
-            raise StateMismatch(f"data state: saved accumulation={saved!r}, live "
-                                f"accumulation={self.accumulation}: update windows (and so the "
-                                "learning-rate schedule per sample) would shift; keep it")
+        check_settings(state, self.accumulation, self._seed, self._dataset, self._iterable)
         if self.sampler is not None:
             return self.sampler.check_state(state)
-        if not isinstance(state, Mapping) or state.get("kind") != "iterable":
-            raise StateMismatch("data state was not written by a ResumableLoader over an "
-                                "IterableDataset (kind != 'iterable')")
-        if state.get("batch_size") != self._batch_size:
-            raise StateMismatch(f"data state: saved batch_size={state.get('batch_size')!r}, "
-                                f"live batch_size={self._batch_size}: the cursor counts "
-                                f"items of the saved batches; keep the batch size")
-        epoch, consumed = state.get("epoch"), state.get("consumed")
-        if not (isinstance(epoch, int) and isinstance(consumed, int) and epoch >= 0
-                and consumed >= 0 and isinstance(state.get("dataset"), Mapping)):
-            raise StateMismatch(f"data state: damaged cursor epoch={epoch!r}, "
-                                f"consumed={consumed!r}")
-        return epoch, consumed
+        return check_iterable(state, self._batch_size, self._dataset)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the position (validated first; raises `StateMismatch` on a misfit). The

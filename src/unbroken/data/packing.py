@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
+from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError, shown
+from ._checks import INT64_MAX, DamagedDataState, any_int, flag, integer, located
 from ._keyed import TAG_PACK, KeyedPermutation, mix
 from .sampler import STATE_VERSION
 
@@ -34,6 +35,7 @@ class Packer:
         seed, shuffle: document order per epoch (keyed bijection of (seed, epoch)).
         eos_id: token appended after every document, or None.
         accumulation: batches per optimizer update; `state_dict` is refused mid-window.
+            Saved with the cursor: a resume with another one is refused (`StateMismatch`).
 
     The iterator is endless (the stream continues into the next epoch); stop at your step
     budget. `epoch` is the epoch of the next token. Use it in the main process: it computes
@@ -94,6 +96,16 @@ class Packer:
         filled, empty_run = 0, 0
         while filled < need:
             index, tokens = self._document(epoch, number)
+            if offset and offset >= len(tokens):
+                # Only a restored cursor can start past its document (the packer moves on
+                # once a document is done): refuse it before any of its tokens goes out.
+                raise DamagedDataState(
+                    f"packer state: offset={offset} points past the end of document {number} "
+                    f"of epoch {epoch} (dataset index {index}: {len(tokens)} tokens"
+                    f"{' with eos' if self.eos_id is not None else ''}); a run saves an offset "
+                    "inside its document, or 0, so the generation is damaged or the documents "
+                    "changed since it was saved: restore an earlier generation "
+                    "(restore(generation=...)), or the documents it was saved with")
             take = min(len(tokens) - offset, need - filled)
             if take > 0:
                 out[filled:filled + take] = tokens[offset:offset + take]
@@ -151,7 +163,8 @@ class Packer:
                 f"of the update window; save at an update boundary")
         epoch, documents, offset = self._saved
         return {"version": STATE_VERSION, "kind": "packer", "epoch": epoch,
-                "documents": documents, "offset": offset, **self._constants()}
+                "documents": documents, "offset": offset, **self._constants(),
+                "accumulation": self.accumulation}
 
     def _constants(self) -> dict[str, Any]:
         return {"num_documents": self.num_documents, "seq_len": self.seq_len,
@@ -163,21 +176,37 @@ class Packer:
         try:
             self._check(state)
         except StateMismatch as e:
-            raise StateMismatch(f"{where}: {e}") from None
+            raise located(e, where) from None
 
     def _check(self, state: Mapping[str, Any]) -> tuple[int, int, int]:
         if not isinstance(state, Mapping) or state.get("kind") != "packer":
             raise StateMismatch("data state was not written by a Packer (kind != 'packer')")
+        where = "packer state"
+        if "version" in state:
+            version = integer(state, "version", where, 1)
+            if version != STATE_VERSION:
+                raise StateMismatch(f"{where}: version {version} is not supported (this "
+                                    f"unbroken reads version {STATE_VERSION})")
         for key, live in self._constants().items():
-            if state.get(key) != live:
-                raise StateMismatch(f"packer state: saved {key}={state.get(key)!r}, live "
-                                    f"{key}={live!r}; the packed stream would differ from the "
-                                    f"interrupted run's")
-        epoch, documents, offset = state.get("epoch"), state.get("documents"), state.get("offset")
-        if not (isinstance(epoch, int) and isinstance(documents, int) and isinstance(offset, int)
-                and epoch >= 0 and 0 <= documents < self.num_documents and offset >= 0):
-            raise StateMismatch(f"packer state: damaged cursor epoch={epoch!r}, "
-                                f"documents={documents!r}, offset={offset!r}")
+            # exact types first: 4.0 == 4 and True == 1 would pass the comparison below
+            saved: Any = (flag(state, key, where) if type(live) is bool
+                          else any_int(state, key, where, optional=key == "eos_id")
+                          if key in ("seed", "eos_id") else integer(state, key, where, 1))
+            if saved != live:
+                raise StateMismatch(f"{where}: saved {key}={shown(saved)}, live {key}={live!r}; "
+                                    f"the packed stream would differ from the interrupted run's")
+        if "accumulation" in state:  # (a generation saved before it was recorded lacks it)
+            saved = integer(state, "accumulation", where, 1)
+            if saved != self.accumulation:
+                raise StateMismatch(f"{where}: saved accumulation={saved}, live accumulation="
+                                    f"{self.accumulation}: update windows (and so the "
+                                    "learning-rate schedule per token) would shift; keep it")
+        # An epoch one below int64's top: the rollovers after it must still fit the counters.
+        epoch = integer(state, "epoch", where, 0, INT64_MAX - 1)
+        documents = integer(state, "documents", where, 0, self.num_documents - 1)
+        # The offset's upper bound is the document's length, known once it is read: `_batch`
+        # checks it then, before any token of the restored cursor is handed out.
+        offset = integer(state, "offset", where, 0)
         return epoch, documents, offset
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:

@@ -33,7 +33,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
-from ..errors import StateMismatch, UnsupportedSetup
+from ..errors import StateMismatch, UnsupportedSetup, shown
+from ._checks import INT64_MAX, any_int, damaged, flag, integer, located
 from ._keyed import MAX_SAMPLES, TAG_ORDER, KeyedPermutation, mix
 
 STATE_VERSION = 1
@@ -41,6 +42,9 @@ STATE_VERSION = 1
 # Keys of the saved state that must equal the live sampler's for the cursor to mean the same
 # samples; world_size is saved for diagnostics only (the cursor is global).
 _CONSTANTS = ("num_samples", "batch_size", "seed", "shuffle", "drop_last")
+
+# What a run can write for the sizes (a value outside is damage, not another setting).
+_RANGES = {"num_samples": (1, MAX_SAMPLES), "batch_size": (1, INT64_MAX)}
 
 _WHY = {
     "num_samples": "the dataset changed size since the checkpoint; resume with the same "
@@ -298,7 +302,8 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
     def check_state(self, state: Mapping[str, Any]) -> tuple[int, int]:
         """Validate a saved state against this sampler; return its ``(epoch, consumed)``.
 
-        Raises `StateMismatch` naming the key, the saved and live values and what to do.
+        Raises `StateMismatch` naming the key, the saved and live values and what to do;
+        `DamagedDataState` (also a `CorruptCheckpoint`) for a value no run writes.
         """
         if not isinstance(state, Mapping):
             raise StateMismatch(f"data state: expected a dict, found {type(state).__name__}")
@@ -307,24 +312,37 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
             raise StateMismatch(f"data state lacks {missing}; it was not written by "
                                 f"ResumableSampler/ResumableLoader (found keys {sorted(state)})")
         if state.get("kind", "sampler") != "sampler":
-            raise StateMismatch(f"data state is of kind {state['kind']!r}, but the live data "
-                                f"part is a map-style ResumableSampler")
-        if state.get("version", STATE_VERSION) != STATE_VERSION:
-            raise StateMismatch(f"data state version {state['version']!r} is not supported "
+            raise StateMismatch(f"data state is of kind {shown(state['kind'])}, but the live "
+                                f"data part is a map-style ResumableSampler")
+        where = "data state"
+        version = state.get("version", STATE_VERSION)
+        if type(version) is not int:
+            damaged(where, "version", f"the int {STATE_VERSION}", version)
+        if version != STATE_VERSION:
+            raise StateMismatch(f"data state version {shown(version)} is not supported "
                                 f"(this unbroken reads version {STATE_VERSION})")
         for key in _CONSTANTS:
-            saved, live = state[key], getattr(self, key)
+            live = getattr(self, key)
+            # exact types first: 50.0 == 50 and True == 1 would pass the comparison below
+            if type(live) is bool:
+                saved: Any = flag(state, key, where)
+            elif key in _RANGES:
+                saved = integer(state, key, where, *_RANGES[key])
+            else:  # the seed: any int
+                saved = any_int(state, key, where)
             if saved != live:
-                raise StateMismatch(f"data state: saved {key}={saved!r}, live {key}={live!r}: "
-                                    f"{_WHY[key]}")
-        epoch, consumed = state["epoch"], state["consumed"]
-        if not (isinstance(epoch, int) and isinstance(consumed, int) and epoch >= 0
-                and 0 <= consumed <= self.samples_per_epoch
+                raise StateMismatch(f"data state: saved {key}={shown(saved)}, live {key}="
+                                    f"{live!r}: {_WHY[key]}")
+        if "world_size" in state:  # for diagnostics only, but still a value a run wrote
+            integer(state, "world_size", where, 1)
+        # The epoch is bounded so that the epoch after a rollover still fits the counters.
+        epoch = integer(state, "epoch", where, 0, INT64_MAX - 1)
+        consumed = state["consumed"]
+        if not (type(consumed) is int and 0 <= consumed <= self.samples_per_epoch
                 and (consumed % self.batch_size == 0 or consumed == self.samples_per_epoch)):
-            raise StateMismatch(
-                f"data state: cursor (epoch={epoch!r}, consumed={consumed!r}) is not a global "
-                f"batch boundary inside [0, {self.samples_per_epoch}] for batch_size="
-                f"{self.batch_size}; the state is damaged")
+            damaged(where, "consumed", f"a global batch boundary (a multiple of batch_size="
+                    f"{self.batch_size}, or the epoch's size) in [0, {self.samples_per_epoch}]",
+                    consumed)
         return self.position_after(epoch, consumed, 0)
 
     def validate_state_dict(self, state: Mapping[str, Any], where: str = "data") -> None:
@@ -332,7 +350,7 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
         try:
             self.check_state(state)
         except StateMismatch as e:
-            raise StateMismatch(f"{where}: {e}") from None
+            raise located(e, where) from None
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore the cursor (validated with `check_state`). A different world_size is fine."""

@@ -102,7 +102,8 @@ def seeded(dataset: Any, seed: int = 0) -> SeededDataset:
     every rank split and every worker count: under `ResumableLoader` nothing else is needed).
     A plain int index (a plain DataLoader, direct indexing) is keyed ``(seed, self.epoch,
     index)``: call ``set_epoch(e)`` every epoch there, or every epoch draws the same
-    augmentation. The previous RNG states are restored afterwards.
+    augmentation. The previous RNG states are restored afterwards. `ResumableLoader` saves
+    ``seed`` with its position and refuses a resume with another one.
 
     Not covered: CUDA generators and RNG objects the dataset creates itself without a seed
     (``np.random.default_rng()``); derive those from ``torch.randint`` / ``random`` instead.
