@@ -18,6 +18,7 @@ from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
+    SaveFailed,
     UnbrokenWarning,
     UpdateBoundaryError,
 )
@@ -35,6 +36,7 @@ from .state.rng import RNGStreams
 from .store.backends.killpoints import fault_point
 from .store.backends.mounts import filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo
+from .store.lock import errno_text
 from .store.opening import is_url, open_store
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
@@ -201,6 +203,12 @@ class Checkpointer(Persisting, Restoring):
                                                    async_timeout)
                 if self.store.locked or not self._group.leader:  # (else at the first save)
                     self._persister.start()
+        except OSError as e:  # (reading the run folder: out of descriptors, an I/O error)
+            self._writer.close()
+            raise SaveFailed(f"{self.store.root}: the run folder could not be read "
+                             f"({errno_text(e)}: {e.filename or self.store.root}); nothing "
+                             "was written; fix the cause, then build the Checkpointer "
+                             "again") from None
         except BaseException:
             self._writer.close()  # a Checkpointer that failed to open holds no lock
             raise

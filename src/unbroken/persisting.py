@@ -17,6 +17,7 @@ from .dist.commit import check_replicas, commit_job, read_back, save_failed, sta
 from .dist.filegroup import FileGroup, stage
 from .dist.group import Group, RankFailed
 from .errors import SaveFailed, UnbrokenWarning
+from .persist.aftermath import settle_died_save
 from .persist.background import InFlight
 from .persist.process import ProcessPersister
 from .restoring import gc_paused
@@ -52,6 +53,9 @@ class Persisting:
     _origin: dict[str, Any] | None
     _parent: dict[str, Any] | None
     _last_saved: int | None
+    # A step whose save failed although its generation may be in place (its persisting
+    # process died before it replied): saving that step again writes it anew, never a no-op
+    _unconfirmed: int | None = None
     _held: dict[str, list[HeldFile]]
     _in_flight: InFlight | None
     _layouts: dict[str, Any]
@@ -156,7 +160,8 @@ class Persisting:
         assert persister is not None  # (made with the Checkpointer)
         if group.active:  # (first: the ranks' steps agree before any other collective)
             check_replicas(self._save_group, step, replicated(tree))
-        if again and saved_unchanged(self.store, group, step, tree, values, plan):
+        if again and step != self._unconfirmed and saved_unchanged(
+                self.store, group, step, tree, values, plan):
             return  # the same state saved twice
         request: dict[str, Any] = {
             "step": step, "again": again, "keep": self.keep.to_json(),
@@ -199,17 +204,33 @@ class Persisting:
                 self._held = {}  # (what it linked may be what failed: the next save writes all)
                 if persister.died:  # (one that replied posted its own done)
                     give_up(e)
+                    if not group.active:
+                        raise self._settle(step, again, plan, e) from e
                 raise
             for message in reply["warnings"]:
                 warnings.warn(message, UnbrokenWarning, stacklevel=2)
             info = self.store.scan_one(step)
             self._committed(step, info, plan)
+            self._unconfirmed = None
             if self._trace is not None:
                 self._trace.saved(step)
             return info
 
         self._in_flight = InFlight(step, collect,
                                    hurry=persister.hurry if self._persist_share else None)
+
+    def _settle(self, step: int, again: bool, plan: Plan | None,
+                failed: SaveFailed) -> SaveFailed:
+        """The persisting process died with the save of ``step`` before it replied: what it
+        left is looked at here (`persist.aftermath`), so the next save is neither refused as
+        a first save into a folder of foreign history (the generation is this Checkpointer's
+        own) nor built on a generation that is torn or does not verify. The error to raise,
+        saying what was found."""
+        info, found = settle_died_save(self.store, self._writer, step, again)
+        if info is not None:
+            self._committed(step, info, plan)  # (verified here: the next save's parent)
+        self._unconfirmed = step
+        return SaveFailed(f"{failed}. Checked since by this process: {found}")
 
     def _pacer(self) -> Pacer | None:
         """The pacing of a save persisting in a thread of this process (``persist_share``)."""

@@ -33,7 +33,6 @@ import mmap
 import os
 import socket
 import subprocess
-import sys
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -41,13 +40,13 @@ from typing import Any
 
 import torch
 
-from .._procs import PERSISTER_OF_ENV
 from ..dist.commit import rebuild
 from ..errors import SaveFailed, UnbrokenWarning
 from ..state.tensorfile import Room
 from ..store.generations import GenerationStore
 from ..store.sources import Linked, Source
 from . import _wire
+from .launch import launch
 
 _HANDSHAKE_S = 300.0  # for the persisting process to start and take the lock
 _ENDING_S = 60.0  # for a persisting process whose socket closed to be gone
@@ -116,23 +115,11 @@ class ProcessPersister:
             self._start()
 
     def _start(self) -> None:
-        if self._takes_lock and not self._handed_over:  # the first: the byte goes to it
+        if self._takes_lock and not self._handed_over:  # the first since the lock was taken
             self._store.hand_over()
             self._handed_over = True
         self._disconnect()
-        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            env = {**os.environ, PERSISTER_OF_ENV: str(os.getpid()), "UNBROKEN_PROGRESS": "0"}
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "unbroken.persist._worker", self._store.root,
-                 str(theirs.fileno()), *([] if self._takes_lock else ["--member"])],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                env=env, start_new_session=True)
-        except BaseException:
-            mine.close()
-            raise
-        finally:
-            theirs.close()
+        self._proc, mine = launch(self._store.root, not self._takes_lock)
         self._sock, self._running, self._shm_sent = mine, False, False
         self._started += 1
 
@@ -361,6 +348,9 @@ class ProcessPersister:
         """End the persisting process (the caller waited for the save in flight: it is idle)
         and free the segment; the persister byte returns with the process's end."""
         proc, self._proc = self._proc, None
+        # The writer releases its lock next, the persister byte with it: a save after close()
+        # takes the lock again (as the other modes do) and hands the byte to a new process.
+        self._handed_over = False
         if proc is not None and self._sock is not None:
             try:
                 _wire.send(self._sock, {"quit": True})
