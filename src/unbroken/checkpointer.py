@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import fixture
 from ._env import SAVE_AT_ENV
 from .boundary import Preemption, UpdateWatch
+from .dist.commit import SharedFileFailed
 from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
@@ -368,7 +369,10 @@ class Checkpointer(Persisting, Restoring):
         if self.data is not None and getattr(self.data, "at_boundary", True) is False:
             raise UpdateBoundaryError("save requested in the middle of an update window; "
                                       "save after optimizer.step() completes the window")
-        self.wait()  # at most one save in flight; a failed one raises here
+        try:
+            self.wait()  # at most one save in flight; a failed one raises here
+        except SharedFileFailed as e:  # (the state is good: this save writes every file)
+            warnings.warn(f"{e}; saving step {step} in full", UnbrokenWarning, stacklevel=3)
         if self._next_step_fixture:
             self._fixture_after = step  # the next update records what it does from here
         again = step == self._last_saved

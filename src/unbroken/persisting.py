@@ -13,7 +13,14 @@ from typing import Any, Self
 from ._pacing import Pacer
 from ._progress import Progress
 from .boundary import Preemption, UpdateWatch
-from .dist.commit import check_replicas, commit_job, read_back, save_failed, stage_job
+from .dist.commit import (
+    SharedFileFailed,
+    check_replicas,
+    commit_job,
+    read_back,
+    save_failed,
+    stage_job,
+)
 from .dist.filegroup import FileGroup, stage
 from .dist.group import Group, RankFailed
 from .errors import SaveFailed, UnbrokenWarning
@@ -126,9 +133,11 @@ class Persisting:
             progress.close()
             raise
 
+        linked = [name for name, chunks in encoded.items() if isinstance(chunks, Linked)]
+
         def verify_and_retain() -> GenerationInfo:
             try:
-                read_back(group, self.store, info, progress)
+                read_back(group, self.store, info, progress, linked)
             except SaveFailed:
                 self._held = {}  # (what it linked may be what failed: the next save writes all)
                 raise
@@ -147,7 +156,16 @@ class Persisting:
             # (not gc_paused: it re-hashes files, and the loop runs beside it for seconds)
             self._in_flight = InFlight(step, verify_and_retain, self._pacer())
             return info
-        return verify_and_retain()
+        try:
+            return verify_and_retain()
+        except SharedFileFailed as e:
+            # The state saved is still at hand (the live one, or the snapshot's buffers): this
+            # save is written again, every file anew, at once (the failed one went aside).
+            warnings.warn(f"{e}; writing generation {step} again in full now", UnbrokenWarning,
+                          stacklevel=2)
+            return self._persist(step, tree, values, again, started,
+                                 None if plan is None else Plan(step, {}, plan.frozen),
+                                 snapshot)
 
     def _hand_over(self, step: int, tree: dict[str, Any], values: dict[str, float],
                    again: bool, started: float, plan: Plan | None) -> None:
@@ -259,8 +277,11 @@ class Persisting:
 
     def _prepare_write(self, step: int, again: bool) -> None:
         """(The writer: the leader of a job.) See `RunWriter.prepare`."""
-        self._writer.prepare(step, again, not self._restored and self._last_saved is None,
-                             self._run, self._run_written, self._restore_tried)
+        try:
+            self._writer.prepare(step, again, not self._restored and self._last_saved is None,
+                                 self._run, self._run_written, self._restore_tried)
+        except OSError as e:  # (the run folder replaced by a file, an I/O error)
+            raise save_failed(self.store.root, step, e) from e
         self._run_written = True
 
     # -- lifetime ------------------------------------------------------------------------------

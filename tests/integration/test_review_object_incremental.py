@@ -178,15 +178,18 @@ def test_source_damaged_between_saves(kind, read_back, uploads):
                 failed = e
             if s == 2:
                 # the copy of a source whose rot cannot be seen (same size and tag) is
-                # caught by the read-back; every other change is seen: uploaded anew
-                if kind == "flip_same_tag":
+                # caught by the read-back; every other change is seen: uploaded anew. A
+                # read-back before save() returns writes the generation again in full at
+                # once (the state saved is at hand); one beside the loop fails it (the next
+                # save writes every file)
+                if kind == "flip_same_tag" and read_back == "background":
                     assert isinstance(failed, SaveFailed), failed
                     assert "did not read back as written" in str(failed)
+                    assert uploads[1] <= 0.02 * uploads[0], uploads
                 else:
                     assert failed is None, failed
                     saved[s] = _expected(model, opt)
-                assert uploads[1] > BIG if kind != "flip_same_tag" else \
-                    uploads[1] <= 0.02 * uploads[0], uploads
+                    assert uploads[1] > BIG, uploads
             else:
                 assert failed is None, failed
                 saved[s] = _expected(model, opt)
@@ -197,12 +200,13 @@ def test_source_damaged_between_saves(kind, read_back, uploads):
                     damaged.add(key.rsplit("/", 1)[0])
     assert uploads[0] > BIG, uploads
     # after a failed read-back everything is uploaded again, never copied from a bad source
-    assert (uploads[2] > BIG) == (kind == "flip_same_tag"), uploads
+    lost = kind == "flip_same_tag" and read_back == "background"  # (generation 2)
+    assert (uploads[2] > BIG) == lost, uploads
     assert uploads[3] <= 0.02 * uploads[0], uploads  # copied again from a good one
     good = _check_listing(url, saved, damaged)
     assert 4 in good and 3 in good, good
     assert (1 in good) == (kind not in CONTENT), good  # only damage fails a generation
-    assert (2 in good) == (kind != "flip_same_tag"), good  # a failed save is moved aside
+    assert (2 in good) == (not lost), good  # a failed save is moved aside
     for g in sorted(good, reverse=True):  # newest first (an older one abandons newer ones)
         step, got = _restored(url, generation=g)
         assert step == g
@@ -250,22 +254,23 @@ def test_copy_faults_fall_back_or_fail_the_generation(fault, uploads, monkeypatc
             ckpt.step_done(s)
             uploads.append(0)
             armed[0] = s == 2
-            if s == 2 and fault == "wrong_bytes":
-                with pytest.raises(SaveFailed, match="did not read back as written"):
+            if s == 2 and fault == "wrong_bytes":  # (written again in full, at once)
+                with pytest.warns(unbroken.UnbrokenWarning,
+                                  match="did not read back as written"):
                     ckpt.save()
+                saved[s] = _expected(model, opt)
                 continue
             ckpt.save()
             saved[s] = _expected(model, opt)
     assert not armed[0]  # the fault fired
     if fault == "wrong_bytes":
-        assert uploads[1] <= 0.02 * uploads[0], uploads
-        assert uploads[2] > BIG, uploads  # after the failure: all of it uploaded
+        assert uploads[1] > BIG, uploads  # the failed copy, then all of it uploaded
+        assert uploads[2] <= 0.02 * uploads[0], uploads
     else:
         assert uploads[1] > BIG, uploads  # uploaded anew from memory
         assert uploads[2] <= 0.02 * uploads[0], uploads
     good = _check_listing(url, saved, gone)
-    assert good == ([1, 3] if fault == "wrong_bytes" else
-                    [2, 3] if fault == "source_gone" else [1, 2, 3]), good
+    assert good == ([2, 3] if fault == "source_gone" else [1, 2, 3]), good
     step, got = _restored(url)
     assert step == 3
     _same(got, saved[3], 3)
@@ -301,8 +306,9 @@ def test_random_damage_under_retention(seed, uploads):
             kind = damaged.get(held) if held else None
             if held is None or base_changed:
                 expect = "all"
-            elif kind == "flip_same_tag":
-                expect = "fail"
+            elif kind == "flip_same_tag":  # (a read-back beside the loop fails the save;
+                # one in save() or in an async save's background writes it again in full)
+                expect = "fail" if mode == "background" else "all"
             elif kind is None:
                 expect = "copy"
             else:
@@ -384,21 +390,20 @@ def test_same_step_saved_again_copies_and_supersedes(uploads):
         uploads.append(0)
         ckpt.save(2)
         # and once more after rot the store cannot show (the tag faked): the copy is caught
-        # by the read-back, and the superseded generation (rotten itself) is put back
+        # by the read-back, the superseded generation (rotten itself) is put back, and the
+        # save (its state at hand) supersedes it again with every file uploaded anew
         # (only the optimizer's settings change: the model's file, head and base unchanged
-        # since the last save of this step, is then copied)
+        # since the last save of this step, is first copied)
         opt.param_groups[0]["lr"] = 5e-3
         _damage(_stable_key(url, 2), "flip_same_tag", 777)
-        rotten = _stable_key(url, 2).rsplit("/", 1)[0]
         uploads.append(0)
-        with pytest.raises(SaveFailed, match="did not read back as written"):
+        with pytest.warns(unbroken.UnbrokenWarning, match="did not read back as written"):
             ckpt.save(2)
+        saved[2] = _expected(model, opt)
         after = open_store(url)
         listed = {g.generation: g for g in after.scan()}
-        assert sorted(listed) == [1, 2], listed  # 2: the superseded one, put back
-        assert listed[2].path.endswith(rotten[rotten.rindex("/"):])
-        with pytest.raises(CorruptCheckpoint):
-            after.verify(listed[2])  # (rotten itself: that is the damage done)
+        assert sorted(listed) == [1, 2], listed
+        after.verify(listed[2])
         _step(model, opt, 3)
         ckpt.step_done(3)
         uploads.append(0)
@@ -408,13 +413,13 @@ def test_same_step_saved_again_copies_and_supersedes(uploads):
     assert first > BIG and uploads[1] <= 0.02 * first and uploads[2] == 0, uploads
     assert uploads[3] <= 0.02 * first, uploads  # copied from the superseding save's folder
     assert uploads[4] > BIG, uploads  # the source changed: uploaded anew
-    assert uploads[5] <= 0.02 * first, uploads  # copied (from the rot), then caught
-    assert uploads[6] > BIG, uploads  # after the failure: everything uploaded
-    good = _check_listing(url, saved, {rotten})
-    assert good == [1, 3], good
+    assert uploads[5] > BIG, uploads  # copied (from the rot), caught, all uploaded anew
+    assert uploads[6] <= 0.02 * first, uploads  # copied from the good one again
+    good = _check_listing(url, saved, set())
+    assert good == [1, 2, 3], good
     gens = [g.generation for g in open_store(url).scan()]
-    assert gens == [1, 3], gens  # 2, rotten, then moved aside by retention
-    for g in (3, 1):
+    assert gens == [1, 2, 3], gens
+    for g in (3, 2, 1):
         step, got = _restored(url, generation=g)
         assert step == g
         _same(got, saved[g], g)

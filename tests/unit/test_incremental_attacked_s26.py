@@ -100,3 +100,99 @@ def test_deep_names_the_file_holding_the_bad_tensor(tmp_path: Path, frozen: bool
     # the file named holds the tensor: its bytes are the NaN
     from safetensors.torch import load_file
     assert torch.isnan(load_file(holder)["emb"]).any()
+
+
+def _flip_one_bit(path: Path) -> None:
+    """Rot: one bit of the middle byte, size and modification time kept (as a disk's rot
+    leaves them, so a save cannot tell the file changed before it links it)."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte ^ 0x10]))
+    import os
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _train_to(root: Path, last: int, options: dict, rot_at: int | None = None
+              ) -> tuple[_Net, list[str]]:
+    """Updates 1..``last`` with a save every three (the embedding frozen from the start, so
+    generations link its stable file); at ``rot_at`` the newest generation's stable model
+    file rots. Returns the model and the warnings' texts."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _Net()
+    model.emb.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with unbroken.Checkpointer(root, model=model, optimizer=opt, incremental=True,
+                                   keep=unbroken.Keep(last=3), every=3, **options) as ckpt:
+            step = ckpt.restore()
+            while step < last:
+                opt.zero_grad()
+                model(torch.randint(0, 300, (8,), generator=g)).square().mean().backward()
+                opt.step()
+                step += 1
+                ckpt.step_done(step)
+                if step == rot_at:
+                    ckpt.wait()
+                    newest = sorted(root.glob("gen-*"))[-1]
+                    stable = [p for p in newest.glob("model.g*.safetensors")]
+                    assert stable, sorted(p.name for p in newest.iterdir())
+                    _flip_one_bit(stable[0])
+    return model, [str(w.message) for w in seen if issubclass(w.category, unbroken.UnbrokenWarning)]
+
+
+@pytest.mark.parametrize("options", [{"read_back": "sync"}, {}, {"async_save": True},
+                                     {"async_save": "process"}],
+                         ids=["sync-read-back", "background-read-back", "async", "process"])
+def test_rot_in_a_linked_file_does_not_end_training_or_lose_the_run(tmp_path: Path,
+                                                                    options: dict) -> None:
+    """Before: the save after the rot linked the damaged file (its size and time unchanged),
+    its read-back failed, and the next save raised SaveFailed: the training loop died, and
+    every kept generation shared the damaged file, so a restart found none that verifies.
+    Now the failed generation goes aside with a warning naming the shared file and the next
+    save (at once, for a save that reads back before it returns) writes every file anew."""
+    root = tmp_path / "run"
+    model, warned = _train_to(root, 18, options, rot_at=10)
+    assert any("it linked it" in w and "model.g" in w for w in warned), warned
+    uninterrupted, _ = _train_to(tmp_path / "other", 18, options)
+    for k, v in uninterrupted.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    # A restart finds the newest generation verified and continues from it, bitwise
+    store = open_run(str(root))
+    newest = [g for g in store.scan() if g.ok][-1]
+    assert newest.generation == 18
+    assert verify_one(store, newest)["status"] == "verified"
+    resumed = _Net()
+    opt = torch.optim.SGD(resumed.parameters(), lr=0.1, momentum=0.9)
+    with unbroken.Checkpointer(root, model=resumed, optimizer=opt, incremental=True) as ckpt:
+        assert ckpt.restore() == 18
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+def test_a_run_folder_replaced_by_a_file_fails_the_save_typed(tmp_path: Path, mode) -> None:
+    """Before: a bare NotADirectoryError from deep inside the store (listing the next
+    generation's folder under a run folder that had become a file)."""
+    root = tmp_path / "run"
+    model = torch.nn.Linear(2, 2)
+    ckpt = unbroken.Checkpointer(root, model=model, async_save=mode)
+    try:
+        ckpt.save(1)
+        ckpt.wait()
+        root.rename(tmp_path / "moved")
+        root.write_text("not a folder")
+        with pytest.raises(unbroken.SaveFailed, match=str(root)):
+            ckpt.save(2)
+            ckpt.wait()
+    finally:
+        try:
+            ckpt.close()
+        except unbroken.UnbrokenError:
+            pass

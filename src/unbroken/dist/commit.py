@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -184,14 +184,27 @@ def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
                       f"training may continue; {remedy} before the next save")
 
 
+class SharedFileFailed(SaveFailed):
+    """A save's read-back failed on a file it did not write but linked (an incremental save;
+    an object store copies it in place) from an earlier generation: rot of the bytes that
+    generation verified, which every generation linking the file shares, or a bad copy. The
+    state saved is good: the save is written again with every file anew (at once where the
+    state saved is still at hand, else by the next save)."""
+
+
+_TYPES[SharedFileFailed.__name__] = SharedFileFailed  # (it travels from a persisting process)
+
+
 def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
-              progress: Progress) -> None:
+              progress: Progress, linked: Collection[str] = ()) -> None:
     """Re-hash what was just committed (every rank its own files); a generation that does
     not read back as written is moved aside, and the save fails (on every rank). Files an
-    incremental save linked from an earlier generation are read back too: a shared file
-    that changed on disk since it was verified (rot that keeps its size and time) must fail
-    the first generation that links it, not be counted in every later one."""
+    incremental save linked from an earlier generation (``linked``: their names) are read
+    back too: a shared file that changed on disk since it was verified (rot that keeps its
+    size and time) must fail the first generation that links it, not be counted in every
+    later one; then the error is a `SharedFileFailed`."""
     assert info.manifest is not None
+    failed: list[str] = []
     try:
         before = store.file_identity(info) if group.leader else None
         if group.active:
@@ -200,7 +213,7 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
                 store.verified_elsewhere(info, before)
         else:
             try:
-                store.verify(info, advance=progress.advance)
+                store.verify(info, advance=progress.advance, failed=failed)
                 problems = []
             except CorruptCheckpoint as e:
                 problems = [str(e)]
@@ -225,6 +238,13 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
                     f"was moved aside, and the generation of the same step it superseded "
                     f"could not be put back from {info.superseded} ({e}): move it back "
                     f"to {generation_name(info.generation)} by hand") from None
+    shared = [n for n in failed if n in linked]
+    if shared:
+        raise SharedFileFailed(
+            f"generation {info.generation} did not read back as written ({why}); it was "
+            f"moved aside. This save did not write {shared[0]}: it linked it (or had the "
+            "store copy it) from an earlier generation, whose file may be damaged too (a "
+            "hard link is the same file); a save writes every file anew from the state")
     raise SaveFailed(f"generation {info.generation} did not read back as written ({why}); "
                      "it was moved aside and older generations are untouched")
 

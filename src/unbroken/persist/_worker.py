@@ -101,7 +101,8 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, gr
     finally:
         artifacts.clear()
         view.release()
-    read_back(group, store, info, Progress("", 0))
+    read_back(group, store, info, Progress("", 0),
+              [a["name"] for a in request["artifacts"] if "link" in a])
     keep = request["keep"]
     writer = RunWriter(store, Keep(keep["last"], keep["every"],
                                    tuple(keep["best"]) if keep["best"] else None,

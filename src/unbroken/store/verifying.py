@@ -182,11 +182,12 @@ class Verifying:
 
     def verify(self, info: GenerationInfo, from_disk: bool = False,
                advance: Callable[[int], None] | None = None,
-               names: set[str] | None = None) -> None:
+               names: set[str] | None = None, failed: list[str] | None = None) -> None:
         """Re-hash every artifact of a generation, streaming (no file is held in memory);
-        raise ``CorruptCheckpoint`` on the first bad one. ``from_disk``: evict each file's
-        cached pages first, so a just-written generation is read from the disk itself.
-        ``names``: only those artifacts (one rank's share of a generation of many ranks)."""
+        raise ``CorruptCheckpoint`` on the first bad one (its name appended to ``failed``
+        first). ``from_disk``: evict each file's cached pages first, so a just-written
+        generation is read from the disk itself. ``names``: only those artifacts (one rank's
+        share of a generation of many ranks)."""
         if not info.ok or info.manifest is None:
             raise CorruptCheckpoint(info.reason)
         ident = self.file_identity(info) if names is None else None
@@ -198,6 +199,8 @@ class Verifying:
                 self._check_artifact(info.path, a, from_disk)
             except CorruptCheckpoint:
                 self._forget_sharing(info.path, a.name)
+                if failed is not None:
+                    failed.append(a.name)
                 raise
             if advance is not None:
                 advance(a.size)
