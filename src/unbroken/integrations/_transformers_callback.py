@@ -23,14 +23,14 @@ from ..data import ResumableLoader, ResumableSampler, SeededDataset, seeded
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedSetup
 from ..state.identity import Identity
 from ._closing import close_after
-from ._transformers_checks import _refuse_private_rng, _sampling
-from ._transformers_state import TrainerProgress, trainer_config
+from ._transformers_checks import _refuse_jit_checkpoint, _refuse_private_rng, _sampling
+from ._transformers_state import TrainerProgress, restore_compatible, trainer_config
 
 TESTED = "5.24"
 PART = "trainer"  # the extras name of the Trainer's own state in a generation
 
 # The Trainer internals this adapter wraps, with the parameters it reads.
-_HOOKS = {"_init_training_state": ("max_steps",),
+_HOOKS = {"_init_training_state": ("max_steps", "num_train_epochs"),
           "_run_epoch": ("epoch", "steps_in_epoch", "num_update_steps_per_epoch"),
           "_maybe_log_save_evaluate": ("grad_norm",),
           "training_step": ("model", "inputs"),
@@ -72,6 +72,8 @@ class UnbrokenCallback(TrainerCallback):
         self._pending = False  # an update ended (on_step_end); not yet marked
         self._deferred = False  # ... marked after the epoch-end logging and evaluation
         self._eval_on_start = False  # args.eval_on_start, turned off for a continuation
+        self._epochs = 0  # the train() call's num_train_epochs: the loop ends after the last
+        self._saved_at = -1  # the update whose generation this train() call wrote last
         self._orig: dict[str, Callable[..., Any]] = {n: getattr(trainer, n) for n in _HOOKS}
         self._sig = {n: inspect.signature(f) for n, f in self._orig.items()}
         for name in _HOOKS:  # instance attributes: a subclass's own overrides still run inside
@@ -97,6 +99,7 @@ class UnbrokenCallback(TrainerCallback):
                 "Trainer checkpoint-N folder is not read (`unbroken import` it into a new run "
                 "folder and warm-start from it); to start over, use a new run folder")
         bound.arguments["resume_from_checkpoint"] = None  # no Trainer checkpoint is read
+        _refuse_jit_checkpoint(self.trainer)  # (a callback may have been added since attach)
         try:
             result = self._orig["train"](*bound.args, **bound.kwargs)
         except BaseException as e:
@@ -196,7 +199,10 @@ class UnbrokenCallback(TrainerCallback):
                       else Identity(config=trainer_config(t.args))),
             every=self.every, **self.options)
         self._open = True
-        self.restored = self.checkpointer.restore()
+        self._epochs = int(bound.arguments["num_train_epochs"])
+        self.progress.interrupted = False
+        self.restored = restore_compatible(self.checkpointer, t.args, self.identity)
+        self._saved_at = self.restored
         if self.restored != t.state.global_step:
             raise CorruptCheckpoint(f"{os.fspath(self.root)}: generation {self.restored} holds "
                                     f"Trainer global_step {t.state.global_step}")
@@ -252,11 +258,28 @@ class UnbrokenCallback(TrainerCallback):
         a["steps_in_epoch"] -= done
         a["num_update_steps_per_epoch"] -= done // self.trainer.args.gradient_accumulation_steps
         result = self._orig["_run_epoch"](*bound.args, **bound.kwargs)
-        if loader.epoch == self._epoch and not self.trainer.control.should_training_stop:
+        control = self.trainer.control
+        if loader.epoch == self._epoch and not control.should_training_stop:
             # A callback stopped the epoch inside an update window: the Trainer goes on with
             # the next epoch, and so does the cursor.
             loader.sampler.set_position(self._epoch + 1, 0)
+        if (control.should_training_stop or a["epoch"] + 1 >= self._epochs) \
+                and not self._window:
+            self._save_the_end()
         return result
+
+    def _save_the_end(self) -> None:
+        """The Trainer's loop ends after this epoch: its last update is the run's final state,
+        saved even where nothing asked for it (a callback's ``should_epoch_stop`` ended every
+        epoch early, so ``num_train_epochs`` ran out before ``max_steps``), so a rerun of the
+        finished script restores it and trains nothing. Not after a signal's stop: that
+        generation is saved already, and the run goes on in the next process."""
+        ckpt, t = self.checkpointer, self.trainer
+        assert ckpt is not None
+        if ckpt.should_stop or self._saved_at == t.state.global_step:
+            return
+        ckpt.save()
+        self._saved_at = t.state.global_step
 
     def _training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         loss = self._orig["training_step"](*args, **kwargs)
@@ -300,11 +323,16 @@ class UnbrokenCallback(TrainerCallback):
         assert ckpt is not None
         loss = torch.stack(self._losses).sum() if self._losses else None
         window, self._losses, self._window = self._window, [], []
-        ckpt.step_done(t.state.global_step, loss=loss, grad_norm=self._grad_norm, batch=window)
+        if ckpt.step_done(t.state.global_step, loss=loss, grad_norm=self._grad_norm,
+                          batch=window):
+            self._saved_at = t.state.global_step
         if ckpt.should_stop:  # a signal: the generation is saved, leave the loop
+            # (not the run's end: a later save of this state must not mark it stopped)
+            self.progress.interrupted = True
             t.control.should_training_stop = True
         elif t.control.should_training_stop:
             ckpt.save()  # the run ends here: its newest generation is its final state
+            self._saved_at = t.state.global_step
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState,
                      control: TrainerControl, **kwargs: Any) -> None:

@@ -3,6 +3,7 @@ identity of a Trainer run (`unbroken.integrations.transformers`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -10,16 +11,30 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_callback import ExportableState
 
-from ..errors import CorruptCheckpoint, StateMismatch
+from ..checkpointer import Checkpointer
+from ..errors import CorruptCheckpoint, IdentityMismatch, StateMismatch, UnbrokenWarning
+from ..state.identity import Identity
 
 # TrainingArguments fields that shape the trajectory: the default identity config, so a
 # continuation with another learning rate, schedule, batch or seed is refused by name.
-_TRAJECTORY_ARGS = (
+# The default identity of an older adapter (generations it saved still continue).
+_LEGACY_ARGS = (
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "optim",
     "optim_args", "max_grad_norm", "num_train_epochs", "max_steps", "lr_scheduler_type",
     "lr_scheduler_kwargs", "warmup_steps", "warmup_ratio", "per_device_train_batch_size",
     "gradient_accumulation_steps", "seed", "data_seed", "fp16", "bf16",
     "label_smoothing_factor", "dataloader_drop_last", "average_tokens_across_devices")
+# Added since: when evaluation runs and what it reports decide a reduce_lr_on_plateau step
+# and EarlyStopping; NEFTune adds noise to the embeddings; the sample order; which modules
+# a GaLore-style optimizer targets; kernels and precision that change the numerics (TF32,
+# torch.compile, Liger kernels, deterministic algorithms). Logging, output and evaluation
+# batching only are left out: they do not change the weights.
+_ADDED_ARGS = (
+    "eval_strategy", "eval_steps", "eval_delay", "metric_for_best_model", "greater_is_better",
+    "neftune_noise_alpha", "train_sampling_strategy", "optim_target_modules", "tf32",
+    "torch_compile", "torch_compile_backend", "torch_compile_mode", "use_liger_kernel",
+    "liger_kernel_config", "full_determinism")
+_TRAJECTORY_ARGS = _LEGACY_ARGS + _ADDED_ARGS
 # TrainerState fields that continue from one update to the next (the rest is recomputed
 # from the arguments by the Trainer at every train()).
 _STATE_FIELDS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "log_history",
@@ -34,6 +49,62 @@ def trainer_config(args: TrainingArguments) -> dict[str, Any]:
     args), "model": ...}, data="train-v3")``."""
     values = args.to_dict()
     return {k: values[k] for k in _TRAJECTORY_ARGS if k in values}
+
+
+class _LegacyIdentity(Identity):
+    """``base`` with the config an older adapter recorded by default (`_LEGACY_ARGS`)."""
+
+    def __init__(self, base: Identity, args: TrainingArguments) -> None:
+        values = args.to_dict()
+        super().__init__(config={k: values[k] for k in _LEGACY_ARGS if k in values})
+        self._base = base
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**self._base.fingerprint(), "config": super().fingerprint()["config"]}
+
+
+def _saved_config_keys(ckpt: Checkpointer) -> set[str] | None:
+    """The config keys the newest generation with a manifest recorded, or None (unknown)."""
+    infos = [g for g in ckpt.store.scan() if g.manifest is not None]
+    if not infos:
+        return None
+    entry = (infos[-1].manifest.identity or {}).get("config")  # type: ignore[union-attr]
+    if not isinstance(entry, Mapping):
+        return None
+    if isinstance(entry.get("value"), Mapping):
+        return set(entry["value"])
+    if isinstance(entry.get("keys"), Mapping):  # "config.<key>..." digests
+        return {path.split(".")[1].split("[")[0] for path in entry["keys"] if "." in path}
+    return None
+
+
+def restore_compatible(ckpt: Checkpointer, args: TrainingArguments,
+                       identity: Identity | None) -> int:
+    """``ckpt.restore()``; a generation an older adapter saved with its default identity
+    (fewer TrainingArguments: `_LEGACY_ARGS`) continues when those match, with a warning
+    that the arguments added since cannot be checked for this resume; the next save records
+    them all. Refusing it would strand every run saved before they were added."""
+    try:
+        return ckpt.restore()
+    except IdentityMismatch:
+        current = ckpt.identity
+        default = Identity(config=trainer_config(args)).fingerprint()["config"]
+        saved = _saved_config_keys(ckpt)
+        if (current.fingerprint().get("config") != default or saved is None
+                or saved & set(_ADDED_ARGS)):
+            raise  # an identity of the user's own, or saved with the added arguments
+    ckpt.identity = _LegacyIdentity(current, args)
+    try:
+        step = ckpt.restore()  # a mismatch now names the older arguments that changed
+    finally:
+        ckpt.identity = current
+    warnings.warn(
+        f"{ckpt.store.root}: generation {step} was saved by an older unbroken whose default "
+        "Trainer identity did not record "
+        f"{[k for k in _ADDED_ARGS if k in trainer_config(args)]}; the arguments it did "
+        "record match, but a change of those cannot be detected for this resume (the next "
+        "save records them)", UnbrokenWarning, stacklevel=3)
+    return step
 
 
 def _wall_clock(key: str) -> bool:
@@ -57,6 +128,9 @@ class TrainerProgress:
         # The restored generation was saved when the run stopped (max_steps, a callback's
         # should_training_stop): the uninterrupted run trained no further.
         self.stopped = False
+        # The loop is being left for a signal (set by the callback): the run goes on in the
+        # next process, so should_training_stop does not mark the run's end.
+        self.interrupted = False
 
     def _stateful(self) -> list[tuple[str, Any]]:
         return [(type(cb).__name__, cb) for cb in self._trainer.callback_handler.callbacks
@@ -79,7 +153,8 @@ class TrainerProgress:
                        "globalstep_last_logged": int(getattr(t, "_globalstep_last_logged", 0)),
                        "current_flos": getattr(t, "current_flos", 0)}
             control = getattr(t, "control", None)
-            stopped = bool(getattr(control, "should_training_stop", False))
+            stopped = bool(getattr(control, "should_training_stop", False)) \
+                and not self.interrupted
         return {
             "state": state,
             "logging": logging,

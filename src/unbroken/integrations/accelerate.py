@@ -95,8 +95,10 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
     """An `unbroken.Checkpointer` for an Accelerate loop, from what ``accelerator.prepare``
     returned: ``model``, ``optimizer`` and ``scheduler`` are unwrapped, the accelerator's
     GradScaler (fp16) is captured as ``scaler``, and ``data`` (a `PreparedLoader`; ``None``
-    only for a loop without a data position) gives the data part. ``extras`` and ``options``
-    (``identity``, ``every``, ``keep``, ``signals``, ``trace``, ...) are the Checkpointer's.
+    only for a loop without a data position: refused when the accelerator prepared a
+    DataLoader, which such a loop would iterate from its start again) gives the data part.
+    ``extras`` and ``options`` (``identity``, ``every``, ``keep``, ``signals``, ``trace``,
+    ...) are the Checkpointer's.
 
     Call ``step_done`` when ``accelerator.sync_gradients`` is True after the optimizer and
     scheduler steps. Raises `UnsupportedSetup` for a setup it cannot resume exactly: data that
@@ -116,13 +118,29 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
     # register_for_checkpointing (a scheduler kept out of prepare, say) is held already.
     parts = [module, optimizer, inner_optimizer, scheduler, inner_scheduler, data, loader,
              accelerator.scaler]
+    held = _check_captured(accelerator, parts, dict(extras or {}))
+    if data is None:
+        _check_no_prepared_loader(accelerator)
     return Checkpointer(
         root, model=module, optimizer=inner_optimizer, scheduler=inner_scheduler,
-        scaler=accelerator.scaler, data=loader,
-        extras=_check_captured(accelerator, parts, dict(extras or {})), **options)
+        scaler=accelerator.scaler, data=loader, extras=held, **options)
 
 
 # -- checks ------------------------------------------------------------------------------------
+
+def _check_no_prepared_loader(accelerator: Accelerator) -> None:
+    """``data=None`` declares a loop without a data position, but a DataLoader that
+    ``accelerator.prepare`` returned is what such a loop iterates: its position is not in the
+    generation, so a resume would start its epoch over and train the samples of the updates
+    it saved again. (With ``data=`` given, other prepared loaders are evaluation loaders.)"""
+    for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        raise UnsupportedSetup(
+            f"checkpointer: data=None, but accelerator.prepare returned a DataLoader "
+            f"(#{i}, {type(dl).__name__}): its position is not saved, so a resumed run would "
+            "start the epoch over and train the samples of completed updates again; build "
+            "an unbroken.ResumableLoader(dataset, sampler, accumulation=N), prepare it with "
+            "ua.prepare(accelerator, ...) and pass it as data= (an evaluation-only loader: "
+            "prepare it after the checkpointer is built)")
 
 def _check_engine(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type

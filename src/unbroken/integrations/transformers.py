@@ -32,12 +32,18 @@ and a configuration that cannot be resumed exactly is refused with `UnsupportedS
   from the run folder's newest generation (a fresh folder starts at 0); a Trainer
   ``checkpoint-N`` path is refused. A generation saved where the run stopped
   (``max_steps``, or a callback's ``should_training_stop``, e.g. early stopping) is the
-  run's end: running it again trains nothing more. A continuation skips ``eval_on_start``
+  run's end: running it again trains nothing more; so is the last update of a run whose
+  ``num_train_epochs`` ran out first (a callback's ``should_epoch_stop`` ended its epochs
+  early), saved when the loop ends. A continuation skips ``eval_on_start``
   (the run evaluated before update 1).
 
 ``train_sampling_strategy`` "random" (a seeded shuffle) or "sequential" (dataset order); a
 collator with a random generator of its own (``DataCollatorForLanguageModeling(seed=...)``)
-is refused: its stream is neither saved nor positioned by the data cursor.
+is refused: its stream is neither saved nor positioned by the data cursor. So is one that
+reaches such a generator through what it holds (a wrapped collator, a closure, a global its
+code names, a ``functools.partial`` argument). ``enable_jit_checkpoint=True`` is refused:
+the Trainer's SIGTERM handling stops the loop as if the run had ended (pass
+``signals=[signal.SIGTERM]`` to `attach` instead).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from ..errors import UnsupportedSetup
 from ..state.identity import Identity
 from ._transformers_callback import _HOOKS, TESTED, UnbrokenCallback
 from ._transformers_callback import PART as PART
-from ._transformers_checks import _refuse_private_rng, _sampling
+from ._transformers_checks import _refuse_jit_checkpoint, _refuse_private_rng, _sampling
 from ._transformers_state import TrainerProgress, trainer_config
 
 __all__ = ["TrainerProgress", "UnbrokenCallback", "UnsupportedSetup", "attach",
@@ -100,6 +106,7 @@ def _refuse_unsupported(trainer: Trainer) -> None:
     for refused, why in refusals:
         if refused:
             raise UnsupportedSetup(why)
+    _refuse_jit_checkpoint(trainer)
     _refuse_private_rng(trainer.data_collator)
 
 
