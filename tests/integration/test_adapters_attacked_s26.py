@@ -357,6 +357,10 @@ def test_accelerate_data_none_with_a_prepared_dataloader_is_refused(tmp_path,
     ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
                     data=data).close()
     assert len(loader) == 16
+    # The prepared loader tells the batches it handed out (an empty epoch's rollover is a
+    # boundary, `boundary._empty_rollover`), as the loader it wraps counts them.
+    next(iter(data))
+    assert data.handed_out == data.loader.handed_out == 1
 
 
 # -- helpers (in the forked child) ---------------------------------------------------------

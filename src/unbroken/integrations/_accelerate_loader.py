@@ -85,6 +85,12 @@ class PreparedLoader:
         return self.loader.at_boundary
 
     @property
+    def handed_out(self) -> int:
+        """Batches handed to the training loop (`ResumableLoader.handed_out`): an empty
+        epoch's rollover is then told apart from batches handed out since a boundary."""
+        return self.loader.handed_out
+
+    @property
     def window_size(self) -> int:
         """Micro-batches in the current update window (`ResumableLoader.window_size`)."""
         return self.loader.window_size
