@@ -6,7 +6,7 @@ LONG in base 10 where they read ``int(text, 0)`` (``I0x10``), a STRING as ASCII 
 loader decodes UTF-8, and it requires a newline where CPython's pure-Python reader does not.
 A stream it rejected was filed as "not a pickle" while torch's full loader ran its globals.
 Here every argument is read at least as permissively as both of CPython's readers (the
-pure-Python one in Lib/pickle.py and the C one that torch's loader uses): a stream either of
+pure-Python one in the standard library and the C one that torch's loader uses): a stream either of
 them accepts, this accepts. Where it fails, the error
 says whether the real unpicklers certainly fail at the same point too (`PickleSyntaxError.
 certain`): only such a failure on the very first instruction lets a file be called "not a
@@ -268,7 +268,7 @@ def _frame(f: Readable) -> int:
 
 
 _Reader = Callable[[Readable], Any] | None
-# opcode byte -> (pickletools' name, argument reader); Lib/pickle.py's table.
+# opcode byte -> (pickletools' name, argument reader); the standard library's table.
 OPCODES: dict[int, tuple[str, _Reader]] = {ord(k): v for k, v in {
     "(": ("MARK", None), ".": ("STOP", None), "0": ("POP", None), "1": ("POP_MARK", None),
     "2": ("DUP", None), "F": ("FLOAT", _float_nl), "I": ("INT", _int_nl),
