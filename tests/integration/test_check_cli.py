@@ -91,8 +91,10 @@ def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch
     assert not glob.glob(str(tmp_path / "unbroken-check-*"))
 
 
-@pytest.mark.parametrize("argv", [["inspect", "/nonexistent/run"], ["verify", "/nonexistent"]])
-def test_every_command_prints_json_on_errors(capsys, argv):
+@pytest.mark.parametrize("argv", [["inspect", "{missing}/run"], ["verify", "{missing}"]])
+def test_every_command_prints_json_on_errors(capsys, tmp_path, argv):
+    # (a folder under tmp_path: a fixed path such as /nonexistent may exist on a machine)
+    argv = [a.format(missing=tmp_path / "missing") for a in argv]
     code, out, err = run(capsys, *argv, "--json")
     assert code == 2 and json.loads(out)["ok"] is False and "no such run folder" in err
 

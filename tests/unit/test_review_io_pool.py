@@ -208,6 +208,9 @@ def test_hash_file_while_another_thread_appends_and_truncates_never_hangs(tmp_pa
             os.truncate(path, rng.randrange(0, 12 * chunk))
             time.sleep(0.0005)
 
+    # (within the truncator's range before the first hash: on a loaded machine a hash could
+    # otherwise run before the thread's first truncation and see the appended file's size)
+    os.truncate(path, 12 * chunk)
     t = threading.Thread(target=truncator)
     t.start()
     ended = 0
