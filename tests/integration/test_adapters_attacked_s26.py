@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import random
 import sys
@@ -168,13 +169,28 @@ def _collators(tmp: Path) -> None:
         with pytest.raises(UnsupportedSetup, match=why):
             attach(_trainer(tmp / f"r{i}", data_collator=collator), tmp / f"r{i}")
     # The global streams (saved, seeded per batch by the loader) are fine, however reached.
+    # A library's logger whose sampling filter holds a generator of its own: a collator that
+    # only logs through the process-wide registry does not draw from it.
+    sampling = logging.Filter()
+    sampling.rng = random.Random(3)  # type: ignore[attr-defined]
+    logging.getLogger("some_library").addFilter(sampling)
     accepted = [transformers.DataCollatorForLanguageModeling(tokenizer),
                 Wrapped(transformers.DataCollatorForLanguageModeling(tokenizer)),
                 functools.partial(_collate_masking, rng=random),  # the module: its _inst
                 functools.partial(_collate_masking, rng=np.random),
-                Wrapped(random.random)]
+                Wrapped(random.random), _collate_logging]
     for i, collator in enumerate(accepted):
         attach(_trainer(tmp / f"a{i}", data_collator=collator), tmp / f"a{i}")
+
+
+def _collate_logging(samples):
+    import transformers
+
+    _LOG.debug("collating %d samples", len(samples))
+    return transformers.default_data_collator(samples)
+
+
+_LOG = logging.getLogger("a_user_module")
 
 
 # -- 4. the final update of a run whose epochs a callback ended early -----------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import random
 import types
 from collections.abc import Callable, Iterator, Mapping
@@ -31,9 +32,11 @@ _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.T
            np.ndarray, types.ModuleType, type, torch.dtype, torch.device)
 # Not searched: what a collate function reaching a global Trainer, model or dataset would
 # drag in is not the collator's own randomness (the sampler's, the model's, the dataset's
-# streams are other parts' business), and searching it would name them falsely.
+# streams are other parts' business), and searching it would name them falsely; nor the
+# process-wide logging registry a logger reaches (any library's sampling filter).
 _OPAQUE = (Trainer, TrainingArguments, torch.nn.Module, torch.optim.Optimizer,
-           torch.utils.data.Dataset, torch.utils.data.DataLoader)
+           torch.utils.data.Dataset, torch.utils.data.DataLoader, logging.Logger,
+           logging.LoggerAdapter, logging.Manager, logging.Handler, logging.Filterer)
 _SKIPPED = _LEAVES + _OPAQUE
 _MAX_ITEMS = 1_000  # of one container: a generator is not hidden past a big list's start
 
