@@ -468,3 +468,44 @@ def test_ranks_compare_the_extra_entries_too():
     named = dict(replicated(tree))
     assert named["optimizer extra"] == {"scale": 0.5}
     assert named["optimizer other_state"] == {"global": {"n": 1}}
+
+
+class _MomentumFP32(torch.optim.Optimizer):
+    """Keeps float32 momentum for lower-precision parameters (as mixed-precision optimizers
+    do): torch's own load casts it to the parameter's dtype."""
+
+    def __init__(self, params, lr=0.1):  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):  # type: ignore[no-untyped-def, override]
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = torch.zeros_like(p, dtype=torch.float32)
+                st["buf"].mul_(0.9).add_(p.grad.float())
+                p.sub_((g["lr"] * st["buf"]).to(p.dtype))
+
+
+class _Overriding(_MomentumFP32):
+    def state_dict(self):  # type: ignore[no-untyped-def, override]
+        return super().state_dict()  # (a subclass that logs, or adds a field)
+
+
+@pytest.mark.parametrize("how", ["override", "post-hook"])
+def test_a_harmless_state_dict_override_keeps_the_saved_dtypes(tmp_path, how):
+    """Before (this session's first fix): an optimizer whose state_dict was overridden or
+    hooked but changed no dtype came back with its float32 momentum cast to bfloat16 by
+    torch's load, silently. A save records whether its state_dict changed any dtype."""
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = net(torch.bfloat16)
+        opt = (_Overriding if how == "override" else _MomentumFP32)(model.parameters())
+        if how == "post-hook":
+            opt.register_state_dict_post_hook(lambda o, sd: sd)
+        return model, opt
+
+    ref = uninterrupted(build)
+    got = resumed(build, tmp_path / "run")
+    assert diffs(ref, got) == []
+    assert all(s["buf"].dtype == torch.float32 for s in got["state"].values())

@@ -17,12 +17,17 @@ from .livemodel import param_names
 from .optimrest import (
     EXTRA,
     OTHER_STATE,
+    OWN_DTYPES,
+    OWN_DTYPES_READY,
+    dtypes_changed,
     extras,
     owned_tree,
     packed,
     refuse_stray,
+    saved_own_dtypes,
     saved_rest,
     split_state,
+    state_dtypes,
 )
 
 
@@ -81,6 +86,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         direct = _direct_state(optimizer, _live_group_names(model, optimizer, names, _ADDED))
         if direct is not None:
             return direct
+    before = state_dtypes(optimizer) if not _indexes_only(optimizer) else {}
     try:
         sd = optimizer.state_dict()  # (its pre-hooks run before the groups are named)
     except KeyError:  # (torch's own fails so on state of a tensor in no group: said typed)
@@ -92,7 +98,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     for saved_group, group in zip(groups, group_names):
         by_index.update(zip(saved_group["params"], group))
     named, other = split_state(state, by_index)
-    out = {
+    out: dict[str, Any] = {
         "class": f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
         "state": named,
         "param_groups": [{**g, "params": group} for g, group in zip(groups, group_names)],
@@ -102,6 +108,8 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     extra = extras(sd)
     if extra:
         out[EXTRA] = extra
+    if before and dtypes_changed(optimizer, before, state):
+        out[OWN_DTYPES] = True
     return out
 
 
@@ -208,9 +216,12 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     positional: dict[Any, Any] = {index[k]: v for k, v in state.items()}
     if other:  # (string keys: torch's load keeps them as they are, apart from its indices)
         positional.update(other)
-    return {"state": positional,
-            "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups],
-            **extra}  # (for the optimizer's own load_state_dict or hooks, which read them)
+    ready = {"state": positional,
+             "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups],
+             **extra}  # (for the optimizer's own load_state_dict or hooks, which read them)
+    if saved_own_dtypes(saved, where):
+        ready[OWN_DTYPES_READY] = True
+    return ready
 
 
 def _same_kind(saved: Any, live: Any) -> bool:
@@ -263,6 +274,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
     # Torch's own state_dict and load_state_dict alone: the saved dtypes are the run's, and
     # only torch's cast to the parameter's dtype would change them (else the optimizer's own
     # code or hooks decide what dtype each value is saved and loaded in: `_uncast` below).
+    own_dtypes = bool(ready.get(OWN_DTYPES_READY))
+    if OWN_DTYPES_READY in ready:
+        ready = {k: v for k, v in ready.items() if k != OWN_DTYPES_READY}
     own = _indexes_only(optimizer) and _loads_only(optimizer)
     fast = (own and len(ready["param_groups"]) == len(optimizer.param_groups)
             and all(i in by_id and _identity_cast(by_id[i], values, exact)
@@ -275,7 +289,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
                      for k, v in ready.items()}
             mapped.finish()  # torch may cast (copy) them: their bytes must be in first
         optimizer.load_state_dict(dict(ready))
-        _uncast(optimizer, ready, by_id, own)
+        # (torch's own load, whatever saved it: each value it cast is set back, unless the
+        # optimizer's own state_dict chose the saved dtypes)
+        _uncast(optimizer, ready, by_id, _loads_only(optimizer) and not own_dtypes)
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
@@ -340,10 +356,11 @@ def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
             by_id: Mapping[int, torch.Tensor], own: bool) -> None:
     """After ``load_state_dict``: each value torch cast from its saved dtype to its floating
     parameter's (see `_identity_cast`) is the saved value again, on the device torch put it
-    on. ``own``: torch's own methods saved and loaded it (`load_optimizer_state`); else the
-    optimizer's code or hooks chose the dtypes (a hook that saves bfloat16 moments and loads
-    them as float32 is not undone), and only the values a torch class keeps in float32 for
-    any parameter, saved so, are set back (`_FLOAT32_KEPT`)."""
+    on. ``own``: torch's own load ran and the saved dtypes are the ones the optimizer held
+    (`load_optimizer_state`); else the optimizer's code or hooks chose the dtypes (a hook that
+    saves bfloat16 moments and loads them as float32 is not undone), and only the values a
+    torch class keeps in float32 for any parameter, saved so, are set back
+    (`_FLOAT32_KEPT`)."""
     kept = next((keys for cls, keys in _FLOAT32_KEPT.items() if isinstance(optimizer, cls)),
                 frozenset())
     if not own and not kept:

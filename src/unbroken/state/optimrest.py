@@ -22,6 +22,13 @@ from ..errors import CorruptCheckpoint, UnsupportedValue, shown
 
 EXTRA = "extra"
 OTHER_STATE = "other_state"
+# True when the optimizer's own ``state_dict`` (a subclass's or a hook's) saved a value in
+# another dtype than the optimizer holds it (a bfloat16 copy of float32 moments): a restore
+# then keeps the dtypes torch's load gives, and sets none back to the saved one (`optim`)
+OWN_DTYPES = "own_dtypes"
+# (how `optimizer_state_to_torch` hands it to `load_optimizer_state`, which drops it before
+# the optimizer's own load sees the dict)
+OWN_DTYPES_READY = "__unbroken.own_dtypes__"
 _TORCH_KEYS = ("state", "param_groups")  # what torch's own state_dict() returns, no more
 
 
@@ -107,3 +114,45 @@ def owned_tree(value: Any, own: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if type(value) in (list, tuple):
         return type(value)(owned_tree(v, own) for v in value)
     return value
+
+
+def state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, Any], torch.dtype]:
+    """The dtype of each tensor the optimizer holds, by (id of its parameter, key): taken
+    before its own ``state_dict`` runs (a hook may replace the values it is handed, which
+    are the optimizer's own per-parameter dicts)."""
+    return {(id(p), k): v.dtype for p, values in optimizer.state.items()
+            if isinstance(values, Mapping) for k, v in values.items()
+            if isinstance(v, torch.Tensor)}
+
+
+def dtypes_changed(optimizer: torch.optim.Optimizer, before: Mapping[tuple[int, Any], Any],
+                   state: Mapping[Any, Any]) -> bool:
+    """Whether ``state`` (what ``optimizer.state_dict()`` returned, keyed by torch's indices)
+    holds a tensor in another dtype than the optimizer held it (``before``: `state_dtypes`
+    taken before that call)."""
+    params: dict[int, torch.Tensor] = {}  # torch's index of each parameter (its state_dict's)
+    seen: set[int] = set()
+    start = 0
+    for group in optimizer.param_groups:
+        for i, p in enumerate(group["params"], start):
+            if id(p) not in seen:
+                seen.add(id(p))
+                params[i] = p
+        start += len(group["params"])
+    for i, values in state.items():
+        if i not in params or not isinstance(values, Mapping):
+            continue
+        for key, v in values.items():
+            held = before.get((id(params[i]), key))
+            if isinstance(v, torch.Tensor) and held is not None and v.dtype != held:
+                return True
+    return False
+
+
+def saved_own_dtypes(saved: Mapping[str, Any], where: str) -> bool:
+    """The `OWN_DTYPES` mark of a saved optimizer part (absent: False)."""
+    mark = saved.get(OWN_DTYPES, False)
+    if type(mark) is not bool:
+        raise CorruptCheckpoint(f"{where}: optimizer {OWN_DTYPES!r} is {shown(mark, 80)}; "
+                                "expected true or false (a save writes no other)")
+    return mark
