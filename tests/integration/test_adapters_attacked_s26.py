@@ -307,6 +307,21 @@ def _legacy_identity(tmp: Path) -> None:
     # The next generation records the full identity: a later change of eval_steps is refused.
     saved = json.loads((tmp / "run" / "gen-000000004" / "MANIFEST.json").read_text())
     assert '"eval_steps"' in json.dumps(saved["identity"])
+    # That newest generation damaged: the restore falls back past it to the older-identity
+    # generation 2, with the same warning (the choice looks at every generation, not only
+    # the newest), and trains updates 3 and 4 again as the reference did.
+    damaged = tmp / "run" / "gen-000000004" / "model.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0xFF
+    damaged.write_bytes(bytes(data))
+    again = _trainer(tmp / "run", eval_dataset=_points(16), **options)
+    attach(again, tmp / "run")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert again.train().global_step == 4
+    assert any("older unbroken" in str(w.message) for w in caught), [str(w.message)
+                                                                     for w in caught]
+    _assert_same(again, reference)
 
 
 # -- 1 (continued). a signal's stop never marks the run finished ---------------------------

@@ -63,12 +63,9 @@ class _LegacyIdentity(Identity):
         return {**self._base.fingerprint(), "config": super().fingerprint()["config"]}
 
 
-def _saved_config_keys(ckpt: Checkpointer) -> set[str] | None:
-    """The config keys the newest generation with a manifest recorded, or None (unknown)."""
-    infos = [g for g in ckpt.store.scan() if g.manifest is not None]
-    if not infos:
-        return None
-    entry = (infos[-1].manifest.identity or {}).get("config")  # type: ignore[union-attr]
+def _config_keys(info: Any) -> set[str] | None:
+    """The config keys a generation's manifest recorded, or None (unknown)."""
+    entry = (info.manifest.identity or {}).get("config")
     if not isinstance(entry, Mapping):
         return None
     if isinstance(entry.get("value"), Mapping):
@@ -76,6 +73,17 @@ def _saved_config_keys(ckpt: Checkpointer) -> set[str] | None:
     if isinstance(entry.get("keys"), Mapping):  # "config.<key>..." digests
         return {path.split(".")[1].split("[")[0] for path in entry["keys"] if "." in path}
     return None
+
+
+def _older_saved(ckpt: Checkpointer) -> bool:
+    """Whether a generation of the run was saved with an older adapter's default identity
+    (its config recorded none of `_ADDED_ARGS`): any of them, as the restore may fall back
+    past newer ones that do not verify."""
+    for info in ckpt.store.scan():
+        keys = _config_keys(info) if info.manifest is not None else None
+        if keys is not None and not keys & set(_ADDED_ARGS):
+            return True
+    return False
 
 
 def restore_compatible(ckpt: Checkpointer, args: TrainingArguments,
@@ -89,10 +97,8 @@ def restore_compatible(ckpt: Checkpointer, args: TrainingArguments,
     except IdentityMismatch:
         current = ckpt.identity
         default = Identity(config=trainer_config(args)).fingerprint()["config"]
-        saved = _saved_config_keys(ckpt)
-        if (current.fingerprint().get("config") != default or saved is None
-                or saved & set(_ADDED_ARGS)):
-            raise  # an identity of the user's own, or saved with the added arguments
+        if current.fingerprint().get("config") != default or not _older_saved(ckpt):
+            raise  # an identity of the user's own, or every generation has the added ones
     ckpt.identity = _LegacyIdentity(current, args)
     try:
         step = ckpt.restore()  # a mismatch now names the older arguments that changed
