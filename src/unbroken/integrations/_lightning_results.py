@@ -34,6 +34,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.trainer.connectors.logger_connector.result import (
     _Metadata,
     _ResultCollection,
@@ -42,7 +43,7 @@ from lightning.pytorch.trainer.connectors.logger_connector.result import (
 )
 from torchmetrics import Metric
 
-from ..errors import StateMismatch, UnsupportedSetup
+from ..errors import CorruptCheckpoint, StateMismatch, UnsupportedSetup
 
 # The reductions ``self.log(reduce_fx=...)`` accepts, by name. The builtins are kept apart
 # from torch's: Lightning compares the function itself when the metric is logged again.
@@ -145,38 +146,49 @@ def _name_of(reduce_fx: Any) -> str | None:
 
 
 def check_saved(saved: Any, module: torch.nn.Module, where: str) -> None:
-    """Refuse saved results of another shape before anything is loaded (`StateMismatch`)."""
+    """Refuse saved results before anything is loaded: an entry no save writes is corrupt
+    (`CorruptCheckpoint`: the previous generation is used), one naming a metric object the
+    module does not hold is a `StateMismatch`."""
     if not isinstance(saved, list):
-        raise StateMismatch(f"{where}: the saved training results are not a list (found "
-                            f"{saved!r:.80}); the generation was not written by this adapter")
+        raise CorruptCheckpoint(f"{where}: the saved training results are not a list (found "
+                                f"{saved!r:.80}); a save writes a list")
     for i, entry in enumerate(saved):
-        problem = _problem(entry, module)
+        problem = _problem(entry)
+        key = entry.get("key") if isinstance(entry, Mapping) else None
         if problem:
-            key = entry.get("key") if isinstance(entry, Mapping) else None
+            raise CorruptCheckpoint(
+                f"{where}: saved training results entry {i} ({key!r:.80}): {problem}; no save "
+                "writes that: the generation is damaged")
+        attribute = entry.get("metric_attribute")
+        if not entry["tensor"] and not isinstance(_submodule(module, attribute), Metric):
             raise StateMismatch(
-                f"{where}: saved training results entry {i} ({key!r}): {problem}; the "
-                "generation was not written by this adapter or the module changed: resume "
-                "from another generation, with the run's module, or start a new run folder")
+                f"{where}: saved training results entry {i} ({key!r:.80}) logged the "
+                f"torchmetrics Metric at {attribute!r}, which the module does not hold: "
+                "resume with the run's module, or start a new run folder")
 
 
-def _problem(entry: Any, module: torch.nn.Module) -> str | None:
-    """What is wrong with one saved entry, or None."""
+def _problem(entry: Any) -> str | None:
+    """What no save writes in one saved entry, or None."""
     if not isinstance(entry, Mapping):
         return f"not a mapping (found {entry!r:.60})"
     for name in ("key", "fx", "name"):
         if not isinstance(entry.get(name), str):
-            return f"{name} is not a str"
+            return f"{name} is {entry.get(name)!r:.60}, not a str"
     if entry.get("reduce_fx") not in _REDUCTIONS:
-        return f"reduce_fx {entry.get('reduce_fx')!r} is none of {sorted(_REDUCTIONS)}"
-    if any(type(entry.get(name)) is not bool for name in _FLAGS):
-        return f"one of {list(_FLAGS)} is not a bool"
+        return f"reduce_fx {entry.get('reduce_fx')!r:.60} is none of {sorted(_REDUCTIONS)}"
+    flags = {name: entry.get(name) for name in _FLAGS}
+    if any(type(v) is not bool for v in flags.values()):
+        return f"{flags!r:.200}: each of {list(_FLAGS)} must be true or false"
     if not (entry["on_step"] or entry["on_epoch"]):
         return "neither on_step nor on_epoch"
     for name, kind in _OPTIONAL:
         if entry.get(name) is not None and type(entry.get(name)) is not kind:
-            return f"{name} is neither None nor a {kind.__name__}"
+            return f"{name} is {entry.get(name)!r:.60}, neither None nor a {kind.__name__}"
+    # (Lightning's key of a metric logged in training: its hook, then its name)
+    if entry["key"] != f"{entry['fx']}.{entry['name']}" and entry.get("dataloader_idx") is None:
+        return f"its key is not {entry['fx']!r}.{entry['name']!r}, as Lightning names it"
     if type(entry.get("updates")) is not int or entry["updates"] < 0:
-        return "updates is not a count"
+        return f"updates is {entry.get('updates')!r:.60}, not a count"
     if entry.get("forward_cache") is not None and not isinstance(entry["forward_cache"],
                                                                  torch.Tensor):
         return "its step value is not a tensor"
@@ -185,16 +197,15 @@ def _problem(entry: Any, module: torch.nn.Module) -> str | None:
         value, count = entry.get("value"), entry.get("cumulated_batch_size")
         if not isinstance(value, torch.Tensor) or value.numel() != 1 or (
                 not value.is_floating_point()):
-            return "its value is not a one-element float tensor"
+            return f"its value is {value!r:.60}, not a one-element float tensor"
         if entry["reduce_fx"] == "mean" and (not isinstance(count, torch.Tensor) or (
                 count.numel() != 1 or count.is_floating_point() or count.is_complex())):
             return "a mean without its cumulated batch size (a one-element integer tensor)"
         return None
     if entry["on_epoch"] and not entry["reset"]:
         return "a running torchmetrics Metric logged on_epoch (never saved)"
-    attribute = entry.get("metric_attribute")
-    if attribute is None or not isinstance(_submodule(module, attribute), Metric):
-        return f"the module has no torchmetrics Metric at {attribute!r}"
+    if entry.get("metric_attribute") is None:
+        return "a torchmetrics Metric without its attribute name"
     return None
 
 
@@ -236,3 +247,39 @@ def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
         metric._update_count = entry["updates"]
         metric.has_reset = entry["reset"]
         results[entry["key"]] = metric
+    _reconcile(results, {entry["key"] for entry in saved})
+
+
+# What ``self.log`` may change from one process to the next without changing what is
+# accumulated: how the metric is shown (progress bar, logger).
+_SHOWN = ("prog_bar", "logger")
+
+
+def _reconcile(results: _ResultCollection, restored: set[str]) -> None:
+    """Until each restored entry is logged again: its first ``log`` takes the module's way of
+    showing it (a resumed script may drop ``prog_bar``), and a ``log`` with other arguments
+    that change what is accumulated is a `StateMismatch` naming the metric, not Lightning's
+    "logged twice with different arguments" deep inside the training step."""
+    plain = type(results).log
+
+    def log(fx: str, name: str, value: Any, **kwargs: Any) -> None:
+        key = f"{fx}.{name}"
+        entry = results.get(key)
+        if key not in restored or entry is None:
+            plain(results, fx, name, value, **kwargs)
+            return
+        restored.discard(key)
+        if not restored:
+            del results.log  # (every restored entry met: Lightning's own method again)
+        for field in _SHOWN:
+            if field in kwargs:
+                setattr(entry.meta, field, kwargs[field])
+        try:
+            plain(results, fx, name, value, **kwargs)
+        except MisconfigurationException as e:
+            raise StateMismatch(
+                f"self.log({name!r}, ...) in {fx} is called with other arguments than in the "
+                f"run that saved its running epoch aggregate ({e}); log it as that run did "
+                "(on_step, on_epoch, reduce_fx, enable_graph, sync_dist, metric_attribute)") from e
+
+    results.log = log  # type: ignore[method-assign]
