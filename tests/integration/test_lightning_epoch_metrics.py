@@ -100,6 +100,21 @@ def test_epoch_aggregates_and_a_plateau_on_them_survive_a_mid_epoch_kill(tmp_pat
     assert got_steps == steps
 
 
+def test_a_restored_metric_logged_otherwise_is_refused_naming_the_argument(
+        tmp_path, forks):  # noqa: F811
+    """The resumed script logs the loss with another reduction than the run that saved its
+    running mean: a StateMismatch naming the argument, saved and given (before: Lightning's
+    "logged twice with different arguments" from inside the training step)."""
+    killed = _run(forks, tmp_path, "run", "a", UNBROKEN_SAVE_AT="17",
+                  UNBROKEN_KILL_AT="update-end@20")
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = _run(forks, tmp_path, "run", "b", REDUCE_MAX="1")
+    assert resumed.returncode != 0
+    assert "StateMismatch" in resumed.stderr, resumed.stderr[-3000:]
+    assert "self.log('train_loss', ...) in training_step" in resumed.stderr
+    assert "reduce_fx='mean' saved, 'max' given" in resumed.stderr, resumed.stderr[-3000:]
+
+
 def test_a_torchmetrics_metric_logged_on_epoch_is_refused_at_its_first_batch(
         tmp_path, forks):  # noqa: F811
     """Its running state lives in the metric object (not saved): refused, naming the key,
@@ -190,7 +205,8 @@ def _child(argv: list[str]) -> None:
             out = self.net(x)
             loss = F.cross_entropy(out, y)
             self.log("train_loss", loss, on_step=True, on_epoch=True,
-                     prog_bar=not os.environ.get("NO_PROG_BAR"))
+                     prog_bar=not os.environ.get("NO_PROG_BAR"),
+                     reduce_fx="max" if os.environ.get("REDUCE_MAX") else "mean")
             self.log("train_max", loss, on_step=False, on_epoch=True, reduce_fx="max")
             self.log("train_sum", loss, on_step=False, on_epoch=True, reduce_fx="sum")
             self.acc(out.argmax(1), y)

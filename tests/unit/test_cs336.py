@@ -93,3 +93,31 @@ def test_reordered_parameters_are_refused(tmp_path):
     opt2 = torch.optim.AdamW([params[2], params[3], params[0], params[1]])
     with pytest.raises(StateMismatch):
         load_checkpoint(buf, model2, opt2)
+
+
+class _Strict(torch.optim.AdamW):
+    """An optimizer whose own load refuses keys it does not know (as some do)."""
+
+    def state_dict(self):  # type: ignore[no-untyped-def, override]
+        return super().state_dict()
+
+    def load_state_dict(self, sd) -> None:  # type: ignore[no-untyped-def, override]
+        unknown = set(sd) - {"state", "param_groups"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}")
+        super().load_state_dict(sd)
+
+
+def test_an_optimizers_own_load_sees_only_its_own_keys(tmp_path):
+    """Before: the restore's private note of the dtypes a state_dict chose reached the
+    optimizer's own load_state_dict, which refused it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    opt = _Strict(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 8)).pow(2).mean().backward()
+    opt.step()
+    save_checkpoint(model, opt, 1, tmp_path / "c.safetensors")
+    model2 = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    opt2 = _Strict(model2.parameters(), lr=1e-2)
+    assert load_checkpoint(tmp_path / "c.safetensors", model2, opt2) == 1
+    assert same_optimizer_state(opt.state_dict(), opt2.state_dict())

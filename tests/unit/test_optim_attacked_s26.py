@@ -18,6 +18,7 @@ load)."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import types
 from collections.abc import Callable
@@ -509,3 +510,80 @@ def test_a_harmless_state_dict_override_keeps_the_saved_dtypes(tmp_path, how):
     got = resumed(build, tmp_path / "run")
     assert diffs(ref, got) == []
     assert all(s["buf"].dtype == torch.float32 for s in got["state"].values())
+
+
+class _MasterWeights(torch.optim.Optimizer):
+    """Mixed precision: float32 master weights and momentum for bfloat16 parameters, and a
+    float64 step count; its state-dict hook stores only the count as float32."""
+
+    def __init__(self, params, lr=0.1):  # type: ignore[no-untyped-def]
+        super().__init__(params, {"lr": lr})
+        self.register_state_dict_post_hook(self._narrow_count)
+
+    @staticmethod
+    def _narrow_count(opt, sd):  # type: ignore[no-untyped-def]
+        return {**sd, "state": {i: {**s, "count": s["count"].float()}
+                                for i, s in sd["state"].items()}}
+
+    @torch.no_grad()
+    def step(self):  # type: ignore[no-untyped-def, override]
+        for g in self.param_groups:
+            for p in g["params"]:
+                st = self.state[p]
+                if not st:
+                    st["master"] = p.float()
+                    st["m"] = torch.zeros_like(st["master"])
+                    st["count"] = torch.zeros((), dtype=torch.float64)
+                st["m"].mul_(0.9).add_(p.grad.float())
+                st["master"].sub_(g["lr"] * st["m"])
+                st["count"].add_(1)
+                p.copy_(st["master"])
+
+
+def test_a_hook_that_narrows_one_value_leaves_the_others_at_their_saved_dtype(tmp_path):
+    """Before: one value whose dtype the hook changed marked the whole optimizer, and torch's
+    cast to bfloat16 was kept for the float32 master weights too (silently). The save
+    records each value the hook changed: only those keep torch's cast."""
+    def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = net(torch.bfloat16)
+        return model, _MasterWeights(model.parameters())
+
+    got = resumed(build, tmp_path / "run")
+    ref = uninterrupted(build)
+    for name, s in got["state"].items():
+        assert s["master"].dtype == s["m"].dtype == torch.float32, name
+        assert torch.equal(s["master"], ref["state"][name]["master"]), name
+        assert torch.equal(s["m"], ref["state"][name]["m"]), name
+
+
+def test_a_generation_without_the_record_keeps_torchs_cast(tmp_path):
+    """A generation saved before the record existed (an optimizer with a compressing hook):
+    the restore keeps what torch's load gives (float32 moments), as torch's own resume does;
+    setting the saved bfloat16 back made the next step fail."""
+    build = _compressing(False)
+    model, opt = build()
+    train(model, opt, 0, 2)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.save(2)
+    gen = tmp_path / "run" / "gen-000000002"
+    doc = json.loads((gen / "state.json").read_text())
+    # (what the record says of it: the moments the hook narrowed; removed, as before it)
+    assert ["0.weight", "exp_avg"] in doc["parts"]["optimizer"].pop("own_dtypes")
+    _reseal(gen, "state.json", json.dumps(doc).encode())
+    model2, opt2 = build()
+    with unbroken.Checkpointer(tmp_path / "run", model=model2, optimizer=opt2) as ckpt:
+        assert ckpt.restore() == 2
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt2.state.values())
+    train(model2, opt2, 2, 3)  # (before: expected dtype BFloat16 ... got float)
+
+
+def _reseal(gen, name: str, data: bytes) -> None:  # type: ignore[no-untyped-def]
+    import xxhash
+
+    from unbroken.store.manifest import seal
+    (gen / name).write_bytes(data)
+    manifest = json.loads((gen / "MANIFEST.json").read_text())
+    for a in manifest["artifacts"]:
+        if a["name"] == name:
+            a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
+    (gen / "MANIFEST.json").write_bytes(seal(manifest))

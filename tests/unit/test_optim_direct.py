@@ -23,9 +23,12 @@ def _through_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> d
     handle = opt.register_state_dict_post_hook(lambda o, sd: None)  # (no direct route)
     try:
         assert O._direct_state(opt, O._live_group_names(model, opt)) is None
-        return O.optimizer_state(model, opt)
+        out = O.optimizer_state(model, opt)
     finally:
         handle.remove()
+    # (this route also records which dtypes the optimizer's own state_dict changed: none)
+    assert out.pop("own_dtypes") == [], out
+    return out
 
 
 def _identical(a: Any, b: Any) -> None:

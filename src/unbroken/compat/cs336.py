@@ -21,7 +21,7 @@ from ..state.decoding import decode_tree
 from ..state.jsontext import dumps_json, loads_json
 from ..state.livemodel import with_versions
 from ..state.modelcheck import validate_model
-from ..state.optim import optimizer_state, optimizer_state_to_torch
+from ..state.optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
 from ..state.tensorfile import decode_safetensors, encode_safetensors
 
 _FORMAT = "unbroken.cs336/1"
@@ -85,5 +85,5 @@ def load_checkpoint(src: str | os.PathLike[str] | IO[bytes], model: torch.nn.Mod
     validate_model(tree["model"], model, str(where))
     ready = optimizer_state_to_torch(tree["optimizer"], model, optimizer, str(where))
     model.load_state_dict(with_versions(model, tree["model"]))
-    optimizer.load_state_dict(ready)
+    load_optimizer_state(optimizer, ready)  # (as a restore loads it: see optim)
     return int(tree["iteration"])

@@ -255,6 +255,23 @@ def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
 _SHOWN = ("prog_bar", "logger")
 
 
+def _differences(entry: _ResultMetric, given: dict[str, Any]) -> str:
+    """The arguments of a ``log`` that differ from a restored entry's, saved vs given."""
+    meta = entry.meta
+    saved: dict[str, Any] = {
+        "on_step": meta.on_step, "on_epoch": meta.on_epoch,
+        "reduce_fx": _name_of(meta.reduce_fx), "enable_graph": meta.enable_graph,
+        "add_dataloader_idx": meta.add_dataloader_idx,
+        "metric_attribute": meta.metric_attribute,
+        "sync_dist": bool(meta._sync is not None and meta._sync.should),
+        "rank_zero_only": bool(meta._sync is not None and meta._sync.rank_zero_only)}
+    now = {k: (_name_of(v) or v) if k == "reduce_fx" else v for k, v in given.items()
+           if k in saved}
+    found = [f"{k}={saved[k]!r} saved, {now[k]!r} given" for k in saved
+             if k in now and now[k] != saved[k]]
+    return ", ".join(found) or "Lightning refused the change"
+
+
 def _reconcile(results: _ResultCollection, restored: set[str]) -> None:
     """Until each restored entry is logged again: its first ``log`` takes the module's way of
     showing it (a resumed script may drop ``prog_bar``), and a ``log`` with other arguments
@@ -279,7 +296,7 @@ def _reconcile(results: _ResultCollection, restored: set[str]) -> None:
         except MisconfigurationException as e:
             raise StateMismatch(
                 f"self.log({name!r}, ...) in {fx} is called with other arguments than in the "
-                f"run that saved its running epoch aggregate ({e}); log it as that run did "
-                "(on_step, on_epoch, reduce_fx, enable_graph, sync_dist, metric_attribute)") from e
+                f"run that saved its running epoch aggregate: {_differences(entry, kwargs)}; "
+                "log it as that run did") from e
 
     results.log = log  # type: ignore[method-assign]

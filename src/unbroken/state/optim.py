@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -86,7 +86,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         direct = _direct_state(optimizer, _live_group_names(model, optimizer, names, _ADDED))
         if direct is not None:
             return direct
-    before = state_dtypes(optimizer) if not _indexes_only(optimizer) else {}
+    before = state_dtypes(optimizer) if not _indexes_only(optimizer) else None
     try:
         sd = optimizer.state_dict()  # (its pre-hooks run before the groups are named)
     except KeyError:  # (torch's own fails so on state of a tensor in no group: said typed)
@@ -108,8 +108,9 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     extra = extras(sd)
     if extra:
         out[EXTRA] = extra
-    if before and dtypes_changed(optimizer, before, state):
-        out[OWN_DTYPES] = True
+    if before is not None:  # (the optimizer's own state_dict ran: which dtypes it chose)
+        out[OWN_DTYPES] = sorted([by_index[i], key]
+                                 for i, key in dtypes_changed(optimizer, before, state))
     return out
 
 
@@ -219,8 +220,9 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     ready = {"state": positional,
              "param_groups": [{**g, "params": [index[x] for x in g["params"]]} for g in groups],
              **extra}  # (for the optimizer's own load_state_dict or hooks, which read them)
-    if saved_own_dtypes(saved, where):
-        ready[OWN_DTYPES_READY] = True
+    pairs = saved_own_dtypes(saved, where)
+    if pairs is not None:
+        ready[OWN_DTYPES_READY] = {(index[name], key) for name, key in pairs if name in index}
     return ready
 
 
@@ -274,7 +276,9 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
     # Torch's own state_dict and load_state_dict alone: the saved dtypes are the run's, and
     # only torch's cast to the parameter's dtype would change them (else the optimizer's own
     # code or hooks decide what dtype each value is saved and loaded in: `_uncast` below).
-    own_dtypes = bool(ready.get(OWN_DTYPES_READY))
+    # The values the optimizer's own state_dict saved in another dtype than it held them
+    # (None: not recorded, or torch's own state_dict saved them all as they were held)
+    chosen: set[tuple[Any, Any]] | None = ready.get(OWN_DTYPES_READY)
     if OWN_DTYPES_READY in ready:
         ready = {k: v for k, v in ready.items() if k != OWN_DTYPES_READY}
     own = _indexes_only(optimizer) and _loads_only(optimizer)
@@ -289,9 +293,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
                      for k, v in ready.items()}
             mapped.finish()  # torch may cast (copy) them: their bytes must be in first
         optimizer.load_state_dict(dict(ready))
-        # (torch's own load, whatever saved it: each value it cast is set back, unless the
-        # optimizer's own state_dict chose the saved dtypes)
-        _uncast(optimizer, ready, by_id, _loads_only(optimizer) and not own_dtypes)
+        # (torch's own load: each value it cast is set back, but those whose saved dtype the
+        # optimizer's own state_dict chose; where that was not recorded, none)
+        known = _indexes_only(optimizer) or chosen is not None
+        _uncast(optimizer, ready, by_id, _loads_only(optimizer) and known, chosen or set())
         return
     state: dict[Any, Any] = {}
     for i, values in ready["state"].items():
@@ -353,14 +358,16 @@ _FLOAT32_KEPT = {torch.optim.NAdam: frozenset({"mu_product"}),
 
 
 def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
-            by_id: Mapping[int, torch.Tensor], own: bool) -> None:
+            by_id: Mapping[int, torch.Tensor], own: bool,
+            chosen: Collection[tuple[Any, Any]] = ()) -> None:
     """After ``load_state_dict``: each value torch cast from its saved dtype to its floating
     parameter's (see `_identity_cast`) is the saved value again, on the device torch put it
     on. ``own``: torch's own load ran and the saved dtypes are the ones the optimizer held
     (`load_optimizer_state`); else the optimizer's code or hooks chose the dtypes (a hook that
     saves bfloat16 moments and loads them as float32 is not undone), and only the values a
     torch class keeps in float32 for any parameter, saved so, are set back
-    (`_FLOAT32_KEPT`)."""
+    (`_FLOAT32_KEPT`). ``chosen``: (index, key) of values whose saved dtype the optimizer's
+    own ``state_dict`` chose: never set back."""
     kept = next((keys for cls, keys in _FLOAT32_KEPT.items() if isinstance(optimizer, cls)),
                 frozenset())
     if not own and not kept:
@@ -372,7 +379,8 @@ def _uncast(optimizer: torch.optim.Optimizer, ready: Mapping[str, Any],
             continue
         for key, v in values.items():
             now = live.get(key)
-            if (key != "step" and isinstance(v, torch.Tensor) and isinstance(now, torch.Tensor)
+            if (key != "step" and (i, key) not in chosen and isinstance(v, torch.Tensor)
+                    and isinstance(now, torch.Tensor)
                     and v.dtype != now.dtype and now.dtype == param.dtype  # type: ignore[union-attr]
                     and (own or key in kept and v.dtype == torch.float32)):
                 live[key] = v.to(device=now.device)

@@ -22,12 +22,14 @@ from ..errors import CorruptCheckpoint, UnsupportedValue, shown
 
 EXTRA = "extra"
 OTHER_STATE = "other_state"
-# True when the optimizer's own ``state_dict`` (a subclass's or a hook's) saved a value in
-# another dtype than the optimizer holds it (a bfloat16 copy of float32 moments): a restore
-# then keeps the dtypes torch's load gives, and sets none back to the saved one (`optim`)
+# Where the optimizer's own ``state_dict`` (a subclass's or a hook's) runs: the values it saved
+# in another dtype than the optimizer holds them (a bfloat16 copy of float32 moments), as
+# [parameter name, key] pairs (an empty list: none). A restore keeps torch's cast for those
+# and sets every other value back to its saved dtype (`optim`); a generation without the
+# list (saved before it was recorded) keeps torch's cast for all of them.
 OWN_DTYPES = "own_dtypes"
-# (how `optimizer_state_to_torch` hands it to `load_optimizer_state`, which drops it before
-# the optimizer's own load sees the dict)
+# (how `optimizer_state_to_torch` hands the pairs, by torch's parameter index, to
+# `load_optimizer_state`, which drops the key before the optimizer's own load sees the dict)
 OWN_DTYPES_READY = "__unbroken.own_dtypes__"
 _TORCH_KEYS = ("state", "param_groups")  # what torch's own state_dict() returns, no more
 
@@ -126,9 +128,9 @@ def state_dtypes(optimizer: torch.optim.Optimizer) -> dict[tuple[int, Any], torc
 
 
 def dtypes_changed(optimizer: torch.optim.Optimizer, before: Mapping[tuple[int, Any], Any],
-                   state: Mapping[Any, Any]) -> bool:
-    """Whether ``state`` (what ``optimizer.state_dict()`` returned, keyed by torch's indices)
-    holds a tensor in another dtype than the optimizer held it (``before``: `state_dtypes`
+                   state: Mapping[Any, Any]) -> list[tuple[Any, Any]]:
+    """The (torch index, key) of each tensor in ``state`` (what ``optimizer.state_dict()``
+    returned) whose dtype differs from the one the optimizer held (``before``: `state_dtypes`
     taken before that call)."""
     params: dict[int, torch.Tensor] = {}  # torch's index of each parameter (its state_dict's)
     seen: set[int] = set()
@@ -139,20 +141,26 @@ def dtypes_changed(optimizer: torch.optim.Optimizer, before: Mapping[tuple[int, 
                 seen.add(id(p))
                 params[i] = p
         start += len(group["params"])
+    out = []
     for i, values in state.items():
         if i not in params or not isinstance(values, Mapping):
             continue
         for key, v in values.items():
             held = before.get((id(params[i]), key))
             if isinstance(v, torch.Tensor) and held is not None and v.dtype != held:
-                return True
-    return False
+                out.append((i, key))
+    return out
 
 
-def saved_own_dtypes(saved: Mapping[str, Any], where: str) -> bool:
-    """The `OWN_DTYPES` mark of a saved optimizer part (absent: False)."""
-    mark = saved.get(OWN_DTYPES, False)
-    if type(mark) is not bool:
-        raise CorruptCheckpoint(f"{where}: optimizer {OWN_DTYPES!r} is {shown(mark, 80)}; "
-                                "expected true or false (a save writes no other)")
-    return mark
+def saved_own_dtypes(saved: Mapping[str, Any], where: str) -> list[tuple[str, Any]] | None:
+    """The `OWN_DTYPES` pairs of a saved optimizer part (None: not recorded)."""
+    pairs = saved.get(OWN_DTYPES)
+    if pairs is None:
+        return None
+    if not isinstance(pairs, list) or not all(
+            isinstance(p, list) and len(p) == 2 and type(p[0]) is str
+            and type(p[1]) in (str, int) for p in pairs):
+        raise CorruptCheckpoint(f"{where}: optimizer {OWN_DTYPES!r} is {shown(pairs, 80)}; "
+                                "expected a list of [parameter name, key] pairs (a save writes "
+                                "no other)")
+    return [(name, key) for name, key in pairs]
