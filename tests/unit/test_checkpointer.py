@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from _resealing import reseal
 
 import unbroken
 from unbroken.errors import (
@@ -123,20 +124,6 @@ def test_missing_rng_field_is_refused_without_touching_live_state(tmp_path):
     with pytest.raises(MissingState, match="rng.numpy"):
         ckpt2.restore()
     assert unchanged(before, model2, opt2)
-
-
-def reseal(gen, name, data: bytes):
-    """Replace one artifact and update the manifest consistently, checksum included (a
-    well-formed but incomplete generation, not a corrupt one)."""
-    import xxhash
-
-    from unbroken.store.manifest import seal
-    (gen / name).write_bytes(data)
-    manifest = json.loads((gen / "MANIFEST.json").read_text())
-    for a in manifest["artifacts"]:
-        if a["name"] == name:
-            a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-    (gen / "MANIFEST.json").write_bytes(seal(manifest))
 
 
 def test_missing_scheduler_part_is_refused(tmp_path):

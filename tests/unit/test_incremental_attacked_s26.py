@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from _resealing import reseal as _reseal
 
 import unbroken
 from unbroken._runview import open_run, verify_one
 from unbroken.state.parts import MORE_FILES, STATE_FILE
-from unbroken.store.manifest import seal
 from unbroken.tools.deep import deep_problems
 
 
@@ -48,17 +48,6 @@ def _incremental_run(root: Path, nan_at: int | None = None) -> None:
             ckpt.step_done(step)
             if step % 3 == 0:
                 ckpt.save()
-
-
-def _reseal(gen: Path, name: str, data: bytes) -> None:
-    import xxhash
-
-    (gen / name).write_bytes(data)
-    manifest = json.loads((gen / "MANIFEST.json").read_text())
-    for a in manifest["artifacts"]:
-        if a["name"] == name:
-            a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-    (gen / "MANIFEST.json").write_bytes(seal(manifest))
 
 
 def test_a_dropped_file_reference_names_state_json_and_the_part(tmp_path: Path) -> None:

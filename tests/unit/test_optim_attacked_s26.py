@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _resealing import reseal as _reseal
 
 import unbroken
 from unbroken.errors import CorruptCheckpoint, StateMismatch, UnsupportedValue
@@ -575,15 +576,3 @@ def test_a_generation_without_the_record_keeps_torchs_cast(tmp_path):
         assert ckpt.restore() == 2
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt2.state.values())
     train(model2, opt2, 2, 3)  # (before: expected dtype BFloat16 ... got float)
-
-
-def _reseal(gen, name: str, data: bytes) -> None:  # type: ignore[no-untyped-def]
-    import xxhash
-
-    from unbroken.store.manifest import seal
-    (gen / name).write_bytes(data)
-    manifest = json.loads((gen / "MANIFEST.json").read_text())
-    for a in manifest["artifacts"]:
-        if a["name"] == name:
-            a["size"], a["xxh3_128"] = len(data), xxhash.xxh3_128(data).hexdigest()
-    (gen / "MANIFEST.json").write_bytes(seal(manifest))
