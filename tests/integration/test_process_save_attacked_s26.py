@@ -127,7 +127,7 @@ def state_of(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (a process that is vanishing)
         return "gone"
 
 
