@@ -6,6 +6,7 @@ generations."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from .dist.group import Group
@@ -159,7 +160,10 @@ class RunWriter:
         for n in foreign:
             del complete[n]
 
+        checked: set[int] = set()
+
         def good(n: int) -> bool:
+            checked.add(n)
             why = self.store.verified(complete[n])
             if why is not None:
                 failed[n] = why
@@ -167,6 +171,8 @@ class RunWriter:
 
         kept = select_kept([(n, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
                             for n, g in complete.items()], self.keep, {just_saved}, good)
+        self._check_milestones(complete, kept - checked - {just_saved}, just, good)
+        kept -= failed.keys()
         by_number = {g.generation: g for g in gens}
         for n, why in failed.items():
             warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
@@ -176,15 +182,38 @@ class RunWriter:
             warnings.warn(f"retention found {g.path}, a generation of another run, moved "
                           "aside as foreign (never deleted)", UnbrokenWarning, stacklevel=5)
             self.set_aside(g, "foreign")
-        oldest_kept = min(kept)
         for g in gens:
-            # Torn leftovers older than everything kept are remains of an interrupted deletion.
+            # (what is neither kept, failed nor foreign: complete generations the policy lets
+            # go, and torn remains of an interrupted deletion, a manifest deleted first:
+            # nothing but this writer deletes or commits here while it holds the lock)
             if g.generation not in kept and g.generation not in failed and (
-                    g.generation not in foreign) and (g.ok or g.generation < oldest_kept):
+                    g.generation not in foreign):
                 self.store.delete(g)
         # Only now, with a new generation committed and verified, may aside/ shrink: what a
         # restore moved there (an abandoned branch) stays until the run has moved on.
         self.store.prune_aside(self.keep.aside)
+
+    def _check_milestones(self, complete: dict[int, GenerationInfo], unchecked: set[int],
+                          just: GenerationInfo | None, good: Callable[[int], bool]) -> None:
+        """Verify the kept generations the policy keeps whatever they hold (``every``
+        milestones), so that one that rotted is reported and moved aside, not kept as a copy
+        that cannot be restored. A verdict this store holds for their files as they are
+        costs a few ``lstat`` calls; hashing is spread over saves, newest first: one
+        milestone, or more while they fit in the bytes of the generation just saved
+        (``just``), so the first save after a restart does not re-read a hundred of them."""
+        budget = 0 if just is None or just.manifest is None else sum(
+            a.size for a in just.manifest.artifacts)
+        spent = 0
+        for n in sorted(unchecked, reverse=True):
+            info = complete.get(n)
+            if info is None or info.manifest is None:
+                continue
+            if self.store.hash_needed(info):
+                size = sum(a.size for a in info.manifest.artifacts)
+                if spent and spent + size > budget:
+                    continue
+                spent += size
+            good(n)
 
     def _ours(self, info: GenerationInfo, just: GenerationInfo | None) -> bool:
         """Whether generation ``info`` belongs to the run of the generation just saved

@@ -106,6 +106,13 @@ class _Known(Verifying):
         replaced by a save of its step that failed, and is being put back."""
         self._verified[path] = ()  # (no listing has this identity)
 
+    def hash_needed(self, info: GenerationInfo) -> bool:
+        """Whether `verified` would hash ``info`` (hashed before, changed since, or in doubt)."""
+        if info.manifest is None:
+            return False
+        before = self._verified.get(info.path)
+        return before is not None and before != self.file_identity(info)
+
     def verified(self, info: GenerationInfo) -> str | None:
         """``None`` when the generation counts as good, else the reason: hashed again when
         this process hashed it before and its objects changed since, or when it is in doubt

@@ -104,6 +104,12 @@ class Verifying:
             return None
         return self.hashed_verdict(info)
 
+    def hash_needed(self, info: GenerationInfo) -> bool:
+        """Whether `verified` would hash ``info`` (no verdict of this store's bound to its
+        files as they are): retention spreads such work over saves."""
+        ident = None if info.manifest is None else self.file_identity(info)
+        return ident is None or self._verified.get(info.path) != ident
+
     def hashed_verdict(self, info: GenerationInfo) -> str | None:
         """`verify` ``info`` (every byte hashed): ``None``, or why it fails."""
         try:
