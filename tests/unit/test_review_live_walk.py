@@ -537,9 +537,10 @@ def test_a_scripted_model_restores_as_load_state_dict(tmp_path):
     _same(dict(restored.state_dict()), dict(reference.state_dict()))
 
 
-def test_restores_into_differently_tied_parameters_as_load_state_dict(tmp_path):
-    """Saved untied, restored into a model that ties the two weights: load_state_dict copies
-    both in order (the last one wins); so must the copy path."""
+def test_refuses_differently_tied_parameters(tmp_path):
+    """Saved untied, restored into a model that ties the two weights (load_state_dict copies
+    both in order, the last one winning: a silent loss), or saved tied into a model that
+    holds them apart: refused, naming both keys (session 27; `test_modelcheck_ties_s27`)."""
     def make(seed: int, tie: bool) -> nn.Module:
         torch.manual_seed(seed)
         m = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False),
@@ -552,10 +553,8 @@ def test_restores_into_differently_tied_parameters_as_load_state_dict(tmp_path):
         original = make(0, saved_tied)
         folder = str(tmp_path / f"run{saved_tied}")
         _save(folder, original)
-        restored, reference = make(1, live_tied), make(1, live_tied)
-        _restore(folder, restored)
-        reference.load_state_dict(original.state_dict())
-        _same(_model_state(restored), _model_state(reference))
+        with pytest.raises(StateMismatch, match="'0.weight' and '2.weight' as one tensor"):
+            _restore(folder, make(1, live_tied))
 
 
 def test_a_large_model_restored_through_mapped_files_equals_load_state_dict(tmp_path):

@@ -4,6 +4,7 @@ continuation cannot restore into, and a warm start's cast that would overflow.""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
                             f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
+    _check_ties(saved, live, where, continuation=dtypes)
     for k, t in live.items():
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
@@ -83,6 +85,61 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
+                continuation: bool) -> None:
+    """Names the live model holds as one tensor (tied weights, a module shared under two
+    names) must hold one value in the checkpoint: loading two different ones into it keeps
+    whichever comes last, silently. A continuation also refuses names saved as one tensor
+    that the live model holds apart: the saved run trained them as one."""
+    names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]
+    try:
+        ptrs = list(map(torch.Tensor.data_ptr, map(live.__getitem__, names)))
+    except (RuntimeError, NotImplementedError):  # (a tensor without storage: nothing to tie)
+        return
+    if len(set(ptrs)) != len(ptrs):  # (the usual model ties nothing: one pass, no more)
+        dup = {p for p, n in Counter(ptrs).items() if n > 1 and p}  # (0: empty tensors)
+        groups: dict[Any, list[str]] = {}
+        for k, p in zip(names, ptrs, strict=True):
+            if p in dup:
+                groups.setdefault(_view(live[k]), []).append(k)
+        for tied in groups.values():
+            first = saved[tied[0]]
+            for other in tied[1:]:
+                if not _same_value(first, saved[other]):
+                    raise StateMismatch(
+                        f"{where}: the live model holds {tied[0]!r} and {other!r} as one "
+                        "tensor (tied, or one module under two names), the checkpoint holds "
+                        "different values for them: it was saved from a model where they "
+                        "were separate; build the model as it was saved (or warm_start from "
+                        "the weights you choose)")
+    ids = list(map(id, map(saved.__getitem__, names)))
+    if not continuation or len(set(ids)) == len(ids):
+        return
+    by_id: dict[int, str] = {}
+    for k, i in zip(names, ids, strict=True):
+        first = by_id.setdefault(i, k)
+        if (first != k and isinstance(saved[k], torch.Tensor) and live[k].numel()
+                and _view(live[first]) != _view(live[k])):
+            raise StateMismatch(
+                f"{where}: the checkpoint holds {first!r} and {k!r} as one tensor (tied, or "
+                "one module under two names), the live model holds them apart: the saved "
+                "run trained them as one; tie them as in the saved run (or warm_start)")
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two saved tensors hold the same bits (one tensor saved under two names is one
+    object)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or (
+            a.shape != b.shape or a.dtype != b.dtype):
+        return False
+    try:  # (as bytes: NaN equals itself, -0.0 differs from 0.0)
+        return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    except RuntimeError:  # (a layout without a byte view)
+        return torch.equal(a, b)
 _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
 
 

@@ -1,0 +1,93 @@
+"""Tied tensors attacked (session 27): a model saved with two separate tensors and restored
+into one that holds them as one (tied weights, one module shared under two names) loaded
+both values into the one tensor, the last one winning, silently. Now refused before any
+live object changes, naming both keys; so is a continuation of a run whose saved tensors
+were tied into a model that holds them apart. Tied on both sides, and a warm start from
+tied weights into separate ones, still load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.errors import StateMismatch
+
+
+class LM(torch.nn.Module):
+    """An embedding, a body and an output head, the head tied to the embedding or not; the
+    norm ``n2`` is ``n1`` under a second name when ``shared``."""
+
+    def __init__(self, tied: bool, shared: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.body = torch.nn.Linear(4, 4)
+        self.n1 = torch.nn.BatchNorm1d(4, affine=False)
+        self.n2 = self.n1 if shared else torch.nn.BatchNorm1d(4, affine=False)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.n2(self.n1(self.body(self.emb(x)))))
+
+
+def _saved(root, model: LM) -> None:
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    with unbroken.Checkpointer(root, model=model, optimizer=opt, read_back="sync") as ck:
+        for step in (1, 2):
+            model(torch.tensor([1, 2, 3])).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                model.head.weight.mul_(-1.5)  # (tied or not: emb and head differ when untied)
+            ck.save(step)
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _restore(root, model: LM) -> int:
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    with unbroken.Checkpointer(root, model=model, optimizer=opt) as ck:
+        return ck.restore()
+
+
+@pytest.mark.parametrize("live", [dict(tied=True), dict(tied=False, shared=True)],
+                         ids=["tied-head", "shared-norm"])
+def test_separate_values_into_one_live_tensor_are_refused(tmp_path, live):
+    _saved(tmp_path / "run", LM(tied=False))
+    model = LM(**live)
+    before = _state(model)
+    with pytest.raises(StateMismatch) as raised:
+        _restore(tmp_path / "run", model)
+    text = str(raised.value)
+    pair = ("'emb.weight' and 'head.weight'" if live["tied"]
+            else "'n1.running_mean' and 'n2.running_mean'")
+    assert pair in text and "as one tensor" in text and "build the model" in text, text
+    after = _state(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # (nothing changed)
+
+
+def test_tied_saved_into_a_model_that_holds_them_apart_is_refused(tmp_path):
+    _saved(tmp_path / "run", LM(tied=True))
+    with pytest.raises(StateMismatch, match="'emb.weight' and 'head.weight' as one tensor"):
+        _restore(tmp_path / "run", LM(tied=False))
+
+
+def test_tied_on_both_sides_and_warm_start_load(tmp_path):
+    saved = LM(tied=True)
+    _saved(tmp_path / "run", saved)
+    model = LM(tied=True)
+    assert _restore(tmp_path / "run", model) == 2
+    assert model.head.weight is model.emb.weight
+    assert all(torch.equal(v, saved.state_dict()[k]) for k, v in model.state_dict().items())
+
+    apart = LM(tied=False)  # a new run from the tied weights: both names get them
+    opt = torch.optim.SGD(apart.body.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "new", model=apart, optimizer=opt) as ck:
+        ck.restore(intent="warm_start", source=tmp_path / "run")
+    assert torch.equal(apart.head.weight, saved.emb.weight)
+    assert torch.equal(apart.emb.weight, saved.emb.weight)
