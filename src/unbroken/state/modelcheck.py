@@ -46,6 +46,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
                             f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
     _check_ties(saved, live, where, continuation=dtypes)
+    saved = _unwritable(saved, live, where)
     for k, t in live.items():
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
@@ -85,6 +86,30 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], where: str
+                ) -> Mapping[str, Any]:
+    """A live tensor whose elements share memory (an expanded view, stride 0: a table of
+    position ids broadcast to a batch) takes no copy (torch refuses to write it): one whose
+    saved value is the value it holds is left as it is (its own tensor given in the saved
+    one's place: a copy of a tensor into itself does nothing); any other is refused here,
+    before anything live changed."""
+    odd = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS and not t.is_contiguous()]
+    same: dict[str, torch.Tensor] = {}
+    for k in odd:
+        t = live[k]
+        if not torch._debug_has_internal_overlap(t) == 1:  # (1: some elements share memory)
+            continue
+        if not _same_value(t, saved[k]):
+            raise StateMismatch(
+                f"{where}: live model tensor {k!r} is an expanded view (shape "
+                f"{tuple(t.shape)}, strides {tuple(t.stride())}: its elements share memory) "
+                "and cannot take the saved value, which differs from the one it holds; "
+                "register it as a tensor of its own (.clone()), or as persistent=False if "
+                "it is derived, and restart from the run's start")
+        same[k] = t
+    return {**saved, **same} if same else saved
 
 
 def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,

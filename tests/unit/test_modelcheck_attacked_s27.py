@@ -1,9 +1,15 @@
-"""Tied tensors attacked (session 27): a model saved with two separate tensors and restored
+"""The saved model against the live one, attacked (session 27).
+
+Tied tensors: a model saved with two separate tensors and restored
 into one that holds them as one (tied weights, one module shared under two names) loaded
 both values into the one tensor, the last one winning, silently. Now refused before any
 live object changes, naming both keys; so is a continuation of a run whose saved tensors
 were tied into a model that holds them apart. Tied on both sides, and a warm start from
-tied weights into separate ones, still load."""
+tied weights into separate ones, still load.
+
+Expanded buffers (stride 0, as position-id tables are registered): every restore failed
+inside torch's copy, after the optimizer was restored. One holding its saved value is left
+as it is; one whose saved value differs is refused before anything live changes."""
 
 from __future__ import annotations
 
@@ -91,3 +97,68 @@ def test_tied_on_both_sides_and_warm_start_load(tmp_path):
         ck.restore(intent="warm_start", source=tmp_path / "run")
     assert torch.equal(apart.head.weight, saved.emb.weight)
     assert torch.equal(apart.emb.weight, saved.emb.weight)
+
+
+class Positions(torch.nn.Module):
+    """A linear layer and an expanded buffer (a table of positions broadcast to a batch)."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(3, 1)
+        self.register_buffer("pos", (torch.arange(3.0) + start).expand(4, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x + self.pos)
+
+
+def _train(model, opt, steps, ck=None, gen=None):
+    gen = gen or torch.Generator().manual_seed(5)
+    for step in steps:
+        model(torch.randn(4, 3, generator=gen)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if ck is not None:
+            ck.save(step)
+    return gen
+
+
+def test_an_expanded_buffer_holding_its_value_resumes_bitwise(tmp_path):
+    whole = Positions()
+    opt = torch.optim.Adam(whole.parameters(), lr=0.1)
+    _train(whole, opt, range(1, 6))
+
+    model = Positions()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               generators={"data": (gen := torch.Generator().manual_seed(5))},
+                               read_back="sync") as ck:
+        _train(model, opt, range(1, 4), ck, gen)
+    resumed = Positions()
+    opt = torch.optim.Adam(resumed.parameters(), lr=0.1)
+    gen = torch.Generator()
+    with unbroken.Checkpointer(tmp_path / "run", model=resumed, optimizer=opt,
+                               generators={"data": gen}) as ck:
+        assert ck.restore() == 3
+    _train(resumed, opt, range(4, 6), gen=gen)
+    assert resumed.pos.stride() == (0, 1)  # (still the expanded view it was built as)
+    for k, v in whole.state_dict().items():
+        assert torch.equal(resumed.state_dict()[k].reshape(-1).view(torch.uint8),
+                           v.reshape(-1).view(torch.uint8)), k
+
+
+def test_an_expanded_buffer_of_another_value_is_refused_before_any_change(tmp_path):
+    model = Positions()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               read_back="sync") as ck:
+        _train(model, opt, range(1, 3), ck)
+    other = Positions(start=1.0)
+    opt = torch.optim.Adam(other.parameters(), lr=0.1)
+    before = _state(other)
+    with unbroken.Checkpointer(tmp_path / "run", model=other, optimizer=opt) as ck:
+        with pytest.raises(StateMismatch, match="'pos' is an expanded view .* strides "
+                                                r"\(0, 1\)"):
+            ck.restore()
+    assert not opt.state  # (the optimizer untouched)
+    assert all(torch.equal(before[k], v) for k, v in _state(other).items())
