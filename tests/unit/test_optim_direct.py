@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 def _through_state_dict(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     handle = opt.register_state_dict_post_hook(lambda o, sd: None)  # (no direct route)
     try:
-        assert O._direct_state(opt, O._live_group_names(model, opt)) is None
+        assert O._direct_state(opt, O.live_group_names(model, opt)) is None
         out = O.optimizer_state(model, opt)
     finally:
         handle.remove()
@@ -46,7 +46,7 @@ def test_the_direct_route_is_torchs_state_dict_renamed(name):
         if s:
             update(o, s)
         direct = O.optimizer_state(model, opt)
-        assert O._direct_state(opt, O._live_group_names(model, opt)) is not None
+        assert O._direct_state(opt, O.live_group_names(model, opt)) is not None
         _identical(direct, _through_state_dict(model, opt))
         for v in direct["state"].values():  # the optimizer's own per-parameter dicts
             assert any(v is s for s in opt.state.values())
@@ -81,13 +81,13 @@ def test_an_own_state_dict_or_a_hook_or_a_stray_key_takes_torchs_route():
             return sd
 
     own = Own(model.parameters(), lr=0.1)
-    assert O._direct_state(own, O._live_group_names(model, own)) is None
+    assert O._direct_state(own, O.live_group_names(model, own)) is None
     assert O.optimizer_state(model, own)["param_groups"][0]["mine"] == 1
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     opt.register_state_dict_pre_hook(lambda o: None)
-    assert O._direct_state(opt, O._live_group_names(model, opt)) is None
+    assert O._direct_state(opt, O.live_group_names(model, opt)) is None
 
     stray = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     stray.state[torch.zeros(1)] = {"x": 1}  # a tensor key in no group: torch refuses it
-    assert O._direct_state(stray, O._live_group_names(model, stray)) is None
+    assert O._direct_state(stray, O.live_group_names(model, stray)) is None

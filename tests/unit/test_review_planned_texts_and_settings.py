@@ -25,7 +25,7 @@ from unbroken.persist import plans
 from unbroken.persist.snapshot import SnapshotBuffers
 from unbroken.state import encodeplans
 from unbroken.state.generation import encode_generation
-from unbroken.state.optim import _direct_state, _live_group_names, optimizer_state
+from unbroken.state.optim import _direct_state, live_group_names, optimizer_state
 
 L = torch.optim.lr_scheduler
 META = {"unbroken.run": "r", "unbroken.generation": "1"}
@@ -237,7 +237,7 @@ def test_every_async_generation_restores_the_optimizer_state_of_its_step(tmp_pat
 def _through_torch(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """What `optimizer_state` made before 9f92455: from ``opt.state_dict()``."""
     sd = opt.state_dict()
-    group_names = _live_group_names(model, opt)
+    group_names = live_group_names(model, opt)
     by_index: dict[int, str] = {}
     for saved_group, group in zip(sd["param_groups"], group_names):
         by_index.update(zip(saved_group["params"], group))
@@ -273,7 +273,7 @@ def test_the_direct_optimizer_state_is_what_torchs_state_dict_gave(name):
     for s in range(1, 4):
         update(o, s)
     model, opt = o["model"], o["opt"]
-    got = _direct_state(opt, _live_group_names(model, opt))
+    got = _direct_state(opt, live_group_names(model, opt))
     assert got is not None
     _identical(got, _through_torch(model, opt))
     for g, want in zip(got["state"].values(), _through_torch(model, opt)["state"].values()):
@@ -302,12 +302,12 @@ def test_hooks_a_subclass_or_a_stray_state_key_take_torchs_state_dict():
             return sd
 
     mine = Mine(model.parameters(), lr=0.1)
-    assert _direct_state(mine, _live_group_names(model, mine)) is None
+    assert _direct_state(mine, live_group_names(model, mine)) is None
     assert optimizer_state(model, mine)["param_groups"][0]["mine"] is True
 
     plain = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     plain.state[torch.zeros(1)] = {"x": 1}  # a key in no group: torch's own method decides
-    assert _direct_state(plain, _live_group_names(model, plain)) is None
+    assert _direct_state(plain, live_group_names(model, plain)) is None
 
 
 def test_the_direct_state_follows_groups_their_order_and_frozen_parameters():

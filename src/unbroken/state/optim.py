@@ -31,9 +31,9 @@ from .optimrest import (
 )
 
 
-def _live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                      names: dict[int, str] | None = None, refuse: str | None = None
-                      ) -> list[list[str]]:
+def live_group_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     names: dict[int, str] | None = None, refuse: str | None = None
+                     ) -> list[list[str]]:
     """Each param group's parameters by name. A tensor outside the model gets a made-up
     ``<not in model>...`` name (for a caller that only shows the names); with ``refuse``
     (the end of the message) it is refused instead, as `check_optimizer_params` refuses it
@@ -83,7 +83,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     (``names``: `param_names` of ``model``, when known already); what else it holds (state
     under string keys, other top-level entries) beside them (`optimrest`)."""
     if _indexes_only(optimizer):
-        direct = _direct_state(optimizer, _live_group_names(model, optimizer, names, _ADDED))
+        direct = _direct_state(optimizer, live_group_names(model, optimizer, names, _ADDED))
         if direct is not None:
             return direct
     before = state_dtypes(optimizer) if not _indexes_only(optimizer) else None
@@ -93,7 +93,7 @@ def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
         refuse_stray(optimizer)
         raise
     state, groups = packed(sd)
-    group_names = _live_group_names(model, optimizer, names, _ADDED)
+    group_names = live_group_names(model, optimizer, names, _ADDED)
     by_index: dict[int, str] = {}
     for saved_group, group in zip(groups, group_names):
         by_index.update(zip(saved_group["params"], group))
@@ -194,11 +194,11 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
                     f"the live optimizer holds a {type(live).__name__} ({shown(live)}); build "
                     "the optimizer as in the saved run")
     other, extra = saved_rest(saved, where)
-    live_names = _live_group_names(model, optimizer, names, _UNSAVED)
+    live_names = live_group_names(model, optimizer, names, _UNSAVED)
     if saved_names != live_names:
         raise StateMismatch(
             f"{where}: optimizer parameter groups differ from the live optimizer: saved "
-            f"{_first_diff(saved_names, live_names)}. Parameters were renamed, reordered or "
+            f"{first_diff(saved_names, live_names)}. Parameters were renamed, reordered or "
             "regrouped; build the model and optimizer as in the saved run, or warm_start")
     # Per-parameter state shapes are the optimizer's business (Adafactor keeps factored
     # rows, LBFGS flat vectors); the names map onto parameters whose shapes validate_model
@@ -244,7 +244,8 @@ def _same_kind(saved: Any, live: Any) -> bool:
     return True
 
 
-def _first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
+def first_diff(saved: list[list[str]], live: list[list[str]]) -> str:
+    """Where two lists of param groups' names first differ, in words."""
     if len(saved) != len(live):
         return f"{len(saved)} groups, live {len(live)}"
     for gi, (a, b) in enumerate(zip(saved, live)):

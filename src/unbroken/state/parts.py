@@ -24,6 +24,7 @@ from ..errors import (
     UnsupportedValue,
     shown,
 )
+from .extraoptim import checked_param_names, with_param_names
 from .livemodel import LiveModel, with_versions
 from .modelcheck import validate_model
 from .optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
@@ -126,6 +127,9 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module, detach: bool = Tru
             state = obj.state_dict()
             tree[name] = ({**state, SCHEDULER_CLASS: scheduler_class(obj)}
                           if isinstance(state, Mapping) else state)
+        elif name.startswith(EXTRA_PREFIX) and isinstance(obj, torch.optim.Optimizer):
+            tree[name] = with_param_names(obj.state_dict(), model, obj,
+                                          walked.param_names() if walked else None)
         elif isinstance(obj, Stateful):
             tree[name] = obj.state_dict()
         else:
@@ -163,6 +167,9 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
                                                    walked.param_names())
         elif isinstance(obj, Stateful) and not isinstance(saved[name], Mapping):
             raise CorruptCheckpoint(f"{where}: part {name!r} is not a mapping")
+        elif name.startswith(EXTRA_PREFIX) and isinstance(obj, torch.optim.Optimizer):
+            ready[name] = checked_param_names(saved[name], model, obj, f"{where} [{name}]",
+                                              walked.param_names())
         elif name in (SCHEDULER, SCALER):
             state = saved[name]
             if name == SCHEDULER and SCHEDULER_CLASS in state:  # (generations since 12-02)
