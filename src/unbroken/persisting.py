@@ -218,8 +218,15 @@ class Persisting:
         def collect() -> GenerationInfo:
             try:
                 reply = persister.result()
-            except SaveFailed as e:
-                self._held = {}  # (what it linked may be what failed: the next save writes all)
+            except BaseException as e:
+                if persister.died or persister.committed or isinstance(e, SharedFileFailed):
+                    # What it linked may be what failed (its read-back failed, or it is not
+                    # known how far it got): the next save writes all, as `_persist` does. A
+                    # save that failed before its commit (a write: ENOSPC) changed nothing the
+                    # next save may link: it links those files, as the other modes do.
+                    self._held = {}
+                if not isinstance(e, SaveFailed):
+                    raise
                 if persister.died:  # (one that replied posted its own done)
                     give_up(e)
                     if not group.active:

@@ -57,23 +57,29 @@ def _copy(path: str, chunk: int = 8 << 20) -> Iterator[bytes]:
             yield data
 
 
-def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group
-          ) -> dict[str, Any]:
+def _save(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group,
+          reached: set[str]) -> dict[str, Any]:
     """One save, paced by ``persist_share`` until the writer's loop waits for it (the writer
     then writes the request's number into the segment's first bytes, `_wire.hurried`) or the writer
-    is gone (nothing left to protect; finished sooner, it is at risk for less time)."""
+    is gone (nothing left to protect; finished sooner, it is at risk for less time).
+    ``reached`` gets ``"committed"`` once the generation is committed (see `_persist`)."""
     share, seq = request.get("share"), request.get("seq", 0)
     writer = os.getppid()
     pacer = None if share is None else Pacer(
         float(share), time.process_time,
         lambda: _wire.hurried(shm) >= seq or os.getppid() != writer)
     with installed(pacer):
-        return _persist(store, request, shm, group)
+        return _persist(store, request, shm, group, reached)
 
 
-def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group
-             ) -> dict[str, Any]:
-    """One save: alone, or as one rank of a job (``group``, a `FileGroup`)."""
+def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, group: Group,
+             reached: set[str]) -> dict[str, Any]:
+    """One save: alone, or as one rank of a job (``group``, a `FileGroup`). ``reached`` gets
+    ``"committed"`` once the generation is committed: a failure from there on (its read-back,
+    which reads the files it linked too) is one of a generation that was written, and the
+    writer's next save links nothing (the reply says so, ``committed``), as in the other
+    modes; one before (a write that failed: ENOSPC) committed nothing, and the files the next
+    save may link are as they were."""
     step = request["step"]
     view = memoryview(shm)
     artifacts: dict[str, Any] = {}
@@ -101,6 +107,7 @@ def _persist(store: GenerationStore, request: dict[str, Any], shm: mmap.mmap, gr
     finally:
         artifacts.clear()
         view.release()
+    reached.add("committed")
     read_back(group, store, info, Progress("", 0),
               [a["name"] for a in request["artifacts"] if "link" in a])
     keep = request["keep"]
@@ -165,6 +172,7 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
             _wire.send(sock, {"took": request.get("seq")})
         job: FileGroup | None = None
         error: Exception | None = None
+        reached: set[str] = set()
         try:
             if "job" in request:
                 job = _job(store, request["step"], request["job"])
@@ -175,10 +183,11 @@ def _serve(store: GenerationStore, sock: socket.socket) -> None:
                         fd, request["segment_size"], access=mmap.ACCESS_READ))
                 finally:
                     os.close(fd)
-            reply = _save(store, request, segment[1], job or Group())
+            reply = _save(store, request, segment[1], job or Group(), reached)
         except Exception as e:  # noqa: BLE001 -- handed to the writer, typed
             error = _typed(store, request, e)
-            reply = {"ok": False, **describe(error)}
+            # (committed: failed after its generation was committed, `_persist`)
+            reply = {"ok": False, **describe(error), "committed": "committed" in reached}
         if job is not None:  # the other ranks' persisting processes stop waiting for this one
             job.close(error)
         reply["seq"] = request.get("seq")

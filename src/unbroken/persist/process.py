@@ -82,6 +82,9 @@ class ProcessPersister:
         self.built = 0  # of which built in the segment by the encoder (`room`), not copied
         self.io_ops = 0  # mutating I/O operations of the persisting process, at its last reply
         self.died = False  # the persisting process ended before replying to the last save
+        # the last save failed after its generation was committed (its read-back: what it
+        # linked may be what failed), as its persisting process replied
+        self.committed = False
         # what the save under way tells the persisting process (its announce, its request),
         # the process each went to (by `_started`), whether it said it took the request, and
         # whether one that ended before taking it was replaced yet (once a save)
@@ -312,9 +315,10 @@ class ProcessPersister:
 
     def result(self) -> dict[str, Any]:
         """Block until the save handed over ended; its reply, or raise its error (``died``
-        tells whether the persisting process ended without replying)."""
+        tells whether the persisting process ended without replying, ``committed`` whether
+        the save failed after its generation was committed)."""
         assert self._sock is not None and self._proc is not None
-        self.died = False
+        self.died = self.committed = False
         while True:
             try:
                 reply = _wire.receive(self._sock)
@@ -334,6 +338,7 @@ class ProcessPersister:
             elif reply.get("seq") == self._seq:
                 break
         if not reply.get("ok"):
+            self.committed = bool(reply.get("committed"))
             raise rebuild(reply)
         self.io_ops = int(reply.get("ops", 0))
         return reply
