@@ -154,7 +154,11 @@ class Preemption:
         self.requested_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
         self._timer: threading.Timer | None = None
+        # The timer thread and the main thread decide under this lock which came first: the
+        # deadline (``_expired``) or the update boundary (``_reached``); never both.
+        self._race = threading.Lock()
         self._expired = False
+        self._reached = False
         self._warned: set[signal.Signals] = set()
         if self.signals and threading.current_thread() is not threading.main_thread():
             raise UnbrokenError("signals= needs the Checkpointer to be built in the main thread "
@@ -166,9 +170,9 @@ class Preemption:
             self._previous[s] = signal.signal(s, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
+        # (It takes no lock: it runs in the main thread, maybe inside `reached`'s hold.)
         if self._expired:  # (main thread) the deadline passed: end as the signal would have
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+            _end(signum)
             return
         if self.requested is not None:
             return
@@ -185,11 +189,15 @@ class Preemption:
         """(timer thread) No update boundary within the deadline: end as the signal would
         have. Only the main thread may reset a handler, so the signal is sent again and the
         handler ends the process; a main thread stuck outside Python cannot run it, and is
-        then killed outright after a grace period."""
+        then killed outright after a grace period. Does nothing once the boundary was
+        reached (`reached`): a timer that fires while the main thread cancels it is too late."""
         assert self.requested is not None
-        log.error("no update boundary within %.0f s of %s: stopping without a save (the "
+        with self._race:
+            if self._reached:
+                return
+            self._expired = True
+        log.error("no update boundary within %g s of %s: stopping without a save (the "
                   "previous generation is the newest)", self.deadline, self.requested.name)
-        self._expired = True
         os.kill(os.getpid(), self.requested)
         time.sleep(_GRACE)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -228,6 +236,19 @@ class Preemption:
                         self.requested.name)
         return bool(signum)
 
+    def reached(self) -> None:
+        """(main thread) The update boundary that stops the run is here, its stop save about to
+        begin: the deadline no longer applies, however long the save takes (in any save mode;
+        the deadline bounds the wait for a boundary, not the save). Unless the deadline came
+        first: then the process ends here, as the signal would have ended it."""
+        with self._race:
+            expired = self._expired
+            self._reached = not expired
+        if expired:
+            assert self.requested is not None
+            _end(self.requested)
+        self.done()
+
     def done(self) -> None:
         """The stop save is committed: the deadline no longer applies."""
         if self._timer is not None:
@@ -242,3 +263,9 @@ class Preemption:
             except (ValueError, TypeError):
                 pass
         self._previous = {}
+
+
+def _end(signum: int) -> None:
+    """(main thread) End the process with ``signum``'s default action."""
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

@@ -322,6 +322,8 @@ class Checkpointer(Persisting, Restoring):
             values.setdefault("loss", loss_value)
         self._step_metrics = (step, values)
         stop = self._preemption.agree(self._group, step)
+        if stop:  # the boundary came in time: stop_deadline no longer applies to the save
+            self._preemption.reached()
         if self.every and step % self.every == 0 or step in self._save_at or stop:
             saved = self._save(step, dict(values)) is not None or self._in_flight is not None
         if stop:
