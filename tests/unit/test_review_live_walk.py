@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 import unbroken
-from unbroken.errors import StateMismatch
+from unbroken.errors import StateMismatch, UnbrokenWarning
 from unbroken.state import parts as S
 from unbroken.state.codec import encode_tree, encode_tree_for_file
 from unbroken.state.decoding import decode_tree
@@ -537,10 +537,11 @@ def test_a_scripted_model_restores_as_load_state_dict(tmp_path):
     _same(dict(restored.state_dict()), dict(reference.state_dict()))
 
 
-def test_refuses_differently_tied_parameters(tmp_path):
+def test_differently_tied_parameters_are_refused_or_warned_of(tmp_path):
     """Saved untied, restored into a model that ties the two weights (load_state_dict copies
-    both in order, the last one winning: a silent loss), or saved tied into a model that
-    holds them apart: refused, naming both keys (session 27; `test_modelcheck_ties_s27`)."""
+    both in order, the last one winning: a silent loss): refused, naming both keys. Saved
+    tied into a model that holds them apart: both get the value, with a warning (session
+    27; `test_modelcheck_attacked_s27`)."""
     def make(seed: int, tie: bool) -> nn.Module:
         torch.manual_seed(seed)
         m = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False),
@@ -549,12 +550,17 @@ def test_refuses_differently_tied_parameters(tmp_path):
             m[2].weight = m[0].weight
         return m
 
-    for saved_tied, live_tied in [(False, True), (True, False)]:
-        original = make(0, saved_tied)
-        folder = str(tmp_path / f"run{saved_tied}")
-        _save(folder, original)
-        with pytest.raises(StateMismatch, match="'0.weight' and '2.weight' as one tensor"):
-            _restore(folder, make(1, live_tied))
+    match = "'0.weight' and '2.weight' as one tensor"
+    _save(str(tmp_path / "untied"), make(0, False))
+    with pytest.raises(StateMismatch, match=match):
+        _restore(str(tmp_path / "untied"), make(1, True))
+    original = make(0, True)
+    _save(str(tmp_path / "tied"), original)
+    restored, reference = make(1, False), make(1, False)
+    with pytest.warns(UnbrokenWarning, match=match):
+        _restore(str(tmp_path / "tied"), restored)
+    reference.load_state_dict(original.state_dict())
+    _same(_model_state(restored), _model_state(reference))
 
 
 def test_a_large_model_restored_through_mapped_files_equals_load_state_dict(tmp_path):

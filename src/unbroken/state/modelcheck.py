@@ -4,13 +4,14 @@ continuation cannot restore into, and a warm start's cast that would overflow.""
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..errors import CorruptCheckpoint, StateMismatch
+from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenWarning
 from .codec import UNINITIALIZED
 from .livemodel import LiveModel
 
@@ -116,7 +117,7 @@ def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
                 continuation: bool) -> None:
     """Names the live model holds as one tensor (tied weights, a module shared under two
     names) must hold one value in the checkpoint: loading two different ones into it keeps
-    whichever comes last, silently. A continuation also refuses names saved as one tensor
+    whichever comes last, silently. A continuation also warns of names saved as one tensor
     that the live model holds apart: the saved run trained them as one."""
     names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]
     try:
@@ -147,10 +148,14 @@ def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
         first = by_id.setdefault(i, k)
         if (first != k and isinstance(saved[k], torch.Tensor) and live[k].numel()
                 and _view(live[first]) != _view(live[k])):
-            raise StateMismatch(
+            # (warned, not refused: a script may tie them after restoring, at its first
+            # forward, and both hold the saved value now)
+            warnings.warn(
                 f"{where}: the checkpoint holds {first!r} and {k!r} as one tensor (tied, or "
-                "one module under two names), the live model holds them apart: the saved "
-                "run trained them as one; tie them as in the saved run (or warm_start)")
+                "one module under two names), the live model holds them apart; both get the "
+                "saved value, but unless your script ties them again the resumed run trains "
+                "them apart, as the saved run did not", UnbrokenWarning, stacklevel=2)
+            return
 
 
 def _same_value(a: Any, b: Any) -> bool:
