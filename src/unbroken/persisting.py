@@ -22,7 +22,7 @@ from .dist.commit import (
     stage_job,
 )
 from .dist.filegroup import FileGroup, stage
-from .dist.group import Group, RankFailed
+from .dist.group import Group, RankFailed, saving
 from .errors import SaveFailed, UnbrokenWarning
 from .persist.aftermath import settle_died_save
 from .persist.background import InFlight
@@ -94,13 +94,18 @@ class Persisting:
         return info
 
     @gc_paused
+    @saving
     def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
                  started: float, plan: Plan | None = None, snapshot: bool = False
                  ) -> GenerationInfo | None:
         """Write, commit, read back and verify generation ``step`` of ``tree``, then apply
         retention (an async save runs this in the background, on a snapshot: ``snapshot``,
         its tensors the snapshot's own buffers)."""
-        group = self._save_group
+        # What runs in the training thread (a sync save) talks to the other ranks on the
+        # job's own group, within its timeout (a rank that hangs fails the save then); what
+        # runs beside the loop (an async save, a read-back later) on the save group.
+        group = self._save_group if snapshot else self._group
+        later = self._read_back_later and not snapshot  # (a sync save's read-back, beside)
         if group.active:  # (first: the ranks' steps agree before any other collective)
             check_replicas(group, step, replicated(tree))
         if again and saved_unchanged(self.store, group, step, tree, values, plan):
@@ -135,9 +140,11 @@ class Persisting:
 
         linked = [name for name, chunks in encoded.items() if isinstance(chunks, Linked)]
 
+        @saving
         def verify_and_retain() -> GenerationInfo:
             try:
-                read_back(group, self.store, info, progress, linked)
+                read_back(self._save_group if later else group, self.store, info, progress,
+                          linked)
             except SaveFailed:
                 self._held = {}  # (what it linked may be what failed: the next save writes all)
                 raise
@@ -150,7 +157,7 @@ class Persisting:
                      time.monotonic() - started)
             return info
 
-        if self._read_back_later and self._in_flight is None:
+        if later:
             # committed and durable; the read-back and retention go on beside the loop, and
             # retention still waits for the read-back (the next save waits for both)
             # (not gc_paused: it re-hashes files, and the loop runs beside it for seconds)
@@ -167,6 +174,7 @@ class Persisting:
                                  None if plan is None else Plan(step, {}, plan.frozen),
                                  snapshot)
 
+    @saving
     def _hand_over(self, step: int, tree: dict[str, Any], values: dict[str, float],
                    again: bool, started: float, plan: Plan | None) -> None:
         """``async_save="process"``: the snapshot into shared memory, and the rest of the

@@ -98,8 +98,9 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     scheduler step, weights averaged) supersedes it instead of being dropped."""
     info = store.scan_one(step)
     m = info.manifest
-    same = info.ok and m is not None and all(same_number(m.metrics.get(k), v)
-                                             for k, v in values.items())
+    # (the manifest holds the leader's metric values: each rank passes its own loss)
+    same = info.ok and m is not None and (not group.leader or all(
+        same_number(m.metrics.get(k), v) for k, v in values.items()))
     # A generation that no longer verifies (rot since its save) is written again: the state
     # it should hold is still live. (The leader's verdict is the job's: see below.)
     same = same and (not group.leader or store.verified(info) is None)

@@ -12,11 +12,13 @@ torch is imported by the collectives, not with this module: the persisting proce
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from ..errors import UnbrokenError, UnbrokenWarning
+from ..errors import SaveFailed, UnbrokenError, UnbrokenWarning
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +73,22 @@ def warn_ddp_buckets(ddp: Any) -> None:
 
 class RankFailed(UnbrokenError):
     """Another rank of the job failed, died or stayed away from a collective."""
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def saving(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """A part of a save: another rank failing in its collectives fails the save, a
+    `SaveFailed` (what a caller of ``save()`` catches), not a bare `RankFailed`."""
+    @functools.wraps(fn)
+    def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return fn(*args, **kwargs)
+        except RankFailed as e:
+            raise SaveFailed(f"{e}; the save failed (older generations are untouched)") from e
+    return wrapper
 
 
 class Group:
