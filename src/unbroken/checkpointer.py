@@ -83,8 +83,8 @@ class Checkpointer(Persisting, Restoring):
     manifest last, renamed); reading it back from the device, verifying it and retention go
     on in the background (``wait()`` blocks for them; a failure raises at the next save,
     ``wait()`` or ``close()``; no older generation is deleted before the new one verified).
-    In a job, the saves then use a gloo group of their own, as async ones do
-    (``async_timeout``). ``"sync"``: ``save()`` returns only after all of that, with the
+    In a job, the read-back then talks to the other ranks over a gloo group of its own, as
+    async saves do (``async_timeout``); the save itself, within the process group's timeout. ``"sync"``: ``save()`` returns only after all of that, with the
     generation read back and retention applied (twice the I/O inside the call).
 
     ``persist_share`` (with a background save of any kind): the background work (writing,
