@@ -166,3 +166,12 @@ def test_an_expanded_buffer_of_another_value_is_refused_before_any_change(tmp_pa
             ck.restore()
     assert not opt.state  # (the optimizer untouched)
     assert all(torch.equal(before[k], v) for k, v in _state(other).items())
+
+
+def test_a_changed_shape_or_dtype_names_the_remedy(tmp_path):
+    _saved(tmp_path / "run", LM(tied=False))
+    model = LM(tied=False).double()
+    with pytest.raises(StateMismatch, match=r"'emb.weight': expected \(10, 4\) torch.float64 "
+                                            r"\(live model\), found \(10, 4\) torch.float32; "
+                                            "build the model as in the saved run"):
+        _restore(tmp_path / "run", model)

@@ -74,8 +74,11 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                 and not _resizes(model, k) or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
                      else type(s).__name__)
+            remedy = ("build the model as in the saved run (its shapes and dtypes), or "
+                      "warm_start a new run from the weights" if dtypes else
+                      "a warm start takes weights of the live model's shapes only")
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
-                                f"{t.dtype} (live model), found {found}")
+                                f"{t.dtype} (live model), found {found}; {remedy}")
         if s.dtype != t.dtype and (peak := cast_overflow(s, t.dtype)) is not None:
             # (a warm start's cast: load_state_dict would make these finite weights inf)
             raise StateMismatch(
