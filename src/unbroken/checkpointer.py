@@ -84,8 +84,9 @@ class Checkpointer(Persisting, Restoring):
     on in the background (``wait()`` blocks for them; a failure raises at the next save,
     ``wait()`` or ``close()``; no older generation is deleted before the new one verified).
     In a job, the read-back then talks to the other ranks over a gloo group of its own, as
-    async saves do (``async_timeout``); the save itself, within the process group's timeout. ``"sync"``: ``save()`` returns only after all of that, with the
-    generation read back and retention applied (twice the I/O inside the call).
+    async saves do (``async_timeout``); the save itself, within the process group's
+    timeout. ``"sync"``: ``save()`` returns only after all of that, with the generation read
+    back and retention applied (twice the I/O inside the call).
 
     ``persist_share`` (with a background save of any kind): the background work (writing,
     hashing, reading back) keeps its CPU time under that share of one core while the loop

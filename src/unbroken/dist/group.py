@@ -133,6 +133,9 @@ class Group:
                 dist.destroy_process_group(self.pg)
             except (RuntimeError, ValueError):  # (already gone with the default group)
                 pass
+            # (and no reference kept: the group's threads end with its last one, which
+            # otherwise lives until the interpreter's teardown)
+            self.pg = None
         self.active = False
 
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
