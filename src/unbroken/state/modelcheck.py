@@ -46,8 +46,9 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
                             f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
-    _check_ties(saved, live, where, continuation=dtypes)
-    saved = _unwritable(saved, live, where)
+    names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]  # (its tensors)
+    _check_ties(saved, live, names, where, continuation=dtypes)
+    saved = _unwritable(saved, live, names, where)
     for k, t in live.items():
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
@@ -92,14 +93,16 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], where: str
-                ) -> Mapping[str, Any]:
+def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], names: list[str],
+                where: str) -> Mapping[str, Any]:
     """A live tensor whose elements share memory (an expanded view, stride 0: a table of
     position ids broadcast to a batch) takes no copy (torch refuses to write it): one whose
     saved value is the value it holds is left as it is (its own tensor given in the saved
     one's place: a copy of a tensor into itself does nothing); any other is refused here,
     before anything live changed."""
-    odd = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS and not t.is_contiguous()]
+    if all(map(torch.Tensor.is_contiguous, map(live.__getitem__, names))):
+        return saved  # (the usual model: one pass, no more)
+    odd = [k for k in names if not live[k].is_contiguous()]
     same: dict[str, torch.Tensor] = {}
     for k in odd:
         t = live[k]
@@ -116,13 +119,13 @@ def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], where: str
     return {**saved, **same} if same else saved
 
 
-def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], where: str,
-                continuation: bool) -> None:
+def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], names: list[str],
+                where: str, continuation: bool) -> None:
     """Names the live model holds as one tensor (tied weights, a module shared under two
     names) must hold one value in the checkpoint: loading two different ones into it keeps
     whichever comes last, silently. A continuation also warns of names saved as one tensor
-    that the live model holds apart: the saved run trained them as one."""
-    names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]
+    that the live model holds apart: the saved run trained them as one. (``names``: the
+    live model's plain tensors.)"""
     try:
         ptrs = list(map(torch.Tensor.data_ptr, map(live.__getitem__, names)))
     except (RuntimeError, NotImplementedError):  # (a tensor without storage: nothing to tie)
