@@ -17,6 +17,7 @@ from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, Gen
 from .store.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store.objects import ObjectStore
 from .store.opening import is_url, open_store
+from .store.retention import ranked
 from .store.runrecord import RunRecord, folder_run
 
 # The status of a generation that a writer's retention deleted while `verify_one` read it.
@@ -133,7 +134,22 @@ def record(store: GenerationStore, info: GenerationInfo, run: RunRecord | None =
         "created": m.created if m else None, "parts": m.parts if m else [],
         "artifacts": [asdict(a) for a in m.artifacts] if m else [],
         "shared_bytes": _shared_bytes(info.path, m),
+        "metrics": m.metrics if m else {},
     }
+
+
+def mark_best(records: list[dict[str, Any]], retention: Any) -> dict[str, Any] | None:
+    """With a ``best`` retention rule (the newest complete generation's): each record's
+    ``best`` (whether it ranks first among the complete ones, as retention ranks them), and
+    the rule with that generation (None without such a rule)."""
+    best = retention.get("best") if isinstance(retention, dict) else None
+    if not (isinstance(best, list) and len(best) == 2 and all(isinstance(b, str) for b in best)):
+        return None
+    top = ranked([(r["generation"], r["metrics"]) for r in records
+                  if r["status"] == "complete"], (best[0], best[1]))
+    for r in records:
+        r["best"] = bool(top) and r["generation"] == top[0]
+    return {"metric": best[0], "mode": best[1], "generation": top[0] if top else None}
 
 
 def _shared_bytes(folder: str, m: Manifest | None) -> int:
@@ -159,7 +175,8 @@ def rows(root: str, records: list[dict[str, Any]]) -> str:
     headers = ["generation", "step", "size", "shared", "status", "incarnation", "created",
                "parts", "reason"]
     rows = [[r["generation"], r["step"], human_size(r["bytes"]),
-             human_size(r["shared_bytes"]) if r["shared_bytes"] else "-", r["status"],
+             human_size(r["shared_bytes"]) if r["shared_bytes"] else "-",
+             r["status"] + (" (best)" if r.get("best") else ""),
              r["incarnation"], (r["created"] or "-")[:19].replace("T", " "),
              ",".join(r["parts"]) or "-", _relative(root, r["reason"])] for r in records]
     shown = [i for i, h in enumerate(headers)  # shared: for incremental runs only

@@ -48,6 +48,7 @@ from ._runview import (
     folder_run_record,
     holds_a_run,
     list_debris,
+    mark_best,
     newest_summary,
     newest_summary_lines,
     open_run,
@@ -169,11 +170,12 @@ def _inspect(args: argparse.Namespace) -> int:
     records = [record(store, g, run) for g in scanned]
     complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
     newest = newest_summary(complete[-1]) if complete else None
+    best = mark_best(records, newest["retention"]) if newest else None
     debris, aside = list_debris(store), aside_entries(store)
     ok = len(complete) == len(scanned)
     payload = {"run": store.root, "run_id": run.run_id if run else None,
                "lineage": run.lineage if run else [], "generations": records,
-               "newest_complete": newest, "debris": debris, "aside": aside,
+               "newest_complete": newest, "best": best, "debris": debris, "aside": aside,
                "run_record_problem": run_problem, "ok": ok}
     lines = [f"run {store.root}" + (f" (run {run.run_id})" if run else "")]
     if run_problem:
@@ -190,6 +192,10 @@ def _inspect(args: argparse.Namespace) -> int:
                   f"{len(complete)} complete"
                   + (f", {bad} torn, corrupt or foreign" if bad else ""), "",
                   rows(store.root, records), ""]
+        if best is not None:
+            lines += [f"best by {best['metric']} ({best['mode']}): " + (
+                f"generation {best['generation']}" if best["generation"] is not None
+                else "none (no complete generation has a value of it)"), ""]
         lines += newest_summary_lines(newest) if newest else ["no complete generation"]
     for d in debris:
         lines.append(f"debris: {d['name']} ({d['note']})")

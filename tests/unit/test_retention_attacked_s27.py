@@ -122,3 +122,30 @@ def test_milestones_are_hashed_a_few_at_a_time_after_a_restart(tmp_path, monkeyp
     assert every == [f"gen-{g:09d}" for g in range(7, 0, -1)], hashed
     assert [n.split("-corrupt-")[0] for n in _aside(root)] == ["gen-000000001", "gen-000000003"]
     assert _names(root) == [f"gen-{g:09d}" for g in (2, *range(4, 17))]
+
+
+def test_inspect_names_the_best_generation(tmp_path, capsys):
+    """`unbroken inspect` says which generation the ``best`` rule ranks first (NaN and
+    missing values rank nowhere; ties: the newest), in its table and its JSON."""
+    import json
+
+    from unbroken.cli import main as cli_main
+
+    root = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    keep = unbroken.Keep(last=3, best=("val", "min"))
+    with unbroken.Checkpointer(root, model=model, optimizer=opt, keep=keep,
+                               read_back="sync") as ck:
+        for step, val in enumerate([3.0, 1.0, 2.0, float("nan"), 1.0], 1):
+            ck.save(step, metrics={"val": val})
+    assert _names(root) == [f"gen-{g:09d}" for g in (3, 4, 5)]  # (5 is the best now: a tie)
+    assert cli_main(["inspect", str(root), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["best"] == {"metric": "val", "mode": "min", "generation": 5}
+    assert [(g["generation"], g["best"]) for g in doc["generations"]] == [
+        (3, False), (4, False), (5, True)]
+    assert cli_main(["inspect", str(root)]) == 0
+    text = capsys.readouterr().out
+    assert "best by val (min): generation 5" in text and "complete (best)" in text

@@ -8,7 +8,7 @@ it in place of a good one would leave nothing restorable once the good ones are 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,11 +71,18 @@ def select_kept(generations: Iterable[tuple[int, int, dict[str, Any]]], policy: 
     if policy.every:
         kept |= {g for g, step, _ in ordered if step % policy.every == 0}
     if policy.best:
-        name, mode = policy.best
-        ranked = sorted((score, -g) for g, _, m in ordered
-                        if (score := _score(m.get(name), mode)) is not None)
-        for _, neg in ranked:  # ties: the newest
-            if is_good(-neg):
-                kept.add(-neg)
+        for g in ranked([(g, m) for g, _, m in ordered], policy.best):
+            if is_good(g):
+                kept.add(g)
                 break
     return kept
+
+
+def ranked(generations: Iterable[tuple[int, Mapping[str, Any]]], best: tuple[str, str]
+           ) -> list[int]:
+    """The generation numbers of ``(generation, metrics)`` best first by the metric ``best``
+    names (``(name, "min"|"max")``; ties: the newest first); those without a value that ranks
+    (missing, NaN) left out."""
+    name, mode = best
+    scored = [(_score(m.get(name), mode), -g) for g, m in generations]
+    return [-neg for score, neg in sorted(x for x in scored if x[0] is not None)]
