@@ -15,11 +15,11 @@ from torch.nn.parallel import DistributedDataParallel
 from . import fixture
 from ._env import SAVE_AT_ENV
 from .boundary import Preemption, UpdateWatch
-from .dist.commit import SharedFileFailed
 from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
     SaveFailed,
+    SharedFileFailed,
     UnbrokenWarning,
     UpdateBoundaryError,
 )

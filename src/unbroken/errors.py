@@ -41,6 +41,15 @@ class SaveFailed(UnbrokenError):
     the next save may succeed."""
 
 
+class SharedFileFailed(SaveFailed):
+    """A save failed on a file it did not write but linked (an incremental save; an object
+    store copies it in place) from an earlier generation, at its read-back or when the link
+    could not be made and the file written anew did not hash as the one it replaces: rot of
+    the bytes that generation verified, which every generation linking the file shares, or a
+    bad copy. The state saved is good: the save is written again with every file anew (at
+    once where the state saved is still at hand, else by the next save)."""
+
+
 class CommitConflict(SaveFailed):
     """Another writer committed the same generation first (two writers on one run on an
     object store): this save was not committed; the run holds the other writer's."""

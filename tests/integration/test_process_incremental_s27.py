@@ -156,3 +156,52 @@ def test_after_a_read_back_failed_the_next_save_writes_every_file(tmp_path, faul
     step, got = restored(root, lambda: fresh(WIDTH))
     assert step == 4
     assert_bitwise(got, saved)
+
+
+NOLINK = """
+import os
+if os.environ.get("UNBROKEN_PERSISTER_OF"):
+    def _nolink(*args, **kwargs):
+        raise PermissionError(1, "Operation not permitted (no hard links here)")
+    os.link = _nolink
+"""
+
+
+def test_a_rotted_stable_file_where_links_cannot_be_made_fails_one_save_only(
+        tmp_path, monkeypatch):
+    """Process mode on a filesystem without hard links: the stable file the next save would
+    link rotted (size and time kept), so writing it anew from there does not hash as the file
+    it replaces. That save fails (a `SharedFileFailed`), and the next writes every file anew
+    and succeeds; before, every later save failed the same way."""
+    folder = tmp_path / "sitecustomize"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(NOLINK)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, (str(folder), os.environ.get("PYTHONPATH")))))
+    root = tmp_path / "run"
+    model, opt = fresh(WIDTH)
+    failed = []
+    with unbroken.Checkpointer(root, model=model, optimizer=opt, incremental=True,
+                               keep=unbroken.Keep(last=10), async_save="process") as ckpt:
+        assert ckpt.restore() == 0
+        for step in range(1, 6):
+            train_step(model, opt, step)
+            ckpt.step_done(step)
+            if step == 3:  # generation 2's copy of the base rots
+                (stable,) = _gen(root, 2).glob("model.g*.safetensors")
+                st = os.stat(stable)
+                data = bytearray(stable.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                stable.write_bytes(bytes(data))
+                os.utime(stable, ns=(st.st_atime_ns, st.st_mtime_ns))
+            try:
+                ckpt.save()
+                ckpt.wait()
+            except SaveFailed as e:
+                failed.append((step, type(e).__name__))
+        saved = snapshot(model, opt)
+    assert failed == [(3, "SharedFileFailed")], failed
+    assert gens(root)[-2:] == [4, 5]
+    step, got = restored(root, lambda: fresh(WIDTH))
+    assert step == 5
+    assert_bitwise(got, saved)

@@ -175,3 +175,37 @@ def test_a_changed_shape_or_dtype_names_the_remedy(tmp_path):
                                             r"\(live model\), found \(10, 4\) torch.float32; "
                                             "build the model as in the saved run"):
         _restore(tmp_path / "run", model)
+
+
+def test_a_warm_start_into_tied_names_of_different_values_warns_and_keeps_the_last(tmp_path):
+    saved = LM(tied=False)
+    _saved(tmp_path / "run", saved)
+    model = LM(tied=True)
+    opt = torch.optim.SGD(model.body.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "new", model=model, optimizer=opt) as ck:
+        with pytest.warns(UnbrokenWarning, match="keeps the value of 'head.weight'"):
+            ck.restore(intent="warm_start", source=tmp_path / "run")
+    assert torch.equal(model.emb.weight, saved.head.weight)
+
+
+class Bits(torch.nn.Module):
+    """A buffer and a view of its memory as another dtype: two tensors, not one tied."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.register_buffer("scale", torch.tensor([1.5, -2.0]))
+        self.register_buffer("scale_bits", self.scale.view(torch.int32))
+
+
+def test_views_of_one_memory_as_other_dtypes_are_not_a_tie(tmp_path):
+    model = Bits()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                               read_back="sync") as ck:
+        ck.save(1)
+    other = Bits()
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=other, optimizer=opt) as ck:
+        assert ck.restore() == 1
+    assert torch.equal(other.scale, model.scale)

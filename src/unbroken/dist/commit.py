@@ -29,6 +29,7 @@ from .._progress import Progress
 from ..errors import (
     CorruptCheckpoint,
     SaveFailed,
+    SharedFileFailed,
     StateMismatch,
     UnbrokenError,
     UpdateBoundaryError,
@@ -184,15 +185,6 @@ def save_failed(root: str, step: int, e: OSError) -> SaveFailed:
                       f"training may continue; {remedy} before the next save")
 
 
-class SharedFileFailed(SaveFailed):
-    """A save's read-back failed on a file it did not write but linked (an incremental save;
-    an object store copies it in place) from an earlier generation: rot of the bytes that
-    generation verified, which every generation linking the file shares, or a bad copy. The
-    state saved is good: the save is written again with every file anew (at once where the
-    state saved is still at hand, else by the next save)."""
-
-
-_TYPES[SharedFileFailed.__name__] = SharedFileFailed  # (it travels from a persisting process)
 
 
 def read_back(group: Group, store: GenerationStore, info: GenerationInfo,

@@ -135,17 +135,23 @@ def _check_ties(saved: Mapping[str, Any], live: Mapping[str, Any], names: list[s
         groups: dict[Any, list[str]] = {}
         for k, p in zip(names, ptrs, strict=True):
             if p in dup:
-                groups.setdefault(_view(live[k]), []).append(k)
+                # (a view of another dtype, `scale.view(torch.int32)`, is not the same tensor)
+                groups.setdefault((_view(live[k]), live[k].dtype), []).append(k)
         for tied in groups.values():
             first = saved[tied[0]]
             for other in tied[1:]:
-                if not _same_value(first, saved[other]):
-                    raise StateMismatch(
-                        f"{where}: the live model holds {tied[0]!r} and {other!r} as one "
+                if _same_value(first, saved[other]):
+                    continue
+                said = (f"{where}: the live model holds {tied[0]!r} and {other!r} as one "
                         "tensor (tied, or one module under two names), the checkpoint holds "
-                        "different values for them: it was saved from a model where they "
-                        "were separate; build the model as it was saved (or warm_start from "
-                        "the weights you choose)")
+                        "different values for them")
+                if not continuation:  # (a new run's choice: loaded in order, as torch loads)
+                    warnings.warn(f"{said}; the warm start keeps the value of {tied[-1]!r} (the "
+                                  "last loaded)", UnbrokenWarning, stacklevel=2)
+                    break
+                raise StateMismatch(
+                    f"{said}: it was saved from a model where they were separate; build the "
+                    "model as it was saved (or warm_start, which keeps the last one loaded)")
     ids = list(map(id, map(saved.__getitem__, names)))
     if not continuation or len(set(ids)) == len(ids):
         return

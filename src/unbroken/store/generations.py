@@ -27,7 +27,7 @@ import stat
 import uuid
 from collections.abc import Callable, Mapping
 
-from ..errors import CorruptCheckpoint, SaveFailed
+from ..errors import CorruptCheckpoint, SharedFileFailed
 from .aside import AsideFolder
 from .backends.killpoints import fault_point
 from .backends.local import LocalFS
@@ -258,7 +258,7 @@ class GenerationStore(AsideFolder, Verifying):
             elif isinstance(chunks, Linked):  # written anew: it must be what it replaces
                 size, digest = self.fs.write_file(path, chunks.write())
                 if (size, digest) != (chunks.size, chunks.xxh3_128):
-                    raise SaveFailed(
+                    raise SharedFileFailed(
                         f"{path}: written anew from {chunks.source} (a link could not be "
                         f"made), it hashes {digest} ({size} bytes) where the file it replaces "
                         f"was {chunks.xxh3_128} ({chunks.size} bytes)")
