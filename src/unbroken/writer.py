@@ -31,6 +31,7 @@ class RunWriter:
         # read-only media still restore; a save raises this.
         self.read_only: ReadOnlyRun | None = None
         self._pending: list[tuple[GenerationInfo, str]] = []  # to move aside once writing
+        self._credit = 0  # bytes of milestones retention may hash now (`_check_milestones`)
         if not leader or not take_lock:  # a persisting process writes under its writer's lock
             return
         try:
@@ -198,21 +199,23 @@ class RunWriter:
         """Verify the kept generations the policy keeps whatever they hold (``every``
         milestones), so that one that rotted is reported and moved aside, not kept as a copy
         that cannot be restored. A verdict this store holds for their files as they are
-        costs a few ``lstat`` calls; hashing is spread over saves, newest first: one
-        milestone, or more while they fit in the bytes of the generation just saved
-        (``just``), so the first save after a restart does not re-read a hundred of them."""
-        budget = 0 if just is None or just.manifest is None else sum(
-            a.size for a in just.manifest.artifacts)
-        spent = 0
-        for n in sorted(unchecked, reverse=True):
-            info = complete.get(n)
-            if info is None or info.manifest is None:
-                continue
+        costs a few ``lstat`` calls; hashing is spread over saves, newest first: each save
+        adds its own bytes (``just``, in a job its bytes per rank: the leader hashes alone) to
+        what may be hashed, so the first save after a restart does not re-read a hundred of
+        them, nor the leader of a job its whole share of each."""
+        sizes = {n: sum(a.size for a in info.manifest.artifacts) for n in unchecked
+                 if (info := complete.get(n)) is not None and info.manifest is not None}
+        if just is not None and just.manifest is not None:
+            size = sum(a.size for a in just.manifest.artifacts)
+            share = size // max(1, just.manifest.world_size)
+            # (capped: no burst of hashing after many saves with nothing to hash)
+            self._credit = min(self._credit + share, max(2 * size, *sizes.values(), 0))
+        for n in sorted(sizes, reverse=True):
+            info = complete[n]
             if self.store.hash_needed(info):
-                size = sum(a.size for a in info.manifest.artifacts)
-                if spent and spent + size > budget:
+                if sizes[n] > self._credit:
                     continue
-                spent += size
+                self._credit -= sizes[n]
             good(n)
 
     def _ours(self, info: GenerationInfo, just: GenerationInfo | None) -> bool:

@@ -149,3 +149,28 @@ def test_inspect_names_the_best_generation(tmp_path, capsys):
     assert cli_main(["inspect", str(root)]) == 0
     text = capsys.readouterr().out
     assert "best by val (min): generation 5" in text and "complete (best)" in text
+
+
+def test_the_leader_of_a_job_hashes_milestones_at_its_share_of_each_save():
+    """In a job the leader hashes milestones alone: each save adds its bytes per rank (a
+    generation of 2 ranks: half its size), so a milestone of its size is hashed every
+    second save, not at each."""
+    from types import SimpleNamespace
+
+    from unbroken.writer import RunWriter
+
+    def info(n: int, world: int = 2) -> SimpleNamespace:
+        artifacts = [SimpleNamespace(size=60), SimpleNamespace(size=40)]
+        return SimpleNamespace(generation=n, manifest=SimpleNamespace(
+            artifacts=artifacts, world_size=world))
+
+    writer = RunWriter.__new__(RunWriter)
+    writer.store = SimpleNamespace(hash_needed=lambda i: True)
+    writer._credit = 0
+    milestones = {n: info(n) for n in (2, 4, 6)}
+    hashed: list[int] = []
+    for save in range(6):
+        unchecked = set(milestones) - set(hashed)
+        writer._check_milestones(milestones, unchecked, info(10 + save), hashed.append)
+        assert len(hashed) == (save + 1) // 2, (save, hashed)
+    assert hashed == [6, 4, 2]
