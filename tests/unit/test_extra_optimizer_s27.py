@@ -46,6 +46,15 @@ def _checkpointer(root, model, optimizers):
                                  read_back="sync")
 
 
+def _saved_run(root, steps: range) -> torch.nn.Module:
+    """A run trained over ``steps``, saved at each; its model."""
+    model = _model()
+    optimizers = _optimizers(model)
+    with _checkpointer(root, model, optimizers) as ck:
+        _train(model, optimizers, steps, ck)
+    return model
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8)
 
@@ -54,10 +63,7 @@ def test_the_same_optimizers_resume_bitwise(tmp_path):
     whole = _model()
     _train(whole, _optimizers(whole), range(1, 7))
 
-    model = _model()
-    optimizers = _optimizers(model)
-    with _checkpointer(tmp_path / "run", model, optimizers) as ck:
-        _train(model, optimizers, range(1, 4), ck)
+    _saved_run(tmp_path / "run", range(1, 4))
     resumed = _model()
     optimizers = _optimizers(resumed)
     with _checkpointer(tmp_path / "run", resumed, optimizers) as ck:
@@ -68,10 +74,7 @@ def test_the_same_optimizers_resume_bitwise(tmp_path):
 
 
 def test_a_reordered_extra_optimizer_is_refused_before_any_change(tmp_path):
-    model = _model()
-    optimizers = _optimizers(model)
-    with _checkpointer(tmp_path / "run", model, optimizers) as ck:
-        _train(model, optimizers, range(1, 3), ck)
+    _saved_run(tmp_path / "run", range(1, 3))
     resumed = _model()
     optimizers = _optimizers(resumed, reverse=True)
     with _checkpointer(tmp_path / "run", resumed, optimizers) as ck:
@@ -83,12 +86,9 @@ def test_a_reordered_extra_optimizer_is_refused_before_any_change(tmp_path):
 
 
 def test_a_generation_saved_without_the_names_loads_as_before(tmp_path, monkeypatch):
-    model = _model()
-    optimizers = _optimizers(model)
     with monkeypatch.context() as m:  # (what a save before session 27 wrote)
         m.setattr("unbroken.state.parts.with_param_names", lambda state, *_: state)
-        with _checkpointer(tmp_path / "run", model, optimizers) as ck:
-            _train(model, optimizers, range(1, 3), ck)
+        model = _saved_run(tmp_path / "run", range(1, 3))
     resumed = _model()
     optimizers = _optimizers(resumed)
     with _checkpointer(tmp_path / "run", resumed, optimizers) as ck:
