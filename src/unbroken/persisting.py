@@ -63,6 +63,10 @@ class Persisting:
     # A step whose save failed although its generation may be in place (its persisting
     # process died before it replied): saving that step again writes it anew, never a no-op
     _unconfirmed: int | None = None
+    # The first-save rule passed (`RunWriter.check_first_save`): from then on this writer holds
+    # the lock, and any generation in the folder is its own, even one whose save failed after
+    # its commit without the writer knowing (a job's leader whose persisting process died)
+    _first_checked: bool = False
     _held: dict[str, list[HeldFile]]
     _in_flight: InFlight | None
     _layouts: dict[str, Any]
@@ -293,11 +297,12 @@ class Persisting:
     def _prepare_write(self, step: int, again: bool) -> None:
         """(The writer: the leader of a job.) See `RunWriter.prepare`."""
         try:
-            self._writer.prepare(step, again, not self._restored and self._last_saved is None,
+            self._writer.prepare(step, again, not (self._restored or self._first_checked
+                                                   or self._last_saved is not None),
                                  self._run, self._run_written, self._restore_tried)
         except OSError as e:  # (the run folder replaced by a file, an I/O error)
             raise save_failed(self.store.root, step, e) from e
-        self._run_written = True
+        self._run_written = self._first_checked = True
 
     # -- lifetime ------------------------------------------------------------------------------
 

@@ -228,3 +228,20 @@ def test_a_rank_killed_before_handing_its_share_over_frees_the_run_at_once(tmp_p
     store = GenerationStore(folder)
     store.lock()  # a restarted job takes the run at once
     store.unlock()
+
+
+def test_a_first_save_whose_leader_persister_died_after_its_commit_is_the_jobs_own(
+        reference, tmp_path):
+    """The leader's persisting process is SIGKILLed right after it committed the job's first
+    generation (3), before it replied: the save fails on every rank, naming the generation,
+    and the job goes on. In a fresh run that never called ``restore()``, the generation in
+    the folder is still the job's own: saving again must not refuse it as a history this
+    Checkpointer never restored (it did, with `RunNotRestored`)."""
+    life = Life(tmp_path / "run", tmp_path / "life", {
+        "PERSISTER_KILL_RANK": "0", "PERSISTER_KILL_AT": "3", "NO_RESTORE": "1"})
+    assert life.end() == [0, 0], life.stderr(0) + life.stderr(1)
+    for rank in range(2):
+        raised = json.loads((life.out / f"raised.6.rank{rank}.json").read_text())["message"]
+        assert "generation 3" in raised, raised
+    assert_bitwise(reference, life.out, 12)
+    assert_committed(tmp_path / "run", [9, 12])

@@ -330,9 +330,9 @@ class ProcessPersister:
                     continue
                 code = self._proc.wait()
                 self.died = True
-                raise self._fail(f"it ended with exit code {code} before it replied (the "
-                                 "generation may be committed or not: a restore verifies it)",
-                                 e) from None
+                raise self._fail(f"it ended with exit code {code} before it replied to the "
+                                 f"save of generation {self._step} (which may be committed or "
+                                 "not: a restore verifies it)", e) from None
             if reply.get("took") == self._seq:
                 self._taken = True
             elif reply.get("seq") == self._seq:

@@ -9,7 +9,12 @@ folder is agreed, before it hands its share over. At the end each rank lists the
 its persisting process loaded in ``<out>/persister.rank<r>.json``. ``FAIL_RANK`` and
 ``FAIL_AT``: that rank's persisting process cannot write its first file of generation
 ``FAIL_AT`` (a folder is in its way); every rank then waits for that save and writes what it
-raised to ``<out>/failed.rank<r>.json``."""
+raised to ``<out>/failed.rank<r>.json``. ``PERSISTER_KILL_RANK`` and
+``PERSISTER_KILL_AT``: that rank's persisting process is SIGKILLed right after its rename
+committed generation ``PERSISTER_KILL_AT``, before it replied; a ``step_done`` that raises
+`SaveFailed` (the last save's failure: its own save not made) is written to
+``<out>/raised.<step>.rank<r>.json`` and its save made again. ``NO_RESTORE``: a fresh run
+that does not call ``restore()``."""
 
 from __future__ import annotations
 
@@ -84,15 +89,17 @@ def main() -> None:
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     sampler = unbroken.ResumableSampler(len(data), batch_size=16, seed=0)
     loader = unbroken.ResumableLoader(unbroken.seeded(data, seed=0), sampler, num_workers=0)
+    env = os.environ
+    if env.get("PERSISTER_KILL_RANK") == str(rank):  # (before the Checkpointer starts it)
+        env["UNBROKEN_KILL_SELF_AT"] = f"after-rename@{env['PERSISTER_KILL_AT']}"
     ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, data=loader,
                                  every=args.every, keep=unbroken.Keep(last=2),
                                  async_save="process", async_timeout=20)
-    env = os.environ
     if env.get("FAIL_RANK") == str(rank):
         fail_first_file(ckpt._persister, int(env["FAIL_AT"]))
     if env.get("DIE_RANK") == str(rank):
         die_before_handing_over(ckpt._persister, int(env["DIE_AT"]))
-    step = ckpt.restore()
+    step = 0 if env.get("NO_RESTORE") else ckpt.restore()  # (a fresh run may skip it)
     print(f"rank {rank} restored {step}", flush=True)
     torch.manual_seed(100 + rank) if step == 0 else None  # dropout differs per rank, saved
     while step < args.steps:
@@ -102,7 +109,14 @@ def main() -> None:
             loss.backward()
             opt.step()
             step += 1
-            if ckpt.step_done(step, loss=loss):  # the save handed over: save() returned
+            try:
+                saved = ckpt.step_done(step, loss=loss)
+            except unbroken.SaveFailed as e:  # (the last save's failure: this one not made)
+                with open(os.path.join(args.out, f"raised.{step}.rank{rank}.json"), "w") as f:
+                    json.dump({"message": str(e)}, f)
+                ckpt.save(step)
+                saved = True
+            if saved:  # the save handed over: save() returned
                 dump(os.path.join(args.out, f"state.{step}.rank{rank}.safetensors"), model, opt)
                 open(os.path.join(args.out, f"saved.{step}.rank{rank}"), "w").close()
                 if env.get("KILL_RANK") == str(rank) and step == int(env["KILL_AT"]):

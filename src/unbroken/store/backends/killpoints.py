@@ -14,16 +14,22 @@ process leads one (DataLoader workers die with it, as in a real crash):
   the chunk, so the file is torn mid-write. Every I/O operation of a save, commit, retention
   deletion or restore can be chosen in turn, so each failure is reproducible from its number.
   With ``$UNBROKEN_KILL_NOTE`` naming a file, one line ``K KIND PATH`` is appended to it
-  before dying (where the kill landed)."""
+  before dying (where the kill landed).
+
+``$UNBROKEN_KILL_SELF_AT`` takes the entries of ``$UNBROKEN_KILL_AT`` but kills this process
+alone, as the kernel's out-of-memory killer would pick one: a persisting process whose writer
+lives on."""
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable
 
 from ..._procs import kill_job
 
 KILL_ENV = "UNBROKEN_KILL_AT"
+KILL_SELF_ENV = "UNBROKEN_KILL_SELF_AT"
 KILL_OP_ENV = "UNBROKEN_KILL_AT_OP"
 KILL_NOTE_ENV = "UNBROKEN_KILL_NOTE"
 # Operations that change the disk, in the order a commit typically performs them.
@@ -36,14 +42,21 @@ def fault_point(name: str, step: int | None = None) -> None:
 
     The variable holds comma-separated ``point`` or ``point@step`` entries. Killing the whole
     process group when we lead one takes DataLoader workers down with us, as a real crash would;
-    a rank started by torchrun takes the whole job down (`_procs.kill_job`)."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    for entry in spec.split(","):
+    a rank started by torchrun takes the whole job down (`_procs.kill_job`). The entries of
+    ``$UNBROKEN_KILL_SELF_AT`` kill this process alone."""
+    if _named(os.environ.get(KILL_SELF_ENV), name, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if _named(os.environ.get(KILL_ENV), name, step):
+        kill_job()
+
+
+def _named(spec: str | None, name: str, step: int | None) -> bool:
+    """Whether the ``point`` or ``point@step`` entries of ``spec`` name this point."""
+    for entry in (spec or "").split(","):
         point, _, at = entry.strip().partition("@")
         if point == name and (not at or (step is not None and int(at) == step)):
-            kill_job()
+            return True
+    return False
 
 
 class _Counter:
