@@ -17,7 +17,14 @@ import torch
 from ._pacing import paced
 from .boundary import UpdateWatch
 from .dist.group import Group
-from .errors import CorruptCheckpoint, NoCheckpoint, ReadOnlyRun, UnbrokenError, UnbrokenWarning
+from .errors import (
+    CorruptCheckpoint,
+    MissingState,
+    NoCheckpoint,
+    ReadOnlyRun,
+    UnbrokenError,
+    UnbrokenWarning,
+)
 from .faults import DROP_ENV, drop_parts
 from .picking import Pick, pick_generation
 from .state import parts as S
@@ -179,6 +186,15 @@ class Restoring:
         info, ready, tree = pick.info, pick.ready, pick.tree
         assert info is not None and info.manifest is not None
         manifest = info.manifest
+        origin = manifest.origin or {}
+        if origin.get("operation") == "import":
+            pick.mapped.close()
+            raise MissingState(
+                f"{info.path}: imported weights (from {origin.get('source')!r}, by "
+                "unbroken import), not a run to continue: the training state beside them "
+                "(counters, RNG streams) is the import's, not the source's. Start a run from "
+                f"them with restore(intent=\"warm_start\", source={self.store.root!r}) in a "
+                "new run folder")
         if self.optimizer is not None:
             for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
                                                 scheduled=S.SCHEDULER in self._parts):

@@ -90,8 +90,14 @@ def _payload(tokenizer: Any, field: str) -> tuple[dict[str, Any], str] | None:
         backend = tokenizer  # a bare tokenizers.Tokenizer
     name = type(tokenizer).__name__
     if backend is not None and callable(getattr(backend, "to_str", None)):
-        payload = {"class": name, "backend": json.loads(backend.to_str()),
-                   "settings": _settings(tokenizer, field)}
+        serialized = json.loads(backend.to_str())
+        if backend is not tokenizer and isinstance(serialized, dict):
+            # A Transformers wrapper sets its backend's padding and truncation anew at every
+            # call (from that call's arguments): what the last call left there is not the
+            # tokenizer's, and fingerprinted it refused a resume that never called it. As a
+            # fresh tokenizer has them (None): a bare tokenizers.Tokenizer keeps its own.
+            serialized.update({k: None for k in ("padding", "truncation") if k in serialized})
+        payload = {"class": name, "backend": serialized, "settings": _settings(tokenizer, field)}
         return payload, "tokenizer.json and settings"
     if callable(getattr(tokenizer, "save_pretrained", None)):
         return {"class": name, "files": _saved_files(tokenizer, field),

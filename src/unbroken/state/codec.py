@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections import Counter, OrderedDict
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ TAG = "$t"
 MAX_DEPTH = 200
 _INLINE_BYTES = 4096  # ``bytes`` values this large go to the tensor file, not into JSON
 _STRIDED = torch.strided
+_QUIET_NAN = 0x7FF8000000000000  # the bits of float("nan"), the sign bit aside
 _BIG_INT = 1 << 1024  # JSON text of ints is refused past 4300 digits: larger ones go as hex
 _COMPLEX = frozenset({torch.complex32, torch.complex64, torch.complex128})
 
@@ -40,6 +42,11 @@ _DTYPE_NAMES = (
 _DTYPES: dict[str, torch.dtype] = {
     n: d for n in _DTYPE_NAMES if isinstance(d := getattr(torch, n, None), torch.dtype)}
 _DTYPE_NAME_OF = {d: n for n, d in _DTYPES.items()}
+
+
+def _float_bits(x: float) -> int:
+    """The 64 bits of a Python float (a NaN's sign and payload among them)."""
+    return int.from_bytes(struct.pack("<d", x), "little")
 
 
 def _dtype_name(dtype: torch.dtype, path: str = "") -> str:
@@ -239,8 +246,13 @@ class _Encoder(Planning):
             if math.isfinite(obj):
                 return obj
             # (a NaN's sign bit is its own: 0/0 on x86 gives -nan, which repr() calls "nan")
-            return {TAG: "float", "v": "-nan" if math.isnan(obj) and math.copysign(1, obj) < 0
-                    else repr(obj)}
+            if not math.isnan(obj):
+                return {TAG: "float", "v": repr(obj)}
+            bits = _float_bits(obj)
+            out = {TAG: "float", "v": "-nan" if bits >> 63 else "nan"}
+            if bits & ~(1 << 63) != _QUIET_NAN:  # a payload (or a signalling NaN): its bits
+                out["bits"] = f"{bits:016x}"
+            return out
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if t is list:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import math
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -98,6 +99,7 @@ _TAG_KEYS: dict[str, tuple[frozenset[str], ...]] = {
                                                                      "key"})),
     "bytes": (frozenset({TAG, "v"}), frozenset({TAG, "key"})),
     "npscalar": (frozenset({TAG, "dtype", "v"}),),
+    "float": (frozenset({TAG, "v"}), frozenset({TAG, "v", "bits"})),  # bits: a NaN's payload
 }
 
 
@@ -152,6 +154,14 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         value = float(obj["v"])
         if math.isfinite(value):
             raise ValueError("finite float stored as special value")
+        if "bits" in obj:  # a NaN's payload, kept (see `codec`)
+            bits = obj["bits"]
+            if type(bits) is not str or len(bits) != 16 or not math.isnan(value):
+                raise ValueError(f"NaN bits {bits!r:.40}")
+            value = struct.unpack("<d", int(bits, 16).to_bytes(8, "little"))[0]
+            if not math.isnan(value) or math.copysign(1, value) != math.copysign(1, float(
+                    obj["v"])):
+                raise ValueError(f"NaN bits {bits!r:.40} are not those of {obj['v']!r:.10}")
         return value
     if tag == "tuple":
         return tuple(dec(v, depth + 1) for v in obj["v"])

@@ -10,8 +10,9 @@ import os
 import platform
 import stat
 import threading
+import unicodedata
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -234,9 +235,19 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _fmt(value: Any) -> str:
-    text = "absent" if value is _ABSENT else json.dumps(value, ensure_ascii=False, default=repr)
+def _fmt(value: Any, escaped: bool = False) -> str:
+    text = "absent" if value is _ABSENT else json.dumps(value, ensure_ascii=escaped,
+                                                        default=repr)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _saved_now(a: Any, b: Any, fmt: Callable[[Any, bool], str] = _fmt) -> str:
+    """"saved A, now B": escaped where the two would look alike (Unicode forms of one text:
+    "café" composed and decomposed)."""
+    x, y = fmt(a, False), fmt(b, False)
+    if unicodedata.normalize("NFKC", x) == unicodedata.normalize("NFKC", y):
+        x, y = fmt(a, True), fmt(b, True)
+    return f"saved {x}, now {y}"
 
 
 def _diffs(a: Any, b: Any, path: str) -> Iterator[tuple[str, Any, Any]]:
@@ -267,10 +278,11 @@ def _more(n: int) -> str:
     return f" (and {n} more differing key{'s' if n > 1 else ''})" if n else ""
 
 
-def _kept(record: list[Any] | None) -> str:
+def _kept(record: list[Any] | None, escaped: bool = False) -> str:
     if record is None:
         return "absent"
-    return _fmt(record[1]) if len(record) > 1 else f"xxh3 {record[0][:12]} (too long to show)"
+    return (_fmt(record[1], escaped) if len(record) > 1
+            else f"xxh3 {record[0][:12]} (too long to show)")
 
 
 def _legacy_tokenizer(saved: Any, current: Any) -> bool:
@@ -317,7 +329,7 @@ def _describe(field: str, saved: Any, current: Any) -> str:
         diffs = list(_diffs(old, new, field))
         if diffs:
             path, a, b = diffs[0]
-            return f"{path}: saved {_fmt(a)}, now {_fmt(b)}{_more(len(diffs) - 1)}"
+            return f"{path}: {_saved_now(a, b)}{_more(len(diffs) - 1)}"
     head = f"{field}: saved {_side(saved)}, now {_side(current)}"
     if (isinstance(saved, Mapping) and isinstance(current, Mapping) and _agree(
             saved, current, "kind") and saved["kind"] == "dir" and "symlinks" not in saved
@@ -332,7 +344,7 @@ def _describe(field: str, saved: Any, current: Any) -> str:
     old, new = (_keys(e, field) for e in (saved, current))
     if old is not None and new is not None and _agree(saved, current, "kind"):
         changes = key_changes(old, new)
-        lines = [f"{path}: saved {_kept(a)}, now {_kept(b)}"
+        lines = [f"{path}: {_saved_now(a, b, _kept)}"
                  for path, a, b in changes[:_NAMED_KEYS]]
         if lines:
             return "\n    ".join([head, *lines]) + _more(len(changes) - len(lines))

@@ -68,6 +68,9 @@ class Tensor:
     offset: int = 0
     stride: tuple[int, ...] | None = None
     numel: int | None = None  # the storage's element count, as its persistent id says
+    # the storage is untyped (torch's record of a dtype without a storage class of its own:
+    # uint16, uint32, uint64): its persistent id counts bytes, not elements
+    untyped: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,11 @@ def _tensor(args: Any, work: _Work) -> Tensor:
     if shape is not None and not all(type(d) is int for d in shape):
         shape = None
     dtype = None
+    untyped = False
     pid = args[0].pid if isinstance(args[0], PersistentId) else None
     if isinstance(pid, tuple) and len(pid) > 1 and isinstance(pid[1], Global):
         dtype = _STORAGE_DTYPE.get(pid[1].name.removesuffix("Storage"))
+        untyped = pid[1].name == "UntypedStorage"
     if len(args) > 6 and isinstance(args[6], Global):  # _rebuild_tensor_v3 names its dtype
         dtype = args[6].name
     key = pid[2] if isinstance(pid, tuple) and len(pid) > 2 and type(pid[2]) is str else None
@@ -114,7 +119,7 @@ def _tensor(args: Any, work: _Work) -> Tensor:
     stride = work.copy(args[3]) if len(args) > 3 else None
     if stride is not None and not all(type(d) is int for d in stride):
         stride = None
-    return Tensor(shape, dtype, key, offset, stride, numel)
+    return Tensor(shape, dtype, key, offset, stride, numel, untyped)
 
 
 def _reduce(func: Any, args: Any, work: _Work, depth: int = 0) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import warnings
 import zipfile
 import zlib
@@ -35,6 +36,7 @@ from . import _pickle_files as pfiles
 from . import _pickle_scan as ps
 
 _WEIGHTS_PT = ("pytorch_model.bin", "model.bin", "model.pt", "model.pth")
+_MORE_MODELS = re.compile(r"(?:pytorch_)?model_[1-9][0-9]*\.(?:safetensors|bin)")
 _STATE_KEYS = ("state_dict", "model_state_dict", "model", "module", "net")
 MAX_CONFIG_BYTES = 16 << 20
 
@@ -55,6 +57,13 @@ def read_source(src: str) -> dict[str, Any]:
 
 def _read_folder(src: str) -> dict[str, Any]:
     names = sorted(os.listdir(src))
+    # Accelerate's save_state writes the N-th prepared model beside the first as model_N
+    # (or pytorch_model_N.bin): which one a run continues is the user's to say
+    others = [n for n in names if _MORE_MODELS.fullmatch(n)]
+    if others:
+        raise UsageError(f"{src}: holds more than one model ({', '.join(others[:4])} beside "
+                         "the first); an import takes one: name its file instead of the "
+                         f"folder (e.g. unbroken import {os.path.join(src, others[0])} RUN)")
     shards = [n for n in names if n.endswith(".safetensors") and
               (n == "model.safetensors" or n.startswith("model-"))]
     if shards:
@@ -213,11 +222,12 @@ def _materialize(z: zipfile.ZipFile, base: str, t: ps.Tensor, where: str,
             from None
     # (torch refuses a record whose size is not its persistent id's count of elements; a
     # 9 MB deflated record may declare 2 GiB)
-    if type(t.numel) is not int or info.file_size != t.numel * item:
+    if type(t.numel) is not int or info.file_size != t.numel * (1 if t.untyped else item):
+        says = (f"{shown(t.numel)} bytes (an untyped storage)" if t.untyped else
+                f"{shown(t.numel)} {t.dtype} elements of {item} bytes")
         raise CorruptCheckpoint(f"{where}: storage record {t.key!r} declares "
-                                f"{info.file_size} bytes where its persistent id says "
-                                f"{shown(t.numel)} {t.dtype} elements of {item} bytes: record "
-                                "size does not match")
+                                f"{info.file_size} bytes where its persistent id says {says}: "
+                                "record size does not match")
     numel = math.prod(t.shape)
     if not numel:
         return torch.empty(t.shape, dtype=dtype)
