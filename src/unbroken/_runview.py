@@ -12,13 +12,14 @@ from dataclasses import asdict
 from typing import Any
 
 from ._table import human_size, table
-from .errors import CorruptCheckpoint, UnbrokenError
+from .errors import CorruptCheckpoint, RunUnreadable, UnbrokenError
 from .store.generations import STAGING_PREFIX, TRASH_PREFIX, GenerationInfo, GenerationStore
 from .store.manifest import MAX_MANIFEST_BYTES, Manifest, parse_manifest
 from .store.objects import ObjectStore
 from .store.opening import is_url, open_store
 from .store.retention import ranked
 from .store.runrecord import RunRecord, folder_run
+from .store.verifying import UNREADABLE
 
 # The status of a generation that a writer's retention deleted while `verify_one` read it.
 GONE = "deleted while checked"
@@ -324,6 +325,8 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
                 rec["problems"] = problems
                 more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
                 raise CorruptCheckpoint("; ".join(problems[:5]) + more)
+    except RunUnreadable as e:  # (this machine's: not judged)
+        rec.update(status=UNREADABLE, reason=str(e))
     except UnbrokenError as e:
         rec.update(status="corrupt", reason=str(e))
     except Exception as e:  # noqa: BLE001 -- a decoder bug must not hide the other generations' results

@@ -61,6 +61,7 @@ from ._runview import (
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .proof.checkplan import PHASES
 from .store.opening import is_url
+from .store.verifying import UNREADABLE
 
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
 _PROBLEMS = (CorruptCheckpoint, MissingState, IdentityMismatch, StateMismatch)
@@ -282,6 +283,8 @@ def _verify(args: argparse.Namespace) -> int:
     ok = all(r["status"] in ("verified", GONE) for r in records)
     payload = {"run": store.root, "generations": records, "run_record_problem": run_problem,
                "ok": ok}
+    # (a generation this machine may not read was not judged: an environment error, exit 2)
+    code = 2 if any(r["status"] == UNREADABLE for r in records) else None
     head = [f"run {store.root}", *([f"warning: {run_problem}"] if run_problem else [])]
     if not records:
         text = "\n".join([*head, "no generations to verify"])
@@ -292,7 +295,8 @@ def _verify(args: argparse.Namespace) -> int:
                           f"{len(records)} checked: {good} verified, "
                           f"{len(records) - good - gone} failed"
                           + (f", {gone} {GONE} (a writer's retention)" if gone else "")])
-    return emit(args, payload, text, ok)
+    status = emit(args, payload, text, ok)
+    return code or status
 
 
 _DROPPABLE = ("optimizer", "scheduler", "scaler", "data", "rng", "weights_only")

@@ -65,6 +65,12 @@ class RunNotRestored(UnbrokenError):
     it would branch from, or silently overwrite the history of, the run that is there."""
 
 
+class RunUnreadable(UnbrokenError):
+    """A file or folder of the run could not be read for a reason of this machine, not of its
+    content (permission denied, no file descriptors or memory left): nothing was judged
+    corrupt or moved aside; fix the cause and run again."""
+
+
 class ForeignGeneration(CorruptCheckpoint):
     """A generation written by another run than the one this folder holds (copied in):
     refused unless adopted explicitly with ``restore(adopt=True)``."""

@@ -20,7 +20,13 @@ from ._progress import Progress
 from .dist.commit import describe, own_names, rank_prefix, rebuild
 from .dist.group import Group
 from .dist.sharded import SHARDS_FILE, load_shards, read_index
-from .errors import CorruptCheckpoint, ForeignGeneration, NoCheckpoint, UnbrokenError
+from .errors import (
+    CorruptCheckpoint,
+    ForeignGeneration,
+    NoCheckpoint,
+    RunUnreadable,
+    UnbrokenError,
+)
 from .state import generation as G
 from .state import parts as S
 from .state.identity import Identity, check_environment, check_identity, environment
@@ -29,6 +35,7 @@ from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore
 from .store.manifest import Artifact
 from .store.runrecord import RunRecord
+from .store.verifying import UNREADABLE
 
 log = logging.getLogger("unbroken")
 _MAP_MIN = 32 << 20
@@ -112,6 +119,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
           run: RunRecord, group: Group, pick: Pick) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
+    if info.status == UNREADABLE:  # (not judged: raised, never refused as corrupt)
+        raise RunUnreadable(info.reason)
     if not info.ok or info.manifest is None:
         raise CorruptCheckpoint(info.reason)
     manifest = info.manifest

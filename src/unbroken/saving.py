@@ -14,7 +14,7 @@ import xxhash
 from .dist.commit import describe, rank_prefix, rebuild
 from .dist.group import Group
 from .dist.sharded import encode_shards, split
-from .errors import CorruptCheckpoint, UnbrokenError
+from .errors import CorruptCheckpoint, RunUnreadable, UnbrokenError
 from .inputs import same_number
 from .state import generation as G
 from .state import parts as S
@@ -103,7 +103,10 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
         same_number(m.metrics.get(k), v) for k, v in values.items()))
     # A generation that no longer verifies (rot since its save) is written again: the state
     # it should hold is still live. (The leader's verdict is the job's: see below.)
-    same = same and (not group.leader or store.verified(info) is None)
+    try:
+        same = same and (not group.leader or store.verified(info) is None)
+    except RunUnreadable:  # (not judged, so not known to hold the state: written again)
+        same = False
     if group.active:  # every rank or none goes on to the encoding below: it is collective
         same = all(group.all_gather(same, "comparing with the saved generation"))
     if same and plan is not None:  # its layout came from the generation before it

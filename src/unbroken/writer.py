@@ -10,10 +10,18 @@ from collections.abc import Callable
 from typing import Any
 
 from .dist.group import Group
-from .errors import CorruptCheckpoint, ReadOnlyRun, RunNotRestored, SaveFailed, UnbrokenWarning
+from .errors import (
+    CorruptCheckpoint,
+    ReadOnlyRun,
+    RunNotRestored,
+    RunUnreadable,
+    SaveFailed,
+    UnbrokenWarning,
+)
 from .store.generations import GenerationInfo, GenerationStore
 from .store.retention import Keep, select_kept
 from .store.runrecord import RunRecord, folder_run, new_run_id, read_run_record, write_run_record
+from .store.verifying import UNREADABLE
 
 
 class RunWriter:
@@ -154,6 +162,8 @@ class RunWriter:
         gens = self.store.scan()
         complete = {g.generation: g for g in gens if g.ok and g.manifest is not None}
         failed = {g.generation: g.reason for g in gens if g.status == "corrupt"}
+        # What this machine may not read is neither judged nor counted as kept: left alone
+        unreadable = {g.generation: g.reason for g in gens if g.status == UNREADABLE}
         # A generation of another run (copied in) verifies, but no restore of this run loads
         # it: it is never counted as a kept copy, nor deleted (maybe that run's only copy).
         just = complete.get(just_saved)
@@ -165,7 +175,11 @@ class RunWriter:
 
         def good(n: int) -> bool:
             checked.add(n)
-            why = self.store.verified(complete[n])
+            try:
+                why = self.store.verified(complete[n])
+            except RunUnreadable as e:
+                unreadable[n] = str(e)
+                return False
             if why is not None:
                 failed[n] = why
             return why is None
@@ -173,7 +187,10 @@ class RunWriter:
         kept = select_kept([(n, g.manifest.step, g.manifest.metrics)  # type: ignore[union-attr]
                             for n, g in complete.items()], self.keep, {just_saved}, good)
         self._check_milestones(complete, kept - checked - {just_saved}, just, good)
-        kept -= failed.keys()
+        kept -= failed.keys() | unreadable.keys()
+        for why in unreadable.values():
+            warnings.warn(f"retention left in place a generation it may not read (not counted "
+                          f"as a kept copy): {why}", UnbrokenWarning, stacklevel=5)
         by_number = {g.generation: g for g in gens}
         for n, why in failed.items():
             warnings.warn(f"retention found a corrupt generation, moved aside: {why}",
@@ -188,7 +205,7 @@ class RunWriter:
             # go, and torn remains of an interrupted deletion, a manifest deleted first:
             # nothing but this writer deletes or commits here while it holds the lock)
             if g.generation not in kept and g.generation not in failed and (
-                    g.generation not in foreign):
+                    g.generation not in foreign) and g.generation not in unreadable:
                 self.store.delete(g)
         # Only now, with a new generation committed and verified, may aside/ shrink: what a
         # restore moved there (an abandoned branch) stays until the run has moved on.

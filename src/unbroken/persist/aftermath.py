@@ -17,6 +17,7 @@ from __future__ import annotations
 from ..errors import UnbrokenError
 from ..store.aside import ASIDE_REASONS
 from ..store.generations import GenerationInfo, GenerationStore, generation_name
+from ..store.verifying import UNREADABLE
 from ..writer import RunWriter
 
 
@@ -48,6 +49,8 @@ def _settle(store: GenerationStore, writer: RunWriter, step: int,
                           "next save builds on it")
         found = (f"{name} was committed but does not read back as written ({why}): "
                  + _set_aside(store, writer, info, "corrupt"))  # (as the read-back does)
+    elif info.status == UNREADABLE:  # (this machine's: not judged, left as it is)
+        found = f"{name} could not be read ({info.reason})"
     elif store.present(info):  # (a folder no commit leaves: refused, as a restore would)
         found = f"{name} is {info.status} ({info.reason}): " + _set_aside(
             store, writer, info, info.status if info.status in ASIDE_REASONS else "corrupt")

@@ -41,7 +41,14 @@ from .manifest import (
     valid_artifact_name,
 )
 from .sources import Linked, Source
-from .verifying import GenerationInfo, Verifying, stat_identity
+from .verifying import (
+    MACHINE_ERRNOS,
+    UNREADABLE,
+    GenerationInfo,
+    Verifying,
+    stat_identity,
+    unreadable,
+)
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"
 STAGING_PREFIX = ".staging-"
@@ -169,8 +176,9 @@ class GenerationStore(AsideFolder, Verifying):
             return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
                                   "or deletion interrupted)")
         except OSError as e:  # (a folder it may not read: not a missing manifest)
-            return GenerationInfo(generation, path, "corrupt", f"{path}: cannot be read "
-                                  f"({errno_text(e)}); fix its permissions, then run again")
+            return GenerationInfo(generation, path, UNREADABLE if e.errno in MACHINE_ERRNOS
+                                  else "corrupt", f"{path}: cannot be read ({errno_text(e)}); "
+                                  "fix its permissions, then run again")
         try:
             manifest = parse_manifest(self.fs.read_file(where, MAX_MANIFEST_BYTES), where)
             if manifest.generation != generation:
@@ -205,7 +213,9 @@ class GenerationStore(AsideFolder, Verifying):
                                       "in progress or interrupted)")
             if isinstance(e, CorruptCheckpoint):
                 return GenerationInfo(generation, path, "corrupt", str(e))
-            return GenerationInfo(generation, path, "corrupt", f"{path}: unreadable ({e})")
+            failed = unreadable(getattr(e, "filename", None) or path, e)
+            return GenerationInfo(generation, path, "corrupt" if isinstance(
+                failed, CorruptCheckpoint) else UNREADABLE, str(failed))
         return GenerationInfo(generation, path, "complete", "", manifest)
 
     # -- changing the folder (writer only) -----------------------------------------------------

@@ -4,12 +4,13 @@ a few ``lstat`` calls until one of its files changes. Mixed into `GenerationStor
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CorruptCheckpoint
+from ..errors import CorruptCheckpoint, RunUnreadable, UnbrokenError
 from .backends.local import LocalFS
 from .manifest import MANIFEST, Artifact, Manifest
 
@@ -25,6 +26,26 @@ def _memory_bytes() -> int:
         return 1 << 62
 
 
+# Errors of this machine, not of a file's content: a generation that meets one is not judged
+# (moved aside as corrupt, a restore falling back past it) but left as it is, and the error
+# raised (`RunUnreadable`): a good generation behind a permission was rolled back over.
+UNREADABLE = "unreadable"  # the status of a generation this machine may not read
+MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
+                            errno.ENOMEM, errno.ENOBUFS})
+
+
+def unreadable(path: str, e: OSError) -> UnbrokenError:
+    """The error for ``path`` that could not be read: `RunUnreadable` for a reason of this
+    machine (`MACHINE_ERRNOS`), else `CorruptCheckpoint` (an I/O error, a file gone bad)."""
+    if e.errno in MACHINE_ERRNOS:
+        name = errno.errorcode.get(e.errno or 0, "")
+        return RunUnreadable(f"{path}: cannot be read ({e.strerror or e} [{name}]), which says "
+                             "nothing of its content: it was not judged, nor moved; fix the "
+                             "cause (its permissions, the process's file or memory limits) "
+                             "and run again")
+    return CorruptCheckpoint(f"{path}: unreadable ({e})")
+
+
 def generation_of(path: str) -> str:
     """The ``gen-*`` name in a generation's path (on an object store the path ends in the
     generation's upload folder)."""
@@ -34,7 +55,8 @@ def generation_of(path: str) -> str:
 
 @dataclass
 class GenerationInfo:
-    """What listing found in one ``gen-*`` folder. ``status``: complete / torn / corrupt."""
+    """What listing found in one ``gen-*`` folder. ``status``: complete / torn / corrupt, or
+    unreadable (this machine may not read it: `unreadable`; not judged, never changed)."""
 
     generation: int
     path: str
@@ -92,7 +114,8 @@ class Verifying:
             self._verified[info.path] = ident
 
     def verified(self, info: GenerationInfo) -> str | None:
-        """``None`` when every byte of the generation matches its manifest, else the reason.
+        """``None`` when every byte of the generation matches its manifest, else the reason;
+        `RunUnreadable` when this machine may not read it (its content not judged).
 
         The verdict is remembered by file identity (see ``file_identity``): a generation
         verified since it was committed or restored by this store costs a few ``lstat`` calls;
@@ -114,7 +137,7 @@ class Verifying:
         """`verify` ``info`` (every byte hashed): ``None``, or why it fails."""
         try:
             self.verify(info)
-        except CorruptCheckpoint as e:
+        except CorruptCheckpoint as e:  # (`RunUnreadable` is raised: nothing was judged)
             return str(e)
         return None
 
@@ -158,7 +181,7 @@ class Verifying:
             self._check_artifact(folder, a)
             view = mapped.add(self.fs.map_file(path, a.size), path, before)
         except OSError as e:
-            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+            raise unreadable(path, e) from None
         if len(view) != a.size:
             raise CorruptCheckpoint(f"{path}: changed size while being read")
         return view
@@ -178,7 +201,7 @@ class Verifying:
             data, digest = self.fs.read_hashed(path, a.size,
                                                aligned=a.name.endswith(".safetensors"))
         except OSError as e:
-            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+            raise unreadable(path, e) from None
         if len(data) != a.size:
             raise CorruptCheckpoint(f"{path}: {len(data)} bytes, the manifest lists {a.size}")
         if digest != a.xxh3_128:
@@ -233,7 +256,7 @@ class Verifying:
         try:
             size, digest = self.fs.hash_file(path, a.size, drop_cache=from_disk)
         except OSError as e:
-            raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+            raise unreadable(path, e) from None
         if size != a.size:
             raise CorruptCheckpoint(f"{path}: {size} bytes, the manifest lists {a.size}")
         if digest != a.xxh3_128:

@@ -1,0 +1,140 @@
+"""A generation this machine may not read (permission denied, no file descriptors or memory
+left) is not a corrupt one (session 28's outside review): it was moved aside as corrupt and
+the restore rolled back over it in silence, three updates lost; verify called it corrupt
+(exit 1). Now nothing is judged or moved: the restore raises `RunUnreadable` naming the file,
+verify reports it ``unreadable`` with exit 2, and retention neither deletes it nor counts it
+as a kept copy. (The errors are injected at the file system layer: the tests run as root,
+whom permissions do not stop; one test drops that capability where ``setpriv`` exists.)"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.cli import main
+from unbroken.errors import RunUnreadable
+from unbroken.store.backends.local import LocalFS
+from unbroken.store.verifying import MACHINE_ERRNOS
+
+NEWEST = "gen-000000003"
+
+
+def _save(run: Path, steps: list[int], keep: int = 5) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ckpt = unbroken.Checkpointer(run, model=model, keep=unbroken.Keep(last=keep),
+                                 read_back="sync")
+    ckpt.restore()
+    for step in steps:
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save(step)
+    ckpt.close()
+    return model
+
+
+def _deny(monkeypatch: pytest.MonkeyPatch, code: int, where: str = NEWEST) -> None:
+    """Every read of a file under ``where`` fails with ``code``."""
+    def failing(name: str) -> Any:
+        real = getattr(LocalFS, name)
+
+        def call(self: LocalFS, path: str, *a: Any, **k: Any) -> Any:
+            if f"/{where}/" in path:
+                raise OSError(code, os.strerror(code), path)
+            return real(self, path, *a, **k)
+        return call
+    for name in ("read_hashed", "hash_file", "map_file", "read_file"):
+        monkeypatch.setattr(LocalFS, name, failing(name))
+
+
+@pytest.mark.parametrize("code", sorted(MACHINE_ERRNOS))
+def test_a_restore_raises_and_moves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            code: int) -> None:
+    run = tmp_path / "run"
+    _save(run, [1, 2, 3])
+    _deny(monkeypatch, code)
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(4, 4))
+    with pytest.raises(RunUnreadable) as e:
+        ckpt.restore()
+    ckpt.close()
+    assert f"{NEWEST}/" in str(e.value) and errno.errorcode[code] in str(e.value)
+    assert "not judged" in str(e.value)
+    assert sorted(os.listdir(run)) == ["LOCK", "RUN.json", "gen-000000001", "gen-000000002",
+                                       NEWEST]  # nothing aside
+
+
+def test_an_io_error_is_still_corruption_and_falls_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    _save(run, [1, 2, 3])
+    _deny(monkeypatch, errno.EIO)
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ckpt.restore() == 2
+    ckpt.close()
+    assert [n for n in os.listdir(run / "aside")][0].startswith(f"{NEWEST}-corrupt-")
+
+
+def test_verify_says_unreadable_with_exit_2(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    _save(run, [1, 2, 3])
+    _deny(monkeypatch, errno.EACCES)
+    capsys.readouterr()
+    assert main(["verify", str(run), "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert [g["status"] for g in doc["generations"]] == ["verified", "verified", "unreadable"]
+    assert main(["verify", str(run)]) == 2
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_retention_neither_deletes_nor_counts_an_unreadable_generation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    model = _save(run, [1, 2, 3], keep=5)
+    _deny(monkeypatch, errno.EACCES, "gen-000000002")
+    ckpt = unbroken.Checkpointer(run, model=model, keep=unbroken.Keep(last=1),
+                                 read_back="sync")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert ckpt.restore() == 3
+        ckpt.save(4)
+    ckpt.close()
+    # gen 1 and 3: let go by Keep(last=1); gen 2, unreadable, left as it is, and said
+    assert sorted(os.listdir(run)) == ["LOCK", "RUN.json", "gen-000000002", "gen-000000004"]
+    assert any("may not read" in str(w.message) and "gen-000000002" in str(w.message)
+               for w in caught)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs setpriv (util-linux)")
+def test_a_real_permission_denied_folder(tmp_path: Path) -> None:
+    """The real thing: a generation folder without search permission, read by a process that
+    permissions do stop (root without CAP_DAC_OVERRIDE)."""
+    run = tmp_path / "run"
+    _save(run, [1, 2, 3])
+    os.chmod(run / NEWEST, 0o644)
+    script = ("import sys, torch, unbroken\n"
+              "from unbroken.errors import RunUnreadable\n"
+              f"c = unbroken.Checkpointer({str(run)!r}, model=torch.nn.Linear(4, 4))\n"
+              "try:\n    c.restore()\nexcept RunUnreadable as e:\n    print('raised', e)\n"
+              "else:\n    print('restored')\n")
+    try:
+        out = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search",
+                              sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=120)
+    finally:
+        os.chmod(run / NEWEST, 0o755)
+    assert out.stdout.startswith("raised"), out.stdout + out.stderr
+    assert "Permission denied" in out.stdout and "aside" not in os.listdir(run)
