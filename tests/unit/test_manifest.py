@@ -30,7 +30,8 @@ def make(**overrides) -> Manifest:
         generation=5, step=500, run_id="run-abc", incarnation=2,
         artifacts=[Artifact("model.safetensors", 1024, H1), Artifact("state.json", 0, H2)],
         parts=["model", "rng"], parent={"run_id": "older", "generation": 3},
-        origin=None, identity={"config": "deadbeef"}, environment={"torch": "2.4"},
+        origin=None, identity={"config": {"kind": "json", "hash": "deadbeef"}},
+        environment={"torch": "2.4"},
         retention={"last": 3, "every": None, "best": ["val_loss", "min"]},
         metrics={"val_loss": 1.25}, created="2024-01-01T00:00:00Z")
     fields.update(overrides)
@@ -258,7 +259,7 @@ EDITS = {
     "dropped-artifact": lambda d: d["artifacts"].pop(),
     "parent": lambda d: d["parent"].update(generation=2),
     "no-parent": lambda d: d.update(parent=None),
-    "identity-digit": lambda d: d["identity"].update(config="ceadbeef"),
+    "identity-digit": lambda d: d["identity"]["config"].update(hash="ceadbeef"),
     "environment": lambda d: d["environment"].update(torch="2.5"),
     "metric": lambda d: d["metrics"].update(val_loss=1.0),
     "parts": lambda d: d["parts"].reverse(),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.errors import MissingState, StateMismatch, UnbrokenWarning
+from unbroken.errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenWarning
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.rng import (
@@ -124,19 +124,35 @@ def test_wrong_tensor_length(gens: dict) -> None:
 
 
 @pytest.mark.parametrize("breakage", [
-    lambda s: s.update(python=(3, tuple(range(624)), None)),
-    lambda s: s.update(numpy=("MT19937", np.zeros(623, np.uint32), 0, 0, 0.0)),
-    lambda s: s.update(numpy=("PCG64", np.zeros(624, np.uint32), 0, 0, 0.0)),
     lambda s: s["generators"]["aug"].update(kind="numpy"),
     lambda s: s["generators"]["aug"].update(device="cuda:0"),
     lambda s: s["generators"]["shuffle"].update(bit_generator="MT19937"),
-    lambda s: s["generators"]["shuffle"]["state"].update(bit_generator="SFC64"),
-    lambda s: s["generators"]["mt"]["state"]["state"].update(key=np.zeros(5, np.uint32)),
 ])
-def test_malformed_raises_mismatch(gens: dict, breakage) -> None:
+def test_another_setup_raises_mismatch(gens: dict, breakage) -> None:
     state = capture_rng(gens)
     breakage(state)
     with pytest.raises(StateMismatch):
+        validate_rng(state, gens, "ckpt/x")
+
+
+@pytest.mark.parametrize("breakage", [
+    lambda s: s.update(python=(3, tuple(range(624)), None)),
+    lambda s: s.update(numpy=("MT19937", np.zeros(623, np.uint32), 0, 0, 0.0)),
+    lambda s: s.update(numpy=("PCG64", np.zeros(624, np.uint32), 0, 0, 0.0)),
+    lambda s: s["generators"]["shuffle"]["state"].update(bit_generator="SFC64"),
+    lambda s: s["generators"]["mt"]["state"]["state"].update(key=np.zeros(5, np.uint32)),
+    lambda s: s.update(torch_cpu=s["torch_cpu"].view(torch.float8_e5m2)),
+    lambda s: s.update(torch_cpu=s["torch_cpu"].reshape(1, -1)),
+    lambda s: s["generators"]["aug"].update(state=s["generators"]["aug"]["state"].view(
+        torch.int8)),
+    lambda s: s.update(generators=[1]),
+])
+def test_a_state_no_generator_holds_is_corrupt(gens: dict, breakage) -> None:
+    """Malformed, not another setup's: the generation is refused (an older one is used),
+    never blamed on this run's settings (session 28)."""
+    state = capture_rng(gens)
+    breakage(state)
+    with pytest.raises(CorruptCheckpoint):
         validate_rng(state, gens, "ckpt/x")
 
 

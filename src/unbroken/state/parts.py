@@ -155,6 +155,19 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
             f"{where}: the checkpoint holds {', '.join(map(repr, extra))} state but this run "
             "has no such part; pass it to the Checkpointer so the run continues as saved")
     ready = dict(saved)
+    if SCHEDULER in parts and isinstance(saved[SCHEDULER], Mapping) and (
+            SCHEDULER_CLASS in saved[SCHEDULER]):  # (generations since 12-02)
+        state = saved[SCHEDULER]
+        kind, live_kind = state[SCHEDULER_CLASS], scheduler_class(parts[SCHEDULER])
+        if kind != live_kind:  # (another schedule may take the same keys)
+            raise StateMismatch(f"{where}: the scheduler was a {str(kind)[:300]}, the live "
+                                f"one is a {live_kind}; build the scheduler of the saved run, "
+                                "or warm_start")
+        ready[SCHEDULER] = {k: v for k, v in state.items() if k != SCHEDULER_CLASS}
+    # A state torch's own classes never hold is corrupt (the generation refused, an older one
+    # used), whatever the live objects are: first, before any comparison with them would
+    # blame the run's settings for it (a forged or miswritten generation)
+    _refuse_malformed(saved, ready, parts, where)
     if walked is None:
         walked = LiveModel(model)
     for name, obj in parts.items():
@@ -171,14 +184,7 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
             ready[name] = checked_param_names(saved[name], model, obj, f"{where} [{name}]",
                                               walked.param_names())
         elif name in (SCHEDULER, SCALER):
-            state = saved[name]
-            if name == SCHEDULER and SCHEDULER_CLASS in state:  # (generations since 12-02)
-                kind, live_kind = state[SCHEDULER_CLASS], scheduler_class(obj)
-                if kind != live_kind:  # (another schedule may take the same keys)
-                    raise StateMismatch(f"{where}: the scheduler was a {str(kind)[:300]}, the "
-                                        f"live one is a {live_kind}; build the scheduler of "
-                                        "the saved run, or warm_start")
-                ready[name] = state = {k: v for k, v in state.items() if k != SCHEDULER_CLASS}
+            state = ready[name]
             live, got = set(obj.state_dict()), set(state)
             if live - got:
                 raise MissingState(f"{where}: {name} state lacks {sorted(live - got)}; it was "
@@ -188,7 +194,6 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
                                     f"{sorted(map(str, got - live))}, which the live "
                                     f"{type(obj).__name__} has not (is it disabled?); build it "
                                     "as in the saved run")
-    _refuse_malformed(saved, ready, parts, where)
     for name in (SCHEDULER, SCALER):  # (after: a value no run holds is corrupt, not changed)
         obj = parts.get(name)
         if isinstance(obj, Stateful) and type(obj).__module__.startswith("torch."):
@@ -217,9 +222,14 @@ def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
     problems: list[str] = []
     state_json = os.path.join(where, STATE_FILE)
     opt = saved.get(OPTIMIZER) if OPTIMIZER in parts else None
-    if isinstance(opt, Mapping):  # (validated by optimizer_state_to_torch)
+    groups = None
+    if (isinstance(opt, Mapping) and isinstance(opt.get("state"), Mapping)
+            and isinstance(opt.get("param_groups"), list)
+            and all(isinstance(g, Mapping) for g in opt["param_groups"])):
+        # (another layout: optimizer_state_to_torch refuses it, naming what it found)
         model = ready.get(MODEL) if MODEL in parts else None  # (its tensors: their shapes)
         cls, at = opt.get("class"), f"{where} [{OPTIMIZER}]"
+        groups = len(opt["param_groups"])
         json_at = f"{state_json} [{OPTIMIZER}]"  # (its values other than tensors)
         problems += optimizer_state_problems(
             cls, opt["state"], opt["param_groups"],
@@ -228,7 +238,6 @@ def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
             for gi, group in enumerate(opt["param_groups"]):  # (a negative lr: see SCHEDULED)
                 group_problems(cls, group, gi, at, json_at, problems, scheduled=False)
     if SCHEDULER in parts and isinstance(parts[SCHEDULER], Stateful):
-        groups = len(opt["param_groups"]) if isinstance(opt, Mapping) else None
         scheduler_problems(ready[SCHEDULER], "scheduler", groups,
                            f"{state_json} [{SCHEDULER}]", problems, parts[SCHEDULER].state_dict())
     if SCALER in parts and isinstance(parts[SCALER], Stateful):

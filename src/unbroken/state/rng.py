@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import MissingState, StateMismatch, UnbrokenWarning
+from ..errors import CorruptCheckpoint, MissingState, StateMismatch, UnbrokenWarning
 from ._digest import digest_tree
 
 AnyGenerator = torch.Generator | np.random.Generator
@@ -101,20 +101,68 @@ def _spawned(saved: Any, gen: np.random.Generator, key: str, where: str) -> int:
 
 
 def _uint8_vector(value: Any, length: int, key: str, where: str) -> None:
-    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8
-            and value.dim() == 1 and value.numel() == length):
-        found = (f"{value.dtype} tensor of shape {tuple(value.shape)}"
-                 if isinstance(value, torch.Tensor) else type(value).__name__)
-        raise StateMismatch(f"{where}: {key} must be a 1-D uint8 tensor of {length} bytes, "
-                            f"found {found}; the checkpoint comes from an incompatible setup")
+    """A torch generator's state (well formed: `rng_form_problems`) of this setup's size."""
+    if value.numel() != length:
+        raise StateMismatch(f"{where}: {key} holds {value.numel()} bytes, a generator of this "
+                            f"setup {length}; the checkpoint comes from an incompatible setup")
+
+
+def _is_state(value: Any) -> bool:
+    """A torch generator's state as ``get_state()`` gives it: a 1-D uint8 tensor."""
+    return isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+
+
+def _found(value: Any) -> str:
+    return (f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+            if isinstance(value, torch.Tensor) else f"a {type(value).__name__}")
+
+
+def rng_form_problems(saved: Mapping[str, Any], where: str) -> list[str]:
+    """What the saved streams hold that no generator's state ever is (a writer's bug or a
+    forged generation: corrupt, whatever this process's setup), one message each. What
+    differs from this setup (a state's size, a generator's kind) is `validate_rng`'s."""
+    out: list[str] = []
+    py = saved.get("python")
+    if "python" in saved and not (
+            isinstance(py, tuple) and len(py) == 3 and type(py[0]) is int
+            and isinstance(py[1], tuple) and len(py[1]) == 625
+            and all(type(x) is int for x in py[1]) and (py[2] is None or type(py[2]) is float)):
+        out.append(f"{where}: rng.python is {_found(py)}, not (int, 625 ints, float or None) "
+                   "as random.getstate() gives it")
+    legacy = saved.get("numpy")
+    if "numpy" in saved and not (
+            isinstance(legacy, tuple) and len(legacy) == 5 and legacy[0] == "MT19937"
+            and isinstance(legacy[1], np.ndarray) and legacy[1].dtype == np.uint32
+            and legacy[1].shape == (624,)):
+        out.append(f"{where}: rng.numpy is {_found(legacy)}, not the ('MT19937', uint32[624], "
+                   "pos, has_gauss, cached_gaussian) tuple np.random.get_state() gives")
+    if "torch_cpu" in saved and not _is_state(saved["torch_cpu"]):
+        out.append(f"{where}: rng.torch_cpu is {_found(saved['torch_cpu'])}; "
+                   "torch.get_rng_state() gives a 1-D uint8 tensor")
+    cuda = saved.get("cuda")
+    if cuda is not None and not (isinstance(cuda, list) and all(map(_is_state, cuda))):
+        out.append(f"{where}: rng.cuda is {_found(cuda)}, not a list of 1-D uint8 tensors as "
+                   "torch.cuda.get_rng_state_all() gives")
+    gens = saved.get("generators")
+    if "generators" in saved and not isinstance(gens, Mapping):
+        out.append(f"{where}: rng.generators is {_found(gens)}, not a mapping of name to state")
+    for name, entry in gens.items() if isinstance(gens, Mapping) else ():
+        if not isinstance(entry, Mapping) or "state" not in entry:
+            out.append(f"{where}: rng.generators.{name} is {_found(entry)}, not a mapping "
+                       "holding a 'state'")
+        elif entry.get("kind") == "torch" and not _is_state(entry["state"]):
+            out.append(f"{where}: rng.generators.{name} state is {_found(entry['state'])}; "
+                       "a torch.Generator's get_state() gives a 1-D uint8 tensor")
+    return out
 
 
 def _probe(key: str, where: str, setter: Any, value: Any) -> None:
-    """Apply ``value`` to a throwaway generator: the real setter's checks, no live change."""
+    """Apply ``value`` to a throwaway generator: the real setter's checks, no live change. A
+    state it refuses is no generator's: corrupt."""
     try:
         setter(value)
     except (TypeError, ValueError, RuntimeError, LookupError, OverflowError) as e:
-        raise StateMismatch(f"{where}: {key} is not a valid state ({e})") from None
+        raise CorruptCheckpoint(f"{where}: {key} is not a valid state ({e})") from None
 
 
 def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where: str) -> None:
@@ -127,21 +175,13 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
     for key in ("python", "numpy", "torch_cpu", "generators"):
         if key not in saved:
             raise MissingState(f"{where}: stream rng.{key} is missing; {_REMEDY}")
+    problems = rng_form_problems(saved, where)
+    if problems:
+        raise CorruptCheckpoint("; ".join(problems[:3]) + "; no generator holds such a state: "
+                                "the generation is refused")
 
-    py = saved["python"]
-    if not (isinstance(py, tuple) and len(py) == 3 and type(py[0]) is int
-            and isinstance(py[1], tuple) and len(py[1]) == 625
-            and all(type(x) is int for x in py[1]) and (py[2] is None or type(py[2]) is float)):
-        raise StateMismatch(f"{where}: rng.python must be (int, tuple of 625 ints, float|None) "
-                            "as random.getstate() returns it")
-    _probe("rng.python", where, random.Random().setstate, py)
-    legacy = saved["numpy"]
-    if not (isinstance(legacy, tuple) and len(legacy) == 5 and legacy[0] == "MT19937"
-            and isinstance(legacy[1], np.ndarray) and legacy[1].dtype == np.uint32
-            and legacy[1].shape == (624,)):
-        raise StateMismatch(f"{where}: rng.numpy must be the legacy ('MT19937', uint32[624], "
-                            "pos, has_gauss, cached_gaussian) tuple")
-    _probe("rng.numpy", where, np.random.RandomState().set_state, legacy)
+    _probe("rng.python", where, random.Random().setstate, saved["python"])
+    _probe("rng.numpy", where, np.random.RandomState().set_state, saved["numpy"])
     _uint8_vector(saved["torch_cpu"], torch.get_rng_state().numel(), "rng.torch_cpu", where)
     cuda = saved.get("cuda")
     if torch.cuda.is_initialized():
@@ -155,13 +195,8 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
                                 f"has {len(live)} CUDA devices; run with the same device count")
         for i, (value, now) in enumerate(zip(cuda, live)):
             _uint8_vector(value, now.numel(), f"rng.cuda.{i}", where)
-    elif cuda is not None and not (isinstance(cuda, list) and all(
-            isinstance(v, torch.Tensor) and v.dtype == torch.uint8 for v in cuda)):
-        raise StateMismatch(f"{where}: rng.cuda must be a list of uint8 tensors")
     gens = dict(generators or {})
     saved_gens = saved["generators"]
-    if not isinstance(saved_gens, Mapping):
-        raise StateMismatch(f"{where}: rng.generators must be a mapping of name to state")
     unknown = sorted(set(saved_gens) - set(gens), key=str)
     if unknown:
         raise StateMismatch(

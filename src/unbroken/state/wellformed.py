@@ -191,6 +191,9 @@ def group_problems(cls: object, g: Mapping[str, Any], gi: int, tensor_at: str, j
                            f"expected {span}, as torch's optimizers accept it")
     if not (isinstance(cls, str) and cls.startswith(TORCH_OPTIM)):
         return
+    if "lr" not in g:  # (every torch optimizer's defaults hold it: each group gets one)
+        out.append(f"{json_at}: optimizer param group {gi} has no 'lr', which every param "
+                   f"group of {cls} holds")
     for key, none in FLAGS.items():
         v = g.get(key, False)
         if not isinstance(v, bool) and not (none and v is None):

@@ -207,11 +207,17 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
             for k, v in timings.items()):
         raise CorruptCheckpoint(f"{where}: field 'timings' should map names to seconds, found "
                                 f"{timings!r:.60}")
+    identity = need("identity", dict)
+    for name, entry in identity.items():  # (what a restore compares: never a None hash)
+        if entry is not None and not (isinstance(entry, dict)
+                                      and isinstance(entry.get("hash"), str)):
+            raise CorruptCheckpoint(f"{where}: identity {name!r} should be an entry with its "
+                                    f"'hash' as unbroken writes it, found {entry!r:.80}")
     return Manifest(
         world_size=world_size, folder=folder, timings={k: float(v) for k, v in timings.items()},
         generation=generation, step=step, run_id=need("run_id", str), incarnation=incarnation,
         artifacts=artifacts, parts=parts, parent=need("parent", dict, optional=True),
-        origin=need("origin", dict, optional=True), identity=need("identity", dict),
+        origin=need("origin", dict, optional=True), identity=identity,
         environment=need("environment", dict), retention=need("retention", dict),
         metrics=metrics, created=need("created", str), schema=schema)
 

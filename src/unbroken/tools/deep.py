@@ -28,7 +28,8 @@ import torch
 from ..dist._shard_index import SHARDS_FILE  # (not `dist.sharded`: no torch.distributed)
 from ..dist._shard_read import Read, ShardReader, generation_stamps, key_path
 from ..errors import CorruptCheckpoint, shown
-from ..state.parts import MODEL, OPTIMIZER, SCALER, SCHEDULER, STATE_FILE
+from ..state.parts import MODEL, OPTIMIZER, RNG, SCALER, SCHEDULER, STATE_FILE
+from ..state.rng import rng_form_problems
 from ..state.wellformed import (
     MAX_DEPTH,
     group_problems,
@@ -105,6 +106,8 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
         scheduler_problems(tree[SCHEDULER], "scheduler", groups, state_json, out)
     if SCALER in tree:
         scaler_problems(tree[SCALER], state_json, out)
+    if isinstance(tree.get(RNG), Mapping):
+        out.extend(rng_form_problems(tree[RNG], f"{where}/{RNG}"))
     return out
 
 
