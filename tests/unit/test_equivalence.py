@@ -254,3 +254,38 @@ def test_non_persistent_buffers_lost_at_a_restore_are_named_when_the_run_diverge
             r["buffers"] = "rebuilt"
     result = compare(ref, segments(fine, restore={"buffers": "rebuilt"}))
     assert result.verdict == "equivalent" and "non-persistent buffers" in result.notes[0]
+
+
+def _with_extra(records: list[dict], value: str = "c") -> list[dict]:
+    """Each record's state with a registered extra (a curriculum counter) and the optimizer's
+    settings, both unchanged by numerics."""
+    out = copy.deepcopy(records)
+    for r in out:
+        if r["event"] != "restore" or r["step"]:
+            r.setdefault("state", {}).update({"extra.cur": f"{value}{r['step']}",
+                                              "optimizer-meta": "m"})
+    return out
+
+
+def test_under_a_tolerance_an_extra_the_restore_lost_still_diverges():
+    """Session 28: a tolerance skips the digests that drift (parameters, optimizer moments)
+    but an extra that did not load, or a hyperparameter changed at the resume, is different
+    state under any tolerance (they were reported equivalent)."""
+    ref = _with_extra(run_records(noise=1e-9))
+    lost = _with_extra(run_records(noise=1e-9))
+    got = segments(lost, restore={"state": {"optimizer": f"o{RESUME}", "scheduler":
+                                            f"s{RESUME}", "data": f"d{RESUME}",
+                                            "extra.cur": "c0", "optimizer-meta": "m"}})
+    result = compare(ref, got, rtol=1e-4)
+    assert result.verdict == "diverged" and result.restore_differs == ["extra cur"]
+    assert (result.first_divergence.step, result.first_divergence.field) == (
+        RESUME + 1, "state.extra.cur")
+    changed = _with_extra(run_records(noise=1e-9))
+    for r in changed:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["state"]["optimizer-meta"] = "m2"  # weight_decay edited after restore()
+    d = compare(ref, segments(changed), rtol=1e-4).first_divergence
+    assert d is not None and (d.step, d.field) == (RESUME + 1, "state.optimizer-meta")
+    # the same runs with nothing lost stay equivalent under the tolerance
+    assert compare(ref, segments(_with_extra(run_records(noise=1e-9))),
+                   rtol=1e-4).verdict == "equivalent"
