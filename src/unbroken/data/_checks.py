@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+import numpy as np
+
 from ..errors import CorruptCheckpoint, StateMismatch, shown
 
 INT64_MAX = (1 << 63) - 1  # what the counters part (and so a data epoch) can be saved as
@@ -32,6 +34,13 @@ def damaged(where: str, key: str, expected: str, found: Any) -> NoReturn:
     """Raise `DamagedDataState` naming the key, what was expected and what was found."""
     raise DamagedDataState(f"{where}: {key}={shown(found)} ({type(found).__name__}), expected "
                            f"{expected}; {_DAMAGED}")
+
+
+def counted(value: Any) -> bool:
+    """A count a constructor takes (a batch size, an accumulation window): an int, or a NumPy
+    one, in [1, 2**63), never a bool (saved as ``true``, which `integer` never reads back)."""
+    return bool(isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+                and 1 <= value <= INT64_MAX)
 
 
 def integer(state: Mapping[str, Any], key: str, where: str, lo: int = 0,

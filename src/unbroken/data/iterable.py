@@ -46,6 +46,7 @@ import xxhash
 
 from ..errors import MissingState, UnbrokenWarning
 from ..state._digest import _feed, digest_tree
+from ._checks import counted
 from ._keyed import TAG_COLLATE, mix
 from .seeding import _isolated_rng
 
@@ -176,8 +177,10 @@ class IterableSource:
     def __init__(self, dataset: Any, batch_size: Any, collate_fn: Callable[[list[Any]], Any] | None,
                  seed: int, loader_kwargs: dict[str, Any]) -> None:
         require_contract(dataset)
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError("ResumableLoader: an IterableDataset needs batch_size= (int >= 1)")
+        if not counted(batch_size):
+            raise ValueError("ResumableLoader: an IterableDataset needs batch_size= (an int in "
+                             f"[1, 2**63)), got {batch_size!r}")
+        batch_size = int(batch_size)
         self.dataset = dataset
         self.batch_size = batch_size
         self._collate_fn = collate_fn

@@ -44,11 +44,12 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 import torch.utils.data
 
 from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
-from ._checks import located
+from ._checks import counted, located
 from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from ._loader_state import check_iterable, check_settings, settings
@@ -93,14 +94,20 @@ class ResumableLoader:
         accumulation: int = 1,
         seed: int | None = None,
     ) -> None:
-        if not isinstance(accumulation, int) or accumulation < 1:
-            raise ValueError("ResumableLoader: accumulation must be an int >= 1, got "
+        # (not a bool: saved as true, no restore would read it back; NumPy ints as ints)
+        if not counted(accumulation):
+            raise ValueError("ResumableLoader: accumulation must be an int in [1, 2**63), got "
                              f"{accumulation!r}")
+        accumulation = int(accumulation)
+        if seed is not None and (isinstance(seed, bool)
+                                 or not isinstance(seed, (int, np.integer))):
+            raise TypeError(f"ResumableLoader: seed must be an int, got {seed!r}")
         self._dataset = dataset
         self.sampler = sampler
         self.accumulation = accumulation
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
         self._seed = int(seed) if seed is not None else (sampler.seed if sampler is not None else 0)
+        self._seed_given = seed is not None
         self._generator = torch.Generator()
         self._pass: _Pass | None = None
         self._it_epoch = 0  # the cursor of an iterable dataset (a sampler keeps its own)
@@ -333,6 +340,12 @@ class ResumableLoader:
             raise located(e, where) from None
 
     def _check(self, state: Mapping[str, Any]) -> tuple[int, int]:
+        if self.sampler is not None and self._seed_given is False and isinstance(state, Mapping):
+            # (the loader's seed is the sampler's: a changed sampler seed is named as that,
+            # not as a loader seed= the script never passed)
+            position = self.sampler.check_state(state)
+            check_settings(state, self.accumulation, self._seed, self._dataset, self._iterable)
+            return position
         check_settings(state, self.accumulation, self._seed, self._dataset, self._iterable)
         if self.sampler is not None:
             return self.sampler.check_state(state)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError, shown
-from ._checks import INT64_MAX, DamagedDataState, any_int, flag, integer, located
+from ._checks import INT64_MAX, DamagedDataState, any_int, counted, flag, integer, located
 from ._keyed import TAG_PACK, KeyedPermutation, mix
 from .sampler import STATE_VERSION
 
@@ -53,9 +53,11 @@ class Packer:
         eos_id: int | None = None,
         accumulation: int = 1,
     ) -> None:
-        if len(documents) < 1 or seq_len < 1 or batch_size < 1 or accumulation < 1:
+        if len(documents) < 1 or not all(map(counted, (seq_len, batch_size, accumulation))):
             raise ValueError("Packer: need at least one document, and seq_len, batch_size, "
-                             "accumulation >= 1")
+                             f"accumulation ints in [1, 2**63), got {seq_len!r}, "
+                             f"{batch_size!r}, {accumulation!r}")
+        seq_len, batch_size, accumulation = int(seq_len), int(batch_size), int(accumulation)
         self.documents = documents
         self.num_documents = len(documents)
         self.seq_len = int(seq_len)

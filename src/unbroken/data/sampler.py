@@ -88,7 +88,10 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
 
     Use as ``batch_sampler=`` of a DataLoader (or, better, through `ResumableLoader`, which
     keeps the cursor for you). Iterating yields this rank's batches (lists of `SampleKey`,
-    i.e. dataset indices) from the cursor to the end of the cursor's epoch.
+    i.e. dataset indices) from the cursor to the end of the cursor's epoch. A plain
+    DataLoader needs ``generator=torch.Generator()`` then: without one, every ``iter()`` of
+    it draws its workers' base seed from the global torch stream, and the resumed process's
+    one extra ``iter()`` (mid-epoch) shifts every later draw of that stream (dropout).
 
     Args:
         num_samples: dataset size N (up to 2**62).
