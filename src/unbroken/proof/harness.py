@@ -334,30 +334,49 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
             previous.resumed_from = next((r["step"] for r in records
                                           if r["event"] == "restore"), None)
         who = _who(previous, result)
+
+        def cut_short(note: str) -> CaseResult | None:
+            """The lives that ran, compared: a difference they already show is the case's
+            verdict (a defect that ends or breaks a resumed life hid its own divergence)."""
+            rank, comparison = _compared(references, traces, rtol, atol, exact_steps)
+            first = comparison.first_divergence
+            if first is None or first.field in ("missing", "extra"):
+                return None
+            return CaseResult(results, "diverged", comparison, note, rank)
+
         if result is None:
             if code != 0:
-                return _failed(results, previous, f"{who} exited with {code}; "
-                               f"{_output_of(log)}", log)
+                note = f"{who} exited with {code}; {_output_of(log)}"
+                return cut_short(note) or _failed(results, previous, note, log)
             break
         result.exit_code = code
         problem = missed(result.kill, code, records, who)
         if problem:
             result.note = problem
             if result.kill.phase == "sigterm" or code not in (0, -signal.SIGKILL):
-                return _failed(results, previous, f"{problem}; {_output_of(log)}", log)
-            return CaseResult(results, "untested", note=problem)
+                note = f"{problem}; {_output_of(log)}"
+                return cut_short(note) or _failed(results, previous, note, log)
+            return cut_short(problem) or CaseResult(results, "untested", note=problem)
         result.reached = True
         previous = result
+    rank, comparison = _compared(references, traces, rtol, atol, exact_steps)
+    note = "" if comparison.verdict != "untested" else \
+        "every resume started from step 0: the resume was not exercised"
+    return CaseResult(results, comparison.verdict, comparison, note, rank)
+
+
+def _compared(references: dict[int | None, list[dict[str, Any]]], traces: list[str],
+              rtol: float, atol: float, exact_steps: int | None
+              ) -> tuple[int | None, Comparison]:
+    """The lives' stitched traces against the reference (in a job, every rank's against
+    that rank's): the rank that decides, and its comparison."""
     by_rank = {}
     for rank, reference in references.items():
         suffix = "" if rank is None else f".rank{rank}"
         segments = [read_trace(t + suffix) if os.path.exists(t + suffix) else [] for t in traces]
         by_rank[rank] = compare(reference, segments, rtol=rtol, atol=atol,
                                 exact_steps=exact_steps)
-    rank, comparison = _explaining(by_rank)
-    note = "" if comparison.verdict != "untested" else \
-        "every resume started from step 0: the resume was not exercised"
-    return CaseResult(results, comparison.verdict, comparison, note, rank)
+    return _explaining(by_rank)
 
 
 def _failed(results: list[KillResult], previous: KillResult | None, note: str, log: str

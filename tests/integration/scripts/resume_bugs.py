@@ -36,6 +36,8 @@ BUGS = {
     "ema-unregistered": "the EMA of the weights is not registered",
     "data-unregistered": "the loader is not passed to the Checkpointer",
     "extra-overwritten": "the registered EMA is re-initialised after restore()",
+    "epoch-skipped": "the sampler moved on to the next epoch after restore() (a resume in "
+                     "the last epoch then ends the run at once)",
 }
 
 
@@ -139,6 +141,8 @@ def main() -> None:
         loader.load_state_dict({**loader.state_dict(), "epoch": step * 8 // len(data),
                                 "consumed": 0})  # a script that only keeps the epoch
     resumed = step > 0
+    if resumed and bug == "epoch-skipped":
+        sampler.set_epoch(loader.epoch + 1)
     if resumed and bug == "scheduler-stepped-twice":
         sched.step()
     if resumed and bug == "scheduler-recreated":
