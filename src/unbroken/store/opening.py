@@ -32,6 +32,10 @@ def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, A
     import fsspec
 
     url = str(location).rstrip("/")
+    scheme, _, rest = str(location).partition("://")
+    if not rest.strip("/"):  # ("s3://" stripped is "s3:", which fsspec takes for a local path)
+        raise ValueError(f"{location}: names no bucket or path after {scheme}://; give the "
+                         f"run's prefix (e.g. {scheme}://bucket/runs/exp1)")
     if "?" in url:
         raise ValueError(f"{url}: a run URL names a prefix; a query ('?versionId=...') would "
                          "send writes outside it")
