@@ -9,6 +9,7 @@ same name under tests/integration would clash with it on import)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import textwrap
 from pathlib import Path
@@ -259,3 +260,29 @@ def test_a_failed_script_exits_1_and_a_missing_one_2(capsys, tmp_path, monkeypat
     code, out, err = check(capsys, "--json", "--", sys.executable, "missing.py")
     assert code == 2 and json.loads(out)["exit_status"] == 2 and "no such script" in err
     assert not Path("missing.py").exists()
+
+
+def test_a_nan_difference_is_drawn_above_the_others_not_at_the_identical_floor(
+        tmp_path, monkeypatch):
+    """Session 28: a loss gone NaN after the resume was drawn as 1e-12, labelled identical."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from unbroken.proof.plot import plot_check
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    case = _case("jump", "params", NOT_CAPTURED, [])
+    c = case.comparison
+    assert c is not None
+    c.loss_diff = [(s, 0.0 if s <= RESUME else 1e-3 if s == RESUME + 1 else math.nan)
+                   for s, _ in c.loss_diff]
+    report = CheckReport(["python", "t.py"], STEPS, [case],
+                         reference_loss=[(s, 2.0 / s) for s in range(1, STEPS + 1)])
+    plot_check(report, str(tmp_path / "p.png"))
+    bottom = figures[0].axes[1]
+    ys = list(bottom.get_lines()[0].get_ydata())
+    assert ys[:RESUME] == [1e-12] * RESUME and ys[RESUME] == 1e-3
+    assert all(y > 1e-3 for y in ys[RESUME + 1:])  # NaN: above every finite difference
+    labels = [t.get_text() for t in bottom.get_legend().get_texts()]
+    assert labels == ["case 1: NaN or infinite difference"]

@@ -37,8 +37,15 @@ def plot_check(report: Any, path: str) -> None:
             top.axvline(resumed, color=line.get_color(), linewidth=0.6, alpha=0.6)
         tiny = 1e-12  # exact zeros cannot be drawn on a log scale
         dx, dy = zip(*c.loss_diff)
-        bottom.plot(dx, [max(v, tiny) if not math.isnan(v) else tiny for v in dy],
+        # NaN or inf (a loss gone NaN on one side): above every finite difference, marked,
+        # never at the "identical" floor
+        above = max([v for v in dy if math.isfinite(v)] + [tiny]) * 100
+        bottom.plot(dx, [max(v, tiny) if math.isfinite(v) else above for v in dy],
                     color=line.get_color(), linewidth=1)
+        bad = [x for x, v in zip(dx, dy) if not math.isfinite(v)]
+        if bad:
+            bottom.scatter(bad, [above] * len(bad), color=line.get_color(), marker="x",
+                           label=f"case {n}: NaN or infinite difference")
         d = c.first_divergence
         if d is not None:
             for ax in (top, bottom):
@@ -49,6 +56,8 @@ def plot_check(report: Any, path: str) -> None:
     top.set_title(f"unbroken check: {report.verdict}")
     top.legend(fontsize=7)
     bottom.set_yscale("log")
+    if bottom.get_legend_handles_labels()[0]:
+        bottom.legend(fontsize=7)
     bottom.set_ylabel("|loss - uninterrupted|\n(1e-12 = identical)")
     bottom.set_xlabel("completed updates")
     fig.tight_layout()
