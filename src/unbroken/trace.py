@@ -78,8 +78,12 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """Records of a trace file. A torn last line (the writer was killed mid-write) is
     ignored; a malformed line anywhere else raises `CorruptCheckpoint`."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        lines = f.read().split("\n")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpoint(f"{path}: not UTF-8 text at byte {e.start}; a trace is "
+                                "written as UTF-8 JSON lines") from None
     for number, line in enumerate(lines, 1):
         if not line:
             continue
@@ -93,8 +97,37 @@ def read_trace(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
             raise CorruptCheckpoint(f"{path}:{number}: not a JSON trace record") from None
         if not isinstance(record, dict) or "event" not in record or "step" not in record:
             raise CorruptCheckpoint(f"{path}:{number}: not a trace record (needs event, step)")
+        wrong = _malformed(record)
+        if wrong:
+            raise CorruptCheckpoint(f"{path}:{number}: {wrong}; not as unbroken writes a trace "
+                                    "record")
         records.append(record)
     return records
+
+
+# The fields a comparison reads, and the types unbroken writes them in (absent: not read).
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "epoch": (int,), "lr": (list,), "opt_steps": (int,), "ids": (list, type(None)),
+    "batch": (str, type(None)), "loss": (str, type(None)), "grad_norm": (str, type(None)),
+    "metrics": (dict,), "params": (str,), "buffers": (str, type(None)), "mode": (str,),
+    "state": (dict,), "rng": (dict,)}
+
+
+def _malformed(record: Mapping[str, Any]) -> str:
+    """What a trace record holds of another type than unbroken writes ("" if nothing): a
+    comparison would fail on it deep inside, or compare nothing."""
+    step, event = record["step"], record["event"]
+    if type(step) is not int or step < 0:
+        return f"step is {str(step)[:40]!r}, not a count of updates"
+    if not isinstance(event, str):
+        return f"event is {str(event)[:40]!r}, not a name"
+    for key, kinds in _FIELD_TYPES.items():
+        value = record.get(key, kinds[0]())
+        if type(value) not in kinds or isinstance(value, dict) and not all(
+                isinstance(k, str) and isinstance(v, (str, type(None)))
+                for k, v in value.items()):
+            return f"{key} is {str(value)[:60]!r}"
+    return ""
 
 
 class TraceRecorder:

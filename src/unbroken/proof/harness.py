@@ -19,7 +19,7 @@ from typing import Any
 from .. import _procs
 from .._runview import UsageError
 from ..checkpointer import ROOT_ENV
-from ..errors import UnbrokenError
+from ..errors import CorruptCheckpoint, UnbrokenError
 from ..faults import DROP_ENV
 from ..trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
 from .checkplan import PHASES, Kill, default_plan, explicit_plan, missed
@@ -241,9 +241,21 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         if not rank_traces(reference_trace):
             raise UnbrokenError("the reference run wrote no trace (does the script build an "
                                 f"unbroken.Checkpointer?); {_output_of(log)}")
-    references = {r: read_trace(t) for r, t in rank_traces(reference_trace).items()}
+    try:  # (a reference that cannot be used is an error of the check's use: exit 2)
+        references = {r: read_trace(t) for r, t in rank_traces(reference_trace).items()}
+    except CorruptCheckpoint as e:
+        raise UnbrokenError(f"the reference trace cannot be used: {e}") from None
     if not references:
         raise UnbrokenError(f"{reference_trace}: no such trace (nor one per rank, .rank0 ...)")
+    for rank, records in references.items():
+        bare = next((r["step"] for r in records if r["event"] == "update"
+                     and not {"params", "state", "rng"} <= r.keys()), None)
+        if bare is not None:  # (each field absent on one side is skipped: it compared nothing)
+            raise UnbrokenError(
+                f"{rank_traces(reference_trace)[rank]}: its record of update {bare} holds no "
+                "digests (params, state, rng), which every trace unbroken writes holds: "
+                "nothing of the state could be compared; give the trace of an uninterrupted "
+                "run as unbroken wrote it")
     reference = references[min(references, key=lambda r: -1 if r is None else r)]
     steps = max((r["step"] for r in reference if r["event"] == "update"), default=0)
     report = CheckReport(list(cmd), steps)

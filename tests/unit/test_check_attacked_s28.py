@@ -1,0 +1,65 @@
+"""`unbroken check --reference` as session 28's outside review found it: a reference whose
+records lost their digests compared nothing and passed a defective script (exit 0); a step
+written as a string, a state of another type and a non-UTF-8 byte crashed deep inside the
+comparison ("a bug in unbroken") or exited 1 as a problem found. Each is now refused before
+any run, as an error of the check's use (exit 2), naming the line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from unbroken.cli import main
+from unbroken.errors import CorruptCheckpoint
+from unbroken.trace import read_trace
+
+GOOD = {"event": "update", "step": 1, "epoch": 0, "lr": ["0x1p-3"], "opt_steps": 1,
+        "ids": [0, 1], "batch": "b", "loss": "0x1p+0", "grad_norm": None, "metrics": {},
+        "params": "p1", "buffers": None, "mode": "t", "state": {"optimizer": "o"},
+        "rng": {"torch_cpu": "r"}}
+RESTORE = {"event": "restore", "step": 0, "generation": None, "rejected": [], "params": "p0",
+           "buffers": None, "mode": "t", "state": {}, "rng": {"torch_cpu": "r"}}
+
+
+def _write(path: Path, records: list[dict[str, object]], raw: bytes = b"") -> Path:
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records) + raw)
+    return path
+
+
+@pytest.mark.parametrize("edit", [
+    {"step": "3"}, {"step": True}, {"step": -1}, {"event": 5}, {"state": None},
+    {"rng": ["x"]}, {"state": {"optimizer": 5}}, {"lr": "0x1p-3"}, {"ids": "0,1"},
+    {"metrics": {"a": 1.5}}, {"opt_steps": 1.0}, {"params": None},
+])
+def test_a_record_of_other_types_is_corrupt_naming_its_line(tmp_path: Path,
+                                                            edit: dict[str, object]) -> None:
+    path = _write(tmp_path / "t.jsonl", [RESTORE, GOOD, {**GOOD, "step": 2, **edit}])
+    with pytest.raises(CorruptCheckpoint, match=r"t\.jsonl:3: "):
+        read_trace(path)
+
+
+def test_a_trace_that_is_not_utf8_is_corrupt(tmp_path: Path) -> None:
+    path = _write(tmp_path / "t.jsonl", [RESTORE, GOOD], b'{"event": "\xff"}\n')
+    with pytest.raises(CorruptCheckpoint, match="not UTF-8"):
+        read_trace(path)
+    assert read_trace(_write(tmp_path / "ok.jsonl", [RESTORE, GOOD])) == [RESTORE, GOOD]
+
+
+@pytest.mark.parametrize("case", ["bare", "typed", "utf8"])
+def test_an_unusable_reference_is_refused_before_any_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str) -> None:
+    bare = {k: v for k, v in GOOD.items() if k not in ("params", "state", "rng")}
+    path = {"bare": lambda: _write(tmp_path / "r.jsonl", [RESTORE, bare]),
+            "typed": lambda: _write(tmp_path / "r.jsonl", [RESTORE, {**GOOD, "step": "1"}]),
+            "utf8": lambda: _write(tmp_path / "r.jsonl", [RESTORE], b"\xff\n")}[case]()
+    marker = tmp_path / "ran"
+    script = f"open({str(marker)!r}, 'w').close()"
+    code = main(["check", "--json", "--reference", str(path), "--at", "1", "--",
+                 sys.executable, "-c", script])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 2 and not marker.exists(), doc
+    assert {"bare": "holds no digests", "typed": "r.jsonl:2: step is '1'",
+            "utf8": "not UTF-8"}[case] in doc["error"]
