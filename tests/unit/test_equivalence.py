@@ -289,3 +289,20 @@ def test_under_a_tolerance_an_extra_the_restore_lost_still_diverges():
     # the same runs with nothing lost stay equivalent under the tolerance
     assert compare(ref, segments(_with_extra(run_records(noise=1e-9))),
                    rtol=1e-4).verdict == "equivalent"
+
+
+def test_a_stream_restored_equal_and_drawn_from_after_the_resume_diverges():
+    """Session 28: a seeded, saved stream drawn from after restore() (np.random.rand())
+    changes the saved state though nothing traced depends on it: the resumed run's final
+    generation is not the uninterrupted run's, so the check may not say equivalent (it did,
+    advising to seed a stream that was seeded)."""
+    ref = run_records()
+    got = copy.deepcopy(run_records())
+    for r in got:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["rng"]["python"] += "!"
+    result = compare(ref, segments(got))
+    d = result.first_divergence
+    assert result.verdict == "diverged" and result.restore_differs == []
+    assert (d.step, d.field) == (RESUME + 1, "rng.python")
+    assert d.state_part.startswith("rng (python: reseeded or drawn from after restore()")

@@ -305,10 +305,13 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             # compares no digest that drifts: an extra that did not load showed nowhere)
             diff = sorted({*diff, *resume.digests})
         lost = set(resume.differs) if resume else set()
-        if diff and all(n.startswith("rng.") and part_of_state(n) not in lost for n in diff):
-            # A stream nothing traced depends on (unseeded, or never drawn from): said, but
-            # it is a divergence only once something it feeds differs. (A stream the restore
-            # did not bring back is lost state, whatever it feeds.)
+        if diff and all(n.startswith("rng.") and part_of_state(n) not in lost
+                        and (resume is None or n in unseeded) for n in diff):
+            # A stream nothing traced depends on that differed before any resume (unseeded):
+            # said, but it is a divergence only once something it feeds differs. (A stream
+            # the restore did not bring back is lost state, whatever it feeds; one restored
+            # equal that differs after the resume was drawn from or reseeded after restore():
+            # the saved state differs from the uninterrupted run's, whatever it feeds.)
             for n in diff:
                 notes.setdefault(n, f"{n} differs from update {step} on while nothing it feeds "
                                  "does (seed every stream the script uses)")
