@@ -63,3 +63,22 @@ def test_an_unusable_reference_is_refused_before_any_run(
     assert code == 2 and not marker.exists(), doc
     assert {"bare": "holds no digests", "typed": "r.jsonl:2: step is '1'",
             "utf8": "not UTF-8"}[case] in doc["error"]
+
+
+def test_a_kill_resumed_from_before_its_planned_save_is_not_covered() -> None:
+    """Session 28: with async_save, a kill right after a save was requested resumed from the
+    save before it (the requested one still persisting), and the place was listed as covered."""
+    from unbroken.proof.checkplan import Kill
+    from unbroken.proof.harness import KillResult, _expected
+
+    saves = [5, 10, 15]
+    assert _expected(Kill(6, "after-update"), saves) == 5
+    assert _expected(Kill(10, "after-update"), saves) == 10
+    assert _expected(Kill(10, "after-commit"), saves) == 10
+    assert _expected(Kill(10, "mid-save"), saves) == 5
+    assert _expected(Kill(10, "mid-update"), saves) == 5
+    assert _expected(Kill(3, "after-update"), saves) == 0
+    early = KillResult(Kill(6, "after-update"), reached=True, resumed_from=4, expected=5)
+    assert not early.covered and early.to_json()["covered"] is False
+    assert KillResult(Kill(6, "after-update"), reached=True, resumed_from=5, expected=5).covered
+    assert KillResult(Kill(6, "after-update"), reached=True, resumed_from=4).covered  # unknown

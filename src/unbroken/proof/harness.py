@@ -39,11 +39,18 @@ class KillResult:
     resumed_from: int | None = None  # the step the next process restored
     resume_failed: bool = False  # the process resumed after it failed: nothing was proved
     note: str = ""
+    # the newest step the reference saved that a correct resume after this kill restores
+    # (None: unknown); a resume from before it (an async save not yet committed when the
+    # process was killed) did not test this place
+    expected: int | None = None
 
     @property
     def covered(self) -> bool:
-        """Interrupted as planned and resumed by a process that did not fail."""
-        return self.reached and not self.resume_failed
+        """Interrupted as planned and resumed, from the generation planned, by a process that
+        did not fail."""
+        early = (self.expected is not None and self.resumed_from is not None
+                 and self.resumed_from < self.expected)
+        return self.reached and not self.resume_failed and not early
 
     def to_json(self) -> dict[str, Any]:
         return {**self.kill.to_json(), "reached": self.reached, "covered": self.covered,
@@ -320,7 +327,9 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
     rank's with that rank's)."""
     os.makedirs(folder, exist_ok=True)
     root, log = os.path.join(folder, "run"), os.path.join(folder, "output.log")
-    results = [KillResult(k) for k in kills]
+    reference = references[min(references, key=lambda r: -1 if r is None else r)]
+    saves = sorted({r["step"] for r in reference if r["event"] == "save"})
+    results = [KillResult(k, expected=_expected(k, saves)) for k in kills]
     traces: list[str] = []
     previous: KillResult | None = None  # the last interruption that ran
     for result in [*results, None]:
@@ -345,6 +354,11 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
         if previous is not None:
             previous.resumed_from = next((r["step"] for r in records
                                           if r["event"] == "restore"), None)
+            if not previous.covered and previous.reached and not previous.resume_failed:
+                previous.note = (f"resumed from {previous.resumed_from}, not from "
+                                 f"{previous.expected}: the save at {previous.expected} was not "
+                                 "committed when the process was killed (a background save "
+                                 "still persisting), so this place was not tested")
         who = _who(previous, result)
 
         def cut_short(note: str) -> CaseResult | None:
@@ -375,6 +389,13 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
     note = "" if comparison.verdict != "untested" else \
         "every resume started from step 0: the resume was not exercised"
     return CaseResult(results, comparison.verdict, comparison, note, rank)
+
+
+def _expected(kill: Kill, saves: list[int]) -> int:
+    """The newest save of the reference a correct resume after ``kill`` restores: the last at
+    or before its update (before it, when killed inside that update or its save)."""
+    inside = kill.phase in ("mid-update", "mid-save")
+    return max((s for s in saves if s < kill.at or s == kill.at and not inside), default=0)
 
 
 def _compared(references: dict[int | None, list[dict[str, Any]]], traces: list[str],
