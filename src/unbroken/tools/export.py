@@ -42,6 +42,7 @@ from ..errors import (
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
 from ..state.livemodel import with_versions
+from ..state.modelcheck import served_name
 from ..state.tensorfile import decode_safetensors, encode_safetensors
 from ..store.backends.local import LocalFS
 from ..store.manifest import CHECKSUM, check_seal, checksum
@@ -171,7 +172,9 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
             f"{out}/{EXPORT_JSON}: has no checksum (written by an older unbroken): its fields "
             "(identity, lineage, dtypes, whether fixed inputs were recorded) are not verified, "
             "only the files' hashes it lists; export again to seal it"), stacklevel=2)
-    live_dtypes = {k: t.dtype for k, t in model.state_dict().items()
+    # (the export's names are the uncompiled model's: a compiled one's map onto them)
+    named = {served_name(k): k for k in model.state_dict()}
+    live_dtypes = {served_name(k): t.dtype for k, t in model.state_dict().items()
                    if isinstance(t, torch.Tensor)}
     listed = weights.get("tensors")
     exact = isinstance(listed, dict) and all(  # the model computes in the exported dtypes
@@ -179,11 +182,11 @@ def verify_export(out: str | os.PathLike[str], model: torch.nn.Module,
         for k, v in listed.items() if isinstance(v, dict))
     if load:
         state = _tensors(path)
-        live = model.state_dict()
-        unknown = sorted(set(state) - set(live))
+        unknown = sorted(set(state) - set(named))
         if unknown:
             raise StateMismatch(f"{path}: tensors {unknown[:5]} are not in the model "
                                 f"({type(model).__name__}); build the model the export is of")
+        state = {named[k]: v for k, v in state.items()}
         try:
             model.load_state_dict(with_versions(model, state),
                                   strict=not doc.get("adapter"))
@@ -276,6 +279,12 @@ def _tensors(path: str) -> dict[str, torch.Tensor]:
 # -- writing --------------------------------------------------------------------------------
 
 
+def _served(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` under its served names (`served_name`), unless two names would become one."""
+    renamed = {served_name(k): v for k, v in state.items()}
+    return renamed if len(renamed) == len(state) else state
+
+
 def _write(state: Mapping[str, Any], out: str, identity: Any, lineage: dict[str, Any],
            dtype: str | None, adapter: str | Iterable[str] | None, base_revision: str | None,
            generation_config: Any, fixed: dict[str, Any] | None) -> dict[str, Any]:
@@ -287,6 +296,7 @@ def _write(state: Mapping[str, Any], out: str, identity: Any, lineage: dict[str,
     io.check_base_revision(base_revision, adapter is not None)
     if base_revision is not None:
         ident["base_revision"] = base_revision
+    state = _served(state)
     names = io.select(state, adapter)
     tensors, cast = io.prepare(state, names, dtype)
     files: dict[str, Any] = {WEIGHTS: encode_safetensors(tensors, {"format": "pt"})}
