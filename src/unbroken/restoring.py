@@ -150,6 +150,9 @@ class Restoring:
         changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
+        if generation is not None and (type(generation) is not int or generation < 0):
+            raise TypeError(f"generation={generation!r}: a generation number, an int >= 0 "
+                            "(its step)")
         # A misnamed field in ``allow``, or ``allow`` on a continuation, is the caller's
         # error: said before any generation is read, not as a failure of every generation.
         allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
@@ -177,6 +180,15 @@ class Restoring:
                     "raised then said; or the folder was emptied outside unbroken). Restore "
                     "from a copy of the run, or begin a new run with a new Checkpointer and "
                     "freshly built model and optimizer")
+            aside = self.store.aside()
+            if aside and self._run_written:
+                # (this run's RUN.json and its generations set aside, none in place: a start
+                # from 0 may be meant, e.g. after moving them by hand, but is never silent)
+                warnings.warn(f"{self.store.root}: no generation in place, but {len(aside)} "
+                              f"set aside in aside/ ({aside[-1].name} the newest): starting "
+                              "this run from step 0; to continue from one, move it back into "
+                              "the run folder (its name: gen-<step>) and restore again",
+                              UnbrokenWarning, stacklevel=2)
             self._restored = True
             self._after_restore(0, None)
             return 0

@@ -1,0 +1,50 @@
+"""The restore as session 28's outside review found it: a run folder whose generations were
+all set aside restored from step 0 without a word; ``restore(generation="23")`` said "no
+generation 23; found [15, 20, 23]"."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.errors import UnbrokenWarning
+
+
+def _saved(run: Path, steps: list[int]) -> None:
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(2, 2), read_back="sync")
+    ckpt.restore()
+    for step in steps:
+        ckpt.save(step)
+    ckpt.close()
+
+
+def test_a_start_from_zero_beside_generations_set_aside_is_said(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _saved(run, [1, 2])
+    (run / "aside").mkdir()
+    for name in ("gen-000000001", "gen-000000002"):
+        os.rename(run / name, run / "aside" / f"{name}-corrupt-20261204T000000Z")
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(2, 2))
+    with pytest.warns(UnbrokenWarning, match=r"no generation in place, but 2 set aside"):
+        assert ckpt.restore() == 0
+    ckpt.close()
+    fresh = unbroken.Checkpointer(tmp_path / "new", model=torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a new run: nothing to say
+        assert fresh.restore() == 0
+    fresh.close()
+
+
+@pytest.mark.parametrize("generation", ["2", True, 2.0, -1])
+def test_a_generation_that_is_no_number_is_a_type_error(tmp_path: Path, generation) -> None:
+    _saved(tmp_path / "run", [1, 2])
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="a generation number"):
+        ckpt.restore(generation=generation)
+    assert ckpt.restore(generation=1) == 1
+    ckpt.close()
