@@ -18,7 +18,7 @@ from .boundary import Preemption, UpdateWatch
 from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
-    SaveFailed,
+    RunUnreadable,
     SharedFileFailed,
     UnbrokenWarning,
     UpdateBoundaryError,
@@ -207,10 +207,10 @@ class Checkpointer(Persisting, Restoring):
                     self._persister.start()
         except OSError as e:  # (reading the run folder: out of descriptors, an I/O error)
             self._writer.close()
-            raise SaveFailed(f"{self.store.root}: the run folder could not be read "
-                             f"({errno_text(e)}: {e.filename or self.store.root}); nothing "
-                             "was written; fix the cause, then build the Checkpointer "
-                             "again") from None
+            raise RunUnreadable(f"{self.store.root}: the run folder could not be read "
+                                f"({errno_text(e)}: {e.filename or self.store.root}); nothing "
+                                "was written; fix the cause, then build the Checkpointer "
+                                "again") from None
         except BaseException:
             self._writer.close()  # a Checkpointer that failed to open holds no lock
             raise

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -122,8 +124,15 @@ def _vm_flags(address: int) -> list[str]:
 def test_a_large_aligned_buffer_asks_for_no_huge_pages():
     """NumPy advises huge pages for a large array; where the kernel compacts memory to fault
     one in, reading a 2 GiB file into such a buffer took 3x as long. The buffer a file is
-    read whole into (a resumed job's optimizer state) is torch's memory, which does not ask."""
-    view = local.whole_buffer(64 << 20, True, "f")
-    address = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    assert address % local.ALIGN == 0
-    assert "hg" not in _vm_flags(address + (32 << 20))  # hg: MADV_HUGEPAGE
+    read whole into (a resumed job's optimizer state) is torch's memory, which does not ask.
+    (In a fresh process: the mappings earlier tests of a worker left are not this one's.)"""
+    code = ("import numpy as np, test_read_hashed as t\n"
+            "from unbroken.store.backends import local\n"
+            "view = local.whole_buffer(64 << 20, True, 'f')\n"
+            "address = np.frombuffer(view, dtype=np.uint8).ctypes.data\n"
+            "assert address % local.ALIGN == 0\n"
+            "print(' '.join(t._vm_flags(address + (32 << 20))))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(__file__))
+    assert out.returncode == 0, out.stderr
+    assert "hg" not in out.stdout.split()  # hg: MADV_HUGEPAGE

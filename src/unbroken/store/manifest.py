@@ -173,7 +173,8 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         if not isinstance(name, str) or not valid_artifact_name(name):
             raise CorruptCheckpoint(
                 f"{where}: artifact name {name!r:.80} is not a plain file name inside the "
-                "generation folder (no '/', '..' or leading '.'); refusing the generation")
+                "generation folder (1 to 128 ASCII letters, digits, '_', '-' and '.', not "
+                "first; no '/'); refusing the generation")
         if type(size) is not int or size < 0 or not (isinstance(digest, str)
                                                      and _HASH.fullmatch(digest)):
             raise CorruptCheckpoint(f"{where}: artifact {name!r} has a malformed size or hash")
