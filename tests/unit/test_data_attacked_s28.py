@@ -86,3 +86,43 @@ def test_a_changed_sampler_seed_is_named_as_the_samplers(tmp_path: Path) -> None
     with pytest.raises(StateMismatch, match="loader_seed=1"):
         ckpt.restore()
     ckpt.close()
+
+
+class Sized(Items):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(range(self.state["consumed"], self.n))
+
+
+def test_an_iterable_dataset_of_another_length_is_refused(tmp_path: Path) -> None:
+    """Session 28: 101 items then 102 (or 100 then 60) was taken silently, each epoch then
+    holding other items than the interrupted run's. A map-style dataset was refused already."""
+    def build(n: int) -> unbroken.Checkpointer:
+        loader = unbroken.ResumableLoader(Sized(n), batch_size=2)
+        return unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1),
+                                     data=loader)
+
+    ckpt = build(100)
+    ckpt.restore()
+    loader = ckpt.data
+    assert loader is not None
+    for step, _ in enumerate(loader, 1):
+        ckpt.step_done(step)
+        if step == 3:
+            break
+    ckpt.save()
+    ckpt.close()
+    for n in (60, 102):
+        ckpt = build(n)
+        with pytest.raises(StateMismatch, match=f"had 100 items, this one {n}"):
+            ckpt.restore()
+        ckpt.close()
+    ckpt = build(100)
+    assert ckpt.restore() == 3
+    ckpt.close()

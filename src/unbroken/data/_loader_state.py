@@ -33,7 +33,18 @@ def settings(accumulation: int, seed: int, dataset: Any, iterable: bool) -> dict
     fields: dict[str, Any] = {"accumulation": accumulation, "loader_seed": seed}
     if not iterable:  # (seeded() wraps map-style datasets only)
         fields["dataset_seed"] = dataset_seed(dataset)
+    else:  # (a map-style dataset's length is its sampler's num_samples)
+        fields["length"] = _length(dataset)
     return fields
+
+
+def _length(dataset: Any) -> int | None:
+    """An iterable dataset's ``len()``, when it has one (None for a stream without)."""
+    try:
+        length = len(dataset)
+    except (TypeError, NotImplementedError):
+        return None
+    return length if type(length) is int and length >= 0 else None
 
 
 def check_settings(state: Mapping[str, Any], accumulation: int, seed: int, dataset: Any,
@@ -90,10 +101,14 @@ def check_iterable(state: Mapping[str, Any], batch_size: int, dataset: Any) -> t
     if consumed % batch_size:  # every update consumes whole batches, except at an epoch's end
         damaged(_WHERE, "consumed", f"a multiple of batch_size={batch_size} (updates consume "
                 "whole batches; a pass that ends rolls over to the next epoch's 0)", consumed)
-    try:
-        length = len(dataset)
-    except (TypeError, NotImplementedError):  # a stream without a length: nothing to compare
-        length = None
+    length = _length(dataset)  # (a stream without a length: nothing to compare)
+    if "length" in state:  # (states since session 28)
+        saved_length = any_int(state, "length", _WHERE, optional=True)
+        if None not in (saved_length, length) and saved_length != length:
+            raise StateMismatch(
+                f"{_WHERE}: the saved run's dataset had {shown(saved_length)} items, this one "
+                f"{shown(length)} (len(dataset)): an epoch would hold other items than the "
+                "interrupted run's; resume with the dataset it was saved with")
     if length is not None and consumed > length:
         raise StateMismatch(
             f"{_WHERE}: consumed={consumed} items of epoch {epoch}, but len(dataset)={length}: "
