@@ -50,14 +50,21 @@ def drop_parts(parts: Mapping[str, Any], ready: dict[str, Any], spec: str, rank:
     return parts
 
 
+# Entries of the RNG part that are no stream of their own (a count, the registered ones')
+_NOT_STREAMS = frozenset({"cuda_device_count", "generators"})
+
+
 def _keep_live_stream(streams: Any, saved: Mapping[str, Any], stream: str) -> dict[str, Any]:
     live = streams.state_dict()
     rng = dict(saved)
-    if stream.startswith("generators."):
+    gens = live.get("generators") or {}
+    if stream.startswith("generators.") and stream[len("generators."):] in gens:
         gen = stream[len("generators."):]
-        rng["generators"] = {**rng.get("generators", {}), gen: live["generators"][gen]}
-    elif stream in live:
+        rng["generators"] = {**rng.get("generators", {}), gen: gens[gen]}
+    elif stream in live and stream not in _NOT_STREAMS:
         rng[stream] = live[stream]
     else:
-        raise UnbrokenError(f"${DROP_ENV}: no RNG stream {stream!r}; streams: {sorted(live)}")
+        names = [*(k for k in sorted(live) if k not in _NOT_STREAMS),
+                 *(f"generators.{g}" for g in sorted(gens))]
+        raise UnbrokenError(f"${DROP_ENV}: no RNG stream {stream!r}; streams: {names}")
     return rng

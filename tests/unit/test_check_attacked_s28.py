@@ -82,3 +82,24 @@ def test_a_kill_resumed_from_before_its_planned_save_is_not_covered() -> None:
     assert not early.covered and early.to_json()["covered"] is False
     assert KillResult(Kill(6, "after-update"), reached=True, resumed_from=5, expected=5).covered
     assert KillResult(Kill(6, "after-update"), reached=True, resumed_from=4).covered  # unknown
+
+
+def test_a_dropped_stream_that_does_not_exist_names_the_streams_that_do() -> None:
+    """Session 28: the list offered 'cuda_device_count' and 'generators', which are not
+    streams one can drop, and no registered generator by its droppable name."""
+    import torch
+
+    from unbroken.errors import UnbrokenError
+    from unbroken.faults import drop_parts
+    from unbroken.state import parts as S
+    from unbroken.state.rng import RNGStreams
+
+    streams = RNGStreams({"noise": torch.Generator()})
+    parts = {S.RNG: streams}
+    with pytest.raises(UnbrokenError) as e:
+        drop_parts(parts, {S.RNG: streams.state_dict()}, "rng.nosuch")
+    listed = str(e.value).split("streams: ")[1]
+    assert "cuda_device_count" not in listed and "'generators'" not in listed
+    assert "'torch_cpu'" in listed and "'generators.noise'" in listed
+    ready = {S.RNG: streams.state_dict()}
+    drop_parts(parts, ready, "rng.generators.noise")  # a registered generator: droppable
