@@ -48,3 +48,30 @@ def test_a_generation_that_is_no_number_is_a_type_error(tmp_path: Path, generati
         ckpt.restore(generation=generation)
     assert ckpt.restore(generation=1) == 1
     ckpt.close()
+
+
+@pytest.mark.parametrize("litter", [".DS_Store", "._model.safetensors", "Thumbs.db",
+                                    "desktop.ini", ".nfs0000000001234567"])
+def test_what_a_file_browser_leaves_in_a_generation_refuses_nothing(
+        tmp_path: Path, litter: str) -> None:
+    """Session 28: opening a run in macOS's Finder (its .DS_Store) got the newest generation
+    refused as corrupt and moved aside, the restore falling back past it. Such litter is
+    ignored; any other stray entry, or litter that is no plain file, still refuses it."""
+    run = tmp_path / "run"
+    _saved(run, [1, 2])
+    (run / "gen-000000002" / litter).write_bytes(b"\0Bud1")
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(2, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ckpt.restore() == 2
+    ckpt.close()
+    for n, (stray, folder) in enumerate((("notes.txt", False), (litter, True))):
+        run = tmp_path / f"run{n}"
+        _saved(run, [1, 2])
+        made = run / "gen-000000002" / stray
+        made.mkdir() if folder else made.write_bytes(b"x")
+        ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(2, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert ckpt.restore() == 1, stray  # refused, the one before it restored
+        ckpt.close()

@@ -51,6 +51,11 @@ from .verifying import (
 )
 
 _GEN = re.compile(r"gen-([0-9]{9,})", re.ASCII)  # fullmatch: no Unicode digits, no "\n"
+# What an operating system's file browser or an NFS client leaves in any folder it opens
+# (macOS's .DS_Store and ._ files, Windows' Thumbs.db and desktop.ini, NFS's silly renames):
+# never a generation's content, so no reason to refuse it (a restore would fall back past it)
+_LITTER = re.compile(r"\.DS_Store|\._.+|Thumbs\.db|desktop\.ini|\.nfs[0-9A-Fa-f]{8,}.*",
+                     re.IGNORECASE)
 STAGING_PREFIX = ".staging-"
 TRASH_PREFIX = ".trash-"
 
@@ -69,6 +74,16 @@ def generation_number(name: str) -> int | None:
         return None
     number = int(m.group(1))
     return number if name == generation_name(number) else None
+
+
+def _litter(folder: str, name: str) -> bool:
+    """A file an OS or NFS client left in a generation folder (`_LITTER`): a plain file."""
+    if not _LITTER.fullmatch(name):
+        return False
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(folder, name)).st_mode)
+    except OSError:
+        return False
 
 
 class GenerationStore(AsideFolder, Verifying):
@@ -190,7 +205,7 @@ class GenerationStore(AsideFolder, Verifying):
                                         "local generation's files are beside its manifest")
             listed = {a.name for a in manifest.artifacts}
             for entry in sorted(os.listdir(path)):
-                if entry != MANIFEST and entry not in listed:
+                if entry != MANIFEST and entry not in listed and not _litter(path, entry):
                     raise CorruptCheckpoint(f"{os.path.join(path, entry)}: not listed in the "
                                             "manifest (a generation never changes after commit)")
             for a in manifest.artifacts:
