@@ -75,3 +75,26 @@ def test_what_a_file_browser_leaves_in_a_generation_refuses_nothing(
             warnings.simplefilter("ignore")
             assert ckpt.restore() == 1, stray  # refused, the one before it restored
         ckpt.close()
+
+
+def test_a_param_group_the_saved_run_added_is_named_as_such(tmp_path: Path) -> None:
+    """Session 28: the refusal said "renamed, reordered or regrouped" only."""
+    from unbroken.errors import StateMismatch
+
+    def build(unfrozen: bool) -> unbroken.Checkpointer:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+        if unfrozen:
+            opt.add_param_group({"params": list(model[0].parameters()), "lr": 0.01})
+        return unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt)
+
+    ckpt = build(True)
+    ckpt.restore()
+    ckpt.save(5)
+    ckpt.close()
+    ckpt = build(False)
+    with pytest.raises(StateMismatch, match=r"had 2 param groups, the live optimizer 1: a "
+                                            r"group the saved run added \(add_param_group"):
+        ckpt.restore()
+    ckpt.close()

@@ -196,10 +196,15 @@ def optimizer_state_to_torch(saved: Mapping[str, Any], model: torch.nn.Module,
     other, extra = saved_rest(saved, where)
     live_names = live_group_names(model, optimizer, names, _UNSAVED)
     if saved_names != live_names:
+        added = (f" The saved run had {len(saved_names)} param groups, the live optimizer "
+                 f"{len(live_names)}: a group the saved run added (add_param_group, as "
+                 "progressive unfreezing does) must be added again before restore()."
+                 if len(saved_names) > len(live_names) else "")
         raise StateMismatch(
             f"{where}: optimizer parameter groups differ from the live optimizer: saved "
             f"{first_diff(saved_names, live_names)}. Parameters were renamed, reordered or "
-            "regrouped; build the model and optimizer as in the saved run, or warm_start")
+            f"regrouped;{added} build the model and optimizer as in the saved run, or "
+            "warm_start")
     # Per-parameter state shapes are the optimizer's business (Adafactor keeps factored
     # rows, LBFGS flat vectors); the names map onto parameters whose shapes validate_model
     # has checked against the saved model.
