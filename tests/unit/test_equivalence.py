@@ -306,3 +306,16 @@ def test_a_stream_restored_equal_and_drawn_from_after_the_resume_diverges():
     assert result.verdict == "diverged" and result.restore_differs == []
     assert (d.step, d.field) == (RESUME + 1, "rng.python")
     assert d.state_part.startswith("rng (python: reseeded or drawn from after restore()")
+
+
+def test_weights_changed_right_after_the_restore_suggest_the_script_changed_them():
+    """Session 28: weights loaded after restore() were only blamed on a Python global."""
+    ref = run_records()
+    got = copy.deepcopy(run_records())
+    for r in got:
+        if r["event"] == "update" and r["step"] > RESUME:
+            r["params"] += "!"
+            r["loss"] = (float.fromhex(r["loss"]) * 1.5).hex()
+    d = compare(ref, segments(got)).first_divergence
+    assert d is not None and d.step == RESUME + 1
+    assert "may have changed one after restore() (loaded other weights" in d.hint

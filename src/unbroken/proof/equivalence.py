@@ -403,6 +403,10 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
         if named is None and exact:
             hint = _uncaptured_hint(step, last)
+            if at_resume and "params" in diff:  # (no digest between a restore and an update)
+                hint = ("the restore brought every registered part back equal, so the script "
+                        "may have changed one after restore() (loaded other weights into the "
+                        "model, reinitialized a layer); else " + hint)
     also = sorted((d for d in ({part_of_state(n) if n.startswith(("rng.", "state.")) else n
                                 for n in diff} | set(restore_differs[1:]))
                    if not _names(part, d)), key=_rank)
