@@ -149,8 +149,12 @@ class Persisting:
             try:
                 read_back(self._save_group if later else group, self.store, info, progress,
                           linked)
-            except SaveFailed:
+            except SaveFailed as e:
                 self._held = {}  # (what it linked may be what failed: the next save writes all)
+                if getattr(e, "in_place", False):
+                    # committed, left in place unverified (this machine could not read it
+                    # back): this Checkpointer's own, which a save of the step supersedes
+                    self._last_saved = self._unconfirmed = step
                 raise
             self._committed(step, info, plan)
             self._writer.retain(step)

@@ -138,3 +138,63 @@ def test_a_real_permission_denied_folder(tmp_path: Path) -> None:
         os.chmod(run / NEWEST, 0o755)
     assert out.stdout.startswith("raised"), out.stdout + out.stderr
     assert "Permission denied" in out.stdout and "aside" not in os.listdir(run)
+
+
+def test_a_read_back_this_machine_cannot_do_fails_the_save_and_moves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review of this session's fix: a read-back that met EMFILE raised RunUnreadable out
+    of save() (not a SaveFailed), and saving the step again moved the committed generation
+    aside as abandoned. Now the save fails as a SaveFailed, the generation stays in place, and
+    a save of the step again supersedes it."""
+    from unbroken.errors import SaveFailed
+
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ckpt = unbroken.Checkpointer(run, model=model, read_back="sync")
+    ckpt.restore()
+    ckpt.save(1)
+    real, failing = LocalFS.hash_file, [True]
+
+    def once(self: LocalFS, path: str, *a: Any, **k: Any) -> Any:
+        if "/gen-000000002/" in path and failing:
+            failing.clear()
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), path)
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(LocalFS, "hash_file", once)
+    with pytest.raises(SaveFailed, match="left in place unverified") as e:
+        ckpt.save(2)
+    assert "EMFILE" in str(e.value)
+    assert "gen-000000002" in os.listdir(run) and "aside" not in os.listdir(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt.save(2)  # the step again: written anew, the unverified one superseded
+    ckpt.close()
+    aside = os.listdir(run / "aside") if (run / "aside").exists() else []
+    assert not [n for n in aside if "abandoned" in n], aside  # superseded, never abandoned
+    again = unbroken.Checkpointer(run, model=torch.nn.Linear(4, 4))
+    assert again.restore() == 2
+    again.close()
+
+
+def test_a_job_agrees_on_what_one_rank_could_not_read_back() -> None:
+    """A rank that could not read its share back told the others nothing and left: they
+    agreed alone, or waited for it until the timeout. Now the verdict is gathered."""
+    from unbroken.dist import commit
+
+    class TwoRanks:
+        active, leader, rank = True, True, 0
+
+        def all_gather(self, mine: Any, what: str) -> list[Any]:
+            return [mine, {"unreadable": "gen-000000002/rank00001.rng.safetensors: cannot be "
+                                         "read (Too many open files [EMFILE])"}]
+
+    class Store:
+        def verify(self, *a: Any, **k: Any) -> None:
+            return None
+
+    corrupt, unread = commit.verify_own(TwoRanks(), Store(), None, set())  # type: ignore[arg-type]
+    assert corrupt == [] and unread == [
+        "rank 1: gen-000000002/rank00001.rng.safetensors: cannot be read (Too many open files "
+        "[EMFILE])"]

@@ -28,6 +28,7 @@ from .. import errors
 from .._progress import Progress
 from ..errors import (
     CorruptCheckpoint,
+    RunUnreadable,
     SaveFailed,
     SharedFileFailed,
     StateMismatch,
@@ -197,11 +198,13 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
     later one; then the error is a `SharedFileFailed`."""
     assert info.manifest is not None
     failed: list[str] = []
+    unread: list[str] = []
     try:
         before = store.file_identity(info) if group.leader else None
         if group.active:
-            problems = verify_own(group, store, info, own_names(info.manifest, group.rank))
-            if not problems and group.leader:
+            problems, unread = verify_own(group, store, info,
+                                          own_names(info.manifest, group.rank))
+            if not problems and not unread and group.leader:
                 store.verified_elsewhere(info, before)
         else:
             try:
@@ -209,8 +212,17 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
                 problems = []
             except CorruptCheckpoint as e:
                 problems = [str(e)]
+            except RunUnreadable as e:
+                problems, unread = [], [str(e)]
     finally:
         progress.close()
+    if unread and not problems:  # (not judged: left in place, never moved aside)
+        error = SaveFailed(f"generation {info.generation} is committed, but reading it back "
+                           f"failed for a reason of this machine ({'; '.join(unread)}): it "
+                           "is left in place unverified (a restore verifies it before any "
+                           "use); a save of this step again writes it anew")
+        error.in_place = True  # type: ignore[attr-defined]
+        raise error
     if not problems:
         return
     why = "; ".join(problems)
@@ -242,14 +254,22 @@ def read_back(group: Group, store: GenerationStore, info: GenerationInfo,
 
 
 def verify_own(group: Group, store: GenerationStore, info: GenerationInfo,
-               names: set[str], advance: Callable[[int], None] | None = None) -> list[str]:
-    """Step 4: every rank re-hashes its own files; the problems of every rank."""
-    problem = None
+               names: set[str], advance: Callable[[int], None] | None = None
+               ) -> tuple[list[str], list[str]]:
+    """Step 4: every rank re-hashes its own files; the problems of every rank, and what a
+    rank could not read for a reason of its machine (`RunUnreadable`: not judged), agreed
+    by all (a rank that left on it would leave the others waiting, or agreeing alone)."""
+    problem: dict[str, str] | None = None
     try:
         store.verify(info, advance=advance, names=names)
     except CorruptCheckpoint as e:
-        problem = str(e)
-    return group.agree(problem, "reading the generation back")
+        problem = {"corrupt": str(e)}
+    except RunUnreadable as e:
+        problem = {"unreadable": str(e)}
+    everyone = group.all_gather(problem, "reading the generation back")
+    return ([f"rank {r}: {p['corrupt']}" for r, p in enumerate(everyone) if p and "corrupt" in p],
+            [f"rank {r}: {p['unreadable']}" for r, p in enumerate(everyone)
+             if p and "unreadable" in p])
 
 
 def own_names(manifest: Manifest, rank: int) -> set[str]:
