@@ -268,9 +268,9 @@ def _with_extra(records: list[dict], value: str = "c") -> list[dict]:
 
 
 def test_under_a_tolerance_an_extra_the_restore_lost_still_diverges():
-    """Session 28: a tolerance skips the digests that drift (parameters, optimizer moments)
-    but an extra that did not load, or a hyperparameter changed at the resume, is different
-    state under any tolerance (they were reported equivalent)."""
+    """Session 28: a tolerance skips the digests that drift (parameters, optimizer moments,
+    the optimizer's settings digest, which holds floats such as LBFGS's prev_loss) but an
+    extra that did not load is different state under any tolerance (it was equivalent)."""
     ref = _with_extra(run_records(noise=1e-9))
     lost = _with_extra(run_records(noise=1e-9))
     got = segments(lost, restore={"state": {"optimizer": f"o{RESUME}", "scheduler":
@@ -280,12 +280,11 @@ def test_under_a_tolerance_an_extra_the_restore_lost_still_diverges():
     assert result.verdict == "diverged" and result.restore_differs == ["extra cur"]
     assert (result.first_divergence.step, result.first_divergence.field) == (
         RESUME + 1, "state.extra.cur")
-    changed = _with_extra(run_records(noise=1e-9))
-    for r in changed:
+    drifting = _with_extra(run_records(noise=1e-9))
+    for r in drifting:  # LBFGS's prev_loss in the settings digest: it moves with numerics
         if r["event"] == "update" and r["step"] > RESUME:
-            r["state"]["optimizer-meta"] = "m2"  # weight_decay edited after restore()
-    d = compare(ref, segments(changed), rtol=1e-4).first_divergence
-    assert d is not None and (d.step, d.field) == (RESUME + 1, "state.optimizer-meta")
+            r["state"]["optimizer-meta"] = f"m{r['step']}"
+    assert compare(ref, segments(drifting), rtol=1e-4).verdict == "equivalent"
     # the same runs with nothing lost stay equivalent under the tolerance
     assert compare(ref, segments(_with_extra(run_records(noise=1e-9))),
                    rtol=1e-4).verdict == "equivalent"

@@ -61,7 +61,9 @@ def format_report(report: CheckReport, workdir: str | None) -> str:
     else:
         rows = [[n, k.kill.at, k.kill.phase, k.kill.place,
                  "-" if k.resumed_from is None else k.resumed_from,
-                 "yes" if k.covered else "no" if not k.reached else "no (the resume failed)"]
+                 "yes" if k.covered else "no" if not k.reached else
+                 "no (the resume failed)" if k.resume_failed else
+                 f"no (resumed before the save at {k.expected})"]
                 for n, c in enumerate(report.cases, 1) for k in c.kills]
         lines += [f"reference: {report.steps} updates, uninterrupted", "",
                   table(["case", "killed at", "phase", "place", "resumed from", "covered"],
