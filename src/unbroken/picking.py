@@ -24,7 +24,6 @@ from .errors import (
     CorruptCheckpoint,
     ForeignGeneration,
     NoCheckpoint,
-    RunUnreadable,
     UnbrokenError,
 )
 from .state import generation as G
@@ -35,7 +34,7 @@ from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore
 from .store.manifest import Artifact
 from .store.runrecord import RunRecord
-from .store.verifying import UNREADABLE
+from .store.verifying import not_loadable
 
 log = logging.getLogger("unbroken")
 _MAP_MIN = 32 << 20
@@ -119,10 +118,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
           run: RunRecord, group: Group, pick: Pick) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
-    if info.status == UNREADABLE:  # (not judged: raised, never refused as corrupt)
-        raise RunUnreadable(info.reason)
-    if not info.ok or info.manifest is None:
-        raise CorruptCheckpoint(info.reason)
+    if not info.ok or info.manifest is None:  # (one not judged, unreadable: raised at once)
+        raise not_loadable(info)
     manifest = info.manifest
     if intent == "continue" and not adopt and not run.accepts(manifest.run_id):
         raise ForeignGeneration(

@@ -198,3 +198,28 @@ def test_a_job_agrees_on_what_one_rank_could_not_read_back() -> None:
     assert corrupt == [] and unread == [
         "rank 1: gen-000000002/rank00001.rng.safetensors: cannot be read (Too many open files "
         "[EMFILE])"]
+
+
+@pytest.mark.parametrize("command", ["export", "diff", "verify"])
+def test_commands_never_fall_back_past_a_generation_folder_they_may_not_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        command: str) -> None:
+    """The review of this session's fix: with the newest generation folder unreadable,
+    `export` exported the one before it and `diff` compared that one with itself, exit 0."""
+    run = tmp_path / "run"
+    _save(run, [1, 2, 3])
+    real, target = os.lstat, str(run / NEWEST / "MANIFEST.json")
+
+    def lstat(path: Any, *a: Any, **k: Any) -> Any:
+        if os.fspath(path) == target:
+            raise PermissionError(errno.EACCES, "Permission denied", target)
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    args = {"export": ["export", str(run), str(tmp_path / "out")],
+            "diff": ["diff", str(run / "gen-000000002"), str(run)],
+            "verify": ["verify", str(run)]}[command]
+    capsys.readouterr()
+    assert main([*args, "--json"]) == 2
+    assert "Permission denied" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()

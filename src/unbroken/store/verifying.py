@@ -46,6 +46,13 @@ def unreadable(path: str, e: OSError) -> UnbrokenError:
     return CorruptCheckpoint(f"{path}: unreadable ({e})")
 
 
+def not_loadable(info: GenerationInfo) -> UnbrokenError:
+    """The error for a generation listing did not find complete: `RunUnreadable` for one this
+    machine may not read (not judged), else `CorruptCheckpoint` with the reason."""
+    why = info.reason or f"{info.path}: {info.status}"
+    return RunUnreadable(why) if info.status == UNREADABLE else CorruptCheckpoint(why)
+
+
 def generation_of(path: str) -> str:
     """The ``gen-*`` name in a generation's path (on an object store the path ends in the
     generation's upload folder)."""
@@ -151,7 +158,7 @@ class Verifying:
         artifact for which ``map_if`` holds is hashed streaming and then mapped (registered in
         ``mapped``), not read into memory: a restore copies from it into live tensors."""
         if not info.ok or info.manifest is None:
-            raise CorruptCheckpoint(info.reason)
+            raise not_loadable(info)
         ident = self.file_identity(info) if names is None else None
         wanted = set(names) if names is not None else None
         out: dict[str, Any] = {}
@@ -218,7 +225,7 @@ class Verifying:
         generation is read from the disk itself. ``names``: only those artifacts (one rank's
         share of a generation of many ranks)."""
         if not info.ok or info.manifest is None:
-            raise CorruptCheckpoint(info.reason)
+            raise not_loadable(info)
         ident = self.file_identity(info) if names is None else None
         chosen = [a for a in info.manifest.artifacts if names is None or a.name in names]
         for a in chosen:

@@ -21,7 +21,7 @@ from ..state.parts import MODEL, STATE_FILE
 from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
 from ..store.generations import GenerationStore
-from ..store.verifying import GenerationInfo
+from ..store.verifying import GenerationInfo, not_loadable
 from ._export_paths import check_out
 
 SCHEMA = "unbroken.export/1"
@@ -309,7 +309,7 @@ def read_model(store: GenerationStore, info: GenerationInfo) -> Mapping[str, Any
     from ..dist.sharded import SHARDS_FILE
 
     if not info.ok or info.manifest is None:
-        raise CorruptCheckpoint(info.reason)
+        raise not_loadable(info)
     m = info.manifest
     if MODEL not in m.parts:
         raise CorruptCheckpoint(f"{info.path}: holds no model part (parts {m.parts})")

@@ -28,14 +28,14 @@ import torch
 from .._runview import UsageError, open_run, split_generation
 from .._table import table
 from ..dist._shard_index import SHARDS_FILE
-from ..errors import CorruptCheckpoint, UnbrokenError
+from ..errors import RunUnreadable, UnbrokenError
 from ..picking import rank_rng
 from ..state._digest import digest_tree
 from ..state.generation import check_sizes, check_stamps, decode_generation
 from ..state.parts import RNG
 from ..state.rng import rng_digests
 from ..store.generations import GenerationStore
-from ..store.verifying import GenerationInfo
+from ..store.verifying import GenerationInfo, not_loadable
 from ._diff_shards import Sharded, place_shards
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -74,7 +74,7 @@ def _load(store: GenerationStore, info: GenerationInfo) -> Side:
     `UnbrokenError` (CorruptCheckpoint) when any of that fails."""
     m = info.manifest
     if not info.ok or m is None:
-        raise CorruptCheckpoint(info.reason or f"{info.path}: {info.status}")
+        raise not_loadable(info)
     check_sizes(m, info.path)
     files = store.read_verified(info)
     tree, meta = decode_generation(files, info.path)
@@ -116,6 +116,8 @@ def resolve(label: str, spec: str, generation: int | None, older_than: int | Non
                              f"{found}); name one of those")
         try:
             return _load(store, info)
+        except RunUnreadable:  # (this machine's: not a verdict on the generation)
+            raise
         except UnbrokenError as e:
             raise UsageError(f"{spec}: generation {wanted} does not verify ({e}); name "
                              "another one, or none for the newest that verifies") from None
@@ -125,6 +127,8 @@ def resolve(label: str, spec: str, generation: int | None, older_than: int | Non
             continue
         try:
             side = _load(store, info)
+        except RunUnreadable:  # (never a reason to compare an older one in its place)
+            raise
         except UnbrokenError as e:
             problems.append(f"generation {info.generation}: {e}")
             continue
