@@ -223,3 +223,39 @@ def test_commands_never_fall_back_past_a_generation_folder_they_may_not_read(
     assert main([*args, "--json"]) == 2
     assert "Permission denied" in capsys.readouterr().out
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("error", [TimeoutError("read timed out"),
+                                   ConnectionResetError(errno.ECONNRESET, "reset by peer")])
+def test_an_object_store_that_does_not_answer_is_not_corruption(
+        monkeypatch: pytest.MonkeyPatch, error: OSError) -> None:
+    """The review of this session's fix: a timeout or a reset connection while reading the
+    newest generation from a store moved it aside as corrupt (a store that did not answer
+    says nothing of the bytes)."""
+    import uuid
+
+    import fsspec
+
+    from unbroken.store.backends.objects import ObjectFS
+
+    run = f"memory://bucket/{uuid.uuid4().hex}"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ckpt = unbroken.Checkpointer(run, model=model, read_back="sync")
+    ckpt.restore()
+    for step in (1, 2, 3):
+        ckpt.save(step)
+    ckpt.close()
+    for name in ("read_hashed", "hash_file", "read_file"):
+        real = getattr(ObjectFS, name)
+
+        def call(self: Any, path: str, *a: Any, _real: Any = real, **k: Any) -> Any:
+            if "/gen-000000003/u-" in str(path):
+                raise error
+            return _real(self, path, *a, **k)
+        monkeypatch.setattr(ObjectFS, name, call)
+    ckpt = unbroken.Checkpointer(run, model=torch.nn.Linear(4, 4))
+    with pytest.raises(RunUnreadable, match="cannot be read"):
+        ckpt.restore()
+    ckpt.close()
+    assert not fsspec.filesystem("memory").find(run[len("memory://"):] + "/aside")

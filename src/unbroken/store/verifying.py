@@ -30,19 +30,23 @@ def _memory_bytes() -> int:
 # (moved aside as corrupt, a restore falling back past it) but left as it is, and the error
 # raised (`RunUnreadable`): a good generation behind a permission was rolled back over.
 UNREADABLE = "unreadable"  # the status of a generation this machine may not read
+# (And the errors of a network file system or store that did not answer: a stale handle, a
+# timeout, a connection refused or reset say nothing of the bytes either.)
 MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
-                            errno.ENOMEM, errno.ENOBUFS})
+                            errno.ENOMEM, errno.ENOBUFS, errno.ESTALE, errno.ENOTCONN,
+                            errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
+                            errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH})
 
 
 def unreadable(path: str, e: OSError) -> UnbrokenError:
     """The error for ``path`` that could not be read: `RunUnreadable` for a reason of this
     machine (`MACHINE_ERRNOS`), else `CorruptCheckpoint` (an I/O error, a file gone bad)."""
-    if e.errno in MACHINE_ERRNOS:
+    if e.errno in MACHINE_ERRNOS or isinstance(e, (TimeoutError, ConnectionError)):
         name = errno.errorcode.get(e.errno or 0, "")
         return RunUnreadable(f"{path}: cannot be read ({e.strerror or e} [{name}]), which says "
                              "nothing of its content: it was not judged, nor moved; fix the "
-                             "cause (its permissions, the process's file or memory limits) "
-                             "and run again")
+                             "cause (its permissions, the process's file or memory limits, "
+                             "the network or store) and run again")
     return CorruptCheckpoint(f"{path}: unreadable ({e})")
 
 

@@ -37,7 +37,9 @@ _PARALLEL = 4  # ranged reads in flight at once
 T = TypeVar("T")
 # (the errno of an OSError a client raises without one, by its type)
 _ERRNO = ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT),
-          (FileExistsError, errno.EEXIST))
+          (FileExistsError, errno.EEXIST), (TimeoutError, errno.ETIMEDOUT),
+          (ConnectionResetError, errno.ECONNRESET), (ConnectionRefusedError, errno.ECONNREFUSED),
+          (ConnectionAbortedError, errno.ECONNABORTED), (ConnectionError, errno.ENOTCONN))
 
 
 def _translated(path: str, call: Callable[[], T]) -> T:
