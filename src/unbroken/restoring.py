@@ -12,6 +12,7 @@ import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ._pacing import paced
@@ -150,9 +151,12 @@ class Restoring:
         changes must be named in ``allow``."""
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
-        if generation is not None and (type(generation) is not int or generation < 0):
-            raise TypeError(f"generation={generation!r}: a generation number, an int >= 0 "
-                            "(its step)")
+        if generation is not None:
+            if (isinstance(generation, bool) or not isinstance(generation, (int, np.integer))
+                    or generation < 0):
+                raise TypeError(f"generation={generation!r}: a generation number, an int >= 0 "
+                                "(its step)")
+            generation = int(generation)
         # A misnamed field in ``allow``, or ``allow`` on a continuation, is the caller's
         # error: said before any generation is read, not as a failure of every generation.
         allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
@@ -199,7 +203,9 @@ class Restoring:
         assert info is not None and info.manifest is not None
         manifest = info.manifest
         origin = manifest.origin or {}
-        if origin.get("operation") == "import":
+        # (the import's own generation, the first of its run: later ones, which an older
+        # unbroken let a continuation write, hold trained state and inherit the origin)
+        if origin.get("operation") == "import" and manifest.parent is None:
             pick.mapped.close()
             raise MissingState(
                 f"{info.path}: imported weights (from {origin.get('source')!r}, by "

@@ -84,3 +84,14 @@ def test_a_continuation_still_needs_the_model_as_saved(tmp_path: Path) -> None:
     with pytest.raises(StateMismatch, match="torch.compile'd model"):
         ckpt.restore()
     ckpt.close()
+
+
+def test_an_adapter_named_as_the_compiled_model_shows_it(tmp_path: Path) -> None:
+    """The review of this session's fix: adapter names with _orig_mod. matched nothing."""
+    from unbroken.tools.export import export_model
+
+    for n, adapter in enumerate(("_orig_mod.2.", ["_orig_mod.2.weight", "_orig_mod.2.bias"],
+                                 "2.", ["2.*"])):
+        doc = export_model(torch.compile(_net(), backend="eager"), tmp_path / f"e{n}",
+                           adapter=adapter, base_revision="org/model@0123456789abcdef")
+        assert sorted(doc["weights"]["tensors"]) == ["2.bias", "2.weight"], adapter

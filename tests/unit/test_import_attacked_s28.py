@@ -116,3 +116,37 @@ def test_a_folder_of_several_models_is_refused_naming_them(
     shown = capsys.readouterr().out
     assert "origin       import from " in shown and "(safetensors file)" in shown
     assert "null" not in shown
+
+
+def test_trained_generations_after_an_import_still_continue(tmp_path: Path) -> None:
+    """The review of this session's fix: generations an older unbroken let a continuation of
+    an imported run write inherit the import's origin, and were refused as imports."""
+    origin = {"operation": "import", "source": "/x/ckpt.pt", "format": "torch.save archive",
+              "files": {}}
+    model = torch.nn.Linear(3, 2)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model)
+    ckpt.restore()
+    ckpt._origin = origin  # (as the import writes it, and an older continuation kept it)
+    for step in (500, 501, 502):
+        ckpt.save(step)
+    ckpt.close()
+    again = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(3, 2))
+    assert again.restore() == 502
+    again.close()
+    with pytest.raises(MissingState, match="imported weights"):  # the import's own: refused
+        unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(3, 2)).restore(
+            generation=500)
+
+
+def test_a_numpy_generation_number_is_taken(tmp_path: Path) -> None:
+    import numpy as np
+
+    model = torch.nn.Linear(3, 2)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model)
+    ckpt.restore()
+    ckpt.save(1)
+    ckpt.save(2)
+    ckpt.close()
+    again = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(3, 2))
+    assert again.restore(generation=np.int64(1)) == 1
+    again.close()

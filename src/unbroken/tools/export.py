@@ -297,6 +297,9 @@ def _write(state: Mapping[str, Any], out: str, identity: Any, lineage: dict[str,
     if base_revision is not None:
         ident["base_revision"] = base_revision
     state = _served(state)
+    if adapter is not None:  # (named as the compiled model's state_dict shows them, or not)
+        adapter = (served_name(adapter) if isinstance(adapter, str)
+                   else [served_name(a) for a in adapter])
     names = io.select(state, adapter)
     tensors, cast = io.prepare(state, names, dtype)
     files: dict[str, Any] = {WEIGHTS: encode_safetensors(tensors, {"format": "pt"})}
