@@ -291,8 +291,10 @@ def _verify(args: argparse.Namespace) -> int:
         not records or any(r["status"] != GONE for r in records))
     payload = {"run": store.root, "generations": records, "run_record_problem": run_problem,
                "ok": ok}
-    # (a generation this machine may not read was not judged: an environment error, exit 2)
-    code = 2 if any(r["status"] == UNREADABLE for r in records) else None
+    # (a generation this machine may not read was not judged: an environment error, exit 2,
+    # unless a problem was found besides: exit 1 says that)
+    statuses = {r["status"] for r in records}
+    code = 2 if UNREADABLE in statuses and statuses <= {"verified", GONE, UNREADABLE} else None
     head = [f"run {store.root}", *([f"warning: {run_problem}"] if run_problem else [])]
     if not records:
         text = "\n".join([*head, "no generations to verify"])

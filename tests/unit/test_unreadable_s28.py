@@ -259,3 +259,17 @@ def test_an_object_store_that_does_not_answer_is_not_corruption(
         ckpt.restore()
     ckpt.close()
     assert not fsspec.filesystem("memory").find(run[len("memory://"):] + "/aside")
+
+
+def test_a_run_record_this_machine_cannot_read_is_never_rewritten(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review of this session's fix: RUN.json unreadable (EMFILE) was taken for damaged,
+    and the next save wrote it anew without the run's lineage."""
+    run = tmp_path / "run"
+    _save(run, [1])
+    before = (run / "RUN.json").read_bytes()
+    _deny(monkeypatch, errno.EMFILE, where="run")  # (every file under the run folder)
+    with pytest.raises(RunUnreadable, match="RUN.json: cannot be read"):
+        unbroken.Checkpointer(run, model=torch.nn.Linear(4, 4))
+    monkeypatch.undo()
+    assert (run / "RUN.json").read_bytes() == before

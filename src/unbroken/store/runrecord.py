@@ -26,6 +26,7 @@ from ..errors import CorruptCheckpoint, SaveFailed
 from ..state.jsontext import loads_json
 from .backends.local import LocalFS
 from .manifest import check_seal, seal
+from .verifying import unreadable
 
 RUN_FILE = "RUN.json"
 RUN_SCHEMA = "unbroken.run/1"
@@ -83,7 +84,9 @@ def _not_a_file(where: str) -> str:
 
 
 def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
-    """The folder's record, ``None`` when it has none; ``CorruptCheckpoint`` when unreadable."""
+    """The folder's record, ``None`` when it has none; ``CorruptCheckpoint`` when unreadable
+    (`RunUnreadable` when for a reason of this machine: a record taken for damaged would be
+    written anew without its lineage, and the generations it adopted set aside as foreign)."""
     where = os.path.join(root, RUN_FILE)
     if not fs.exists(where):
         return None
@@ -92,7 +95,7 @@ def read_run_record(root: str, fs: LocalFS) -> RunRecord | None:
     try:
         data = fs.read_file(where, MAX_RUN_BYTES)
     except OSError as e:
-        raise CorruptCheckpoint(f"{where}: unreadable ({e})") from None
+        raise unreadable(where, e) from None
     return parse_run_record(data, where)
 
 
