@@ -27,7 +27,7 @@ import stat
 import uuid
 from collections.abc import Callable, Mapping
 
-from ..errors import CorruptCheckpoint, SharedFileFailed
+from ..errors import CorruptCheckpoint, RunUnreadable, SharedFileFailed
 from .aside import AsideFolder
 from .backends.killpoints import fault_point
 from .backends.local import LocalFS
@@ -149,7 +149,14 @@ class GenerationStore(AsideFolder, Verifying):
         if not os.path.isdir(self.root):
             return []
         found = []
-        for name in os.listdir(self.root):
+        try:
+            names = os.listdir(self.root)
+        except OSError as e:  # (a folder it may not list: no verdict on any generation)
+            failed = unreadable(self.root, e)
+            if isinstance(failed, RunUnreadable):
+                raise failed from None
+            raise
+        for name in names:
             number = generation_number(name)
             if number is not None:
                 info = self._check(number, os.path.join(self.root, name))
