@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from .equivalence import Divergence
 
 if TYPE_CHECKING:
-    from .harness import CaseResult, CheckReport
+    from .results import CaseResult, CheckReport
 
 _VERDICT = {"equivalent": "EQUIVALENT: every resumed run matches the uninterrupted one",
             "diverged": "DIVERGED", "error": "ERROR: a process failed (see above)",
