@@ -26,12 +26,12 @@ def _memory_bytes() -> int:
         return 1 << 62
 
 
+UNREADABLE = "unreadable"  # the status of a generation this machine may not read
 # Errors of this machine, not of a file's content: a generation that meets one is not judged
 # (moved aside as corrupt, a restore falling back past it) but left as it is, and the error
-# raised (`RunUnreadable`): a good generation behind a permission was rolled back over.
-UNREADABLE = "unreadable"  # the status of a generation this machine may not read
-# (And the errors of a network file system or store that did not answer: a stale handle, a
-# timeout, a connection refused or reset say nothing of the bytes either.)
+# raised (`RunUnreadable`): a good generation behind a permission was rolled back over. So
+# are those of a network file system or store that did not answer (a stale handle, a
+# timeout, a connection refused or reset): they say nothing of the bytes either.
 MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
                             errno.ENOMEM, errno.ENOBUFS, errno.ESTALE, errno.ENOTCONN,
                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
