@@ -109,3 +109,22 @@ def test_the_usual_nans_are_written_as_before() -> None:
 def test_nan_bits_that_do_not_fit_are_refused(entry: dict[str, object]) -> None:
     with pytest.raises(CorruptCheckpoint, match="malformed 'float' entry"):
         decode_tree({"x": entry}, {})
+
+
+@pytest.mark.parametrize("data, warned", [
+    ("/datasets/web/shard-000.bin", True), ("data/train.jsonl", True), ("./data", True),
+    ("../shared/tokens", True), ("train-v3", False), ("org/dataset", False),
+    ("org/dataset@v1.2", False)])
+def test_a_path_that_does_not_exist_is_said_to_be_a_label(data: str, warned: bool) -> None:
+    """Session 28: a mistyped path was recorded as a revision label in silence, and a later
+    change of the data it meant went unseen."""
+    import warnings
+
+    from unbroken.errors import UnbrokenWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Identity(data=data)
+    said = [w for w in caught if issubclass(w.category, UnbrokenWarning)
+            and "no such file or folder" in str(w.message)]
+    assert bool(said) == warned, [str(w.message) for w in caught]

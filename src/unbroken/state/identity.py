@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import platform
+import re
 import stat
 import threading
 import unicodedata
@@ -26,6 +27,9 @@ from ._identity_json import json_entry, key_changes, key_digests, xxh
 from ._identity_tokenizer import tokenizer_entry
 
 FIELDS = ("config", "tokenizer", "data")
+# A string that reads as a path, not as a revision label ("train-v3", "org/dataset@rev"): one
+# from the root, the home folder or here, or ending in a file name with an extension
+_LOOKS_LIKE_A_PATH = re.compile(r"(?:/|~/|\./|\.\./)|.*/[^/@]*\.[A-Za-z0-9]{1,10}$")
 _CHUNK = 8 * 1024 * 1024
 # Kept values let a mismatch name the changed key and show both values; a larger tree keeps
 # a bounded digest per key path instead (``_identity_json.key_digests``): manifests stay small.
@@ -176,6 +180,12 @@ class Identity:
                 raise UnbrokenError(f"{field} path {path} does not exist")
             self._paths[field] = path
         elif isinstance(source, str):
+            if _LOOKS_LIKE_A_PATH.match(source):
+                warnings.warn(
+                    f"Identity({field}={source!r}): no such file or folder, so it is recorded "
+                    "as a revision label and a later change of what it names goes unseen; pass "
+                    "an existing path to hash its content, or a revision string (e.g. "
+                    "'train-v3')", UnbrokenWarning, stacklevel=3)
             self._entries[field] = {"kind": "revision", "hash": xxh(source.encode("utf-8")),
                                     "value": source, "summary": f"revision {source!r}"}
         elif isinstance(source, Mapping):
