@@ -22,7 +22,7 @@ from .parts import (
     STATE_SCHEMA,
     Counters,
 )
-from .tensorfile import Room, decode_safetensors, encode_safetensors
+from .tensorfile import PlanUnfit, Room, decode_safetensors, encode_safetensors
 
 
 def check_part_tree(name: str, tree: Any) -> None:
@@ -54,10 +54,25 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     for part, value in tree.items():
         try:
             check_part_tree(part, value)
-            layout = None if layouts is None else layouts.setdefault(
-                f"{prefix}{part}.safetensors", {})
-            encoded = encode_tree_for_file(
-                value, None if layout is None else layout.setdefault("plans", {}), owned)
+            name = f"{prefix}{part}.safetensors"
+            layout = None if layouts is None else layouts.setdefault(name, {})
+            plans = None if layout is None else layout.setdefault("plans", {})
+            # (A plan's tensors checked as their file is built, when it is built here; one
+            # that no longer fits its plan has the part encoded again, one tensor at a time.)
+            for defer in (plan is None, False):
+                encoded = encode_tree_for_file(value, plans, owned, defer)
+                if not encoded.tensors or plan is not None:
+                    break
+                try:
+                    artifacts[name] = encode_safetensors(
+                        encoded.tensors, {**meta, "unbroken.part": part}, prepared=True,
+                        layout=layout, kinds=encoded.kinds, ptrs=encoded.ptrs, room=room,
+                        unchecked=encoded.unchecked)
+                    files[part] = name
+                    break
+                except PlanUnfit:
+                    assert plans is not None  # (only a plan's tensors go unchecked)
+                    plans.clear()
             skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
             texts.update(encoded.texts)
@@ -68,11 +83,6 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 if extra:
                     more[part] = extra
                 artifacts.update(out)
-            elif tensors:
-                files[part] = f"{prefix}{part}.safetensors"
-                artifacts[files[part]] = encode_safetensors(
-                    tensors, {**meta, "unbroken.part": part}, prepared=True, layout=layout,
-                    kinds=encoded.kinds, ptrs=encoded.ptrs, room=room)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}

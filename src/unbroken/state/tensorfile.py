@@ -56,13 +56,19 @@ _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch
 
 
 
+class PlanUnfit(Exception):
+    """A tensor an encoding plan took unchecked (`codec.encode_tree_for_file` with
+    ``defer``) is not what the plan expects: another shape, device, a lazy bit, not
+    contiguous. Its tree is encoded again without plans (never raised beyond that)."""
+
+
 def encode_safetensors(tensors: Mapping[str, torch.Tensor],
                        metadata: Mapping[str, str] | None = None,
                        data_hash_key: str | None = None, prepared: bool = False,
                        layout: dict[str, Any] | None = None,
                        kinds: list[tuple[str, torch.dtype, torch.Size]] | None = None,
-                       ptrs: list[int] | None = None, room: Room | None = None
-                       ) -> list[memoryview]:
+                       ptrs: list[int] | None = None, room: Room | None = None,
+                       unchecked: bool = False) -> list[memoryview]:
     """Serialize to the safetensors format as a list of buffers (header first), without
     concatenating them, so the store can hash and write them straight from tensor memory.
     With ``data_hash_key``, the xxh3-128 of the data section is stamped into the metadata
@@ -77,7 +83,12 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     header of the last call's tensors are kept, and used again while their keys, dtypes and
     shapes stay the same (the bytes are those of a call without it); without ``room``, the
     buffers the small tensors are gathered into are kept there too, and the next call
-    gathers into them again: the caller is done with the last call's chunks by then."""
+    gathers into them again: the caller is done with the last call's chunks by then.
+    ``unchecked`` (with ``kinds``): the tensors' dtypes and addresses are as given, but their
+    shapes, devices, lazy bits and contiguity may not be (`codec.Encoded`): each is checked
+    as it is copied, a stretch stacked by ``torch.stack`` (which refuses another device and
+    unequal shapes, and copies values, not memory) by its first tensor's shape; `PlanUnfit`
+    if one does not fit."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by shape (small
@@ -115,8 +126,9 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # (fresh memory for 300 MB of small tensors costs more to fault in than to fill: a
     # save of them took 2.5x longer than with the buffers reused)
     reused = layout.setdefault("gathered", {}) if layout is not None and room is None else None
-    chunks = [tensor_bytes(values[c]) if type(c) is int
-              else _gather(c, values, ptrs, room, reused, i) for i, c in enumerate(chunking)]
+    chunks = [tensor_bytes(_fit(values[c], kinds[c][2]) if unchecked else values[c])
+              if type(c) is int else _gather(c, values, ptrs, room, reused, i, unchecked)
+              for i, c in enumerate(chunking)]
     meta = dict(metadata or {})
     if data_hash_key:
         h = xxhash.xxh3_128()
@@ -207,13 +219,13 @@ def _chunking(order: list[int], kinds: list[tuple[str, torch.dtype, torch.Size]]
 
 def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
             room: Room | None = None, reused: dict[int, torch.Tensor] | None = None,
-            index: int = 0) -> memoryview:
+            index: int = 0, unchecked: bool = False) -> memoryview:
     """The bytes of a run of small contiguous CPU tensors (the caller holds them), one after
     the other, in one buffer (``room``'s, when it gives one; else ``reused[index]``, made
     when missing, if ``reused`` is given): a stretch of one dtype and shape by one
     ``torch.stack`` into its place (~0.3 us a tensor), the others by a ``memmove`` each
     (~1 us; twice as fast as torch's ``flatten_dense_tensors``, which makes a view of
-    each)."""
+    each). ``unchecked``: see `encode_safetensors`."""
     given = None if room is None else room(run.nbytes)
     if given is not None:
         out = torch.frombuffer(given, dtype=torch.uint8)
@@ -226,14 +238,33 @@ def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
     base, move = out.data_ptr(), ctypes.memmove
     at = 0
     for take, stretch, dtype, shape, n in run.parts:
-        if take is not None and _stacked(take(values), out[at:at + len(stretch) * n],
-                                         dtype, shape):
-            at += len(stretch) * n
-            continue
+        if take is not None:
+            # (stack resizes an ``out`` of the wrong shape, which it checks the others by)
+            if unchecked:
+                _fit(values[stretch[0]], shape, stacked=True)
+            if _stacked(take(values), out[at:at + len(stretch) * n], dtype, shape):
+                at += len(stretch) * n
+                continue
         for x in stretch:
+            if unchecked:
+                _fit(values[x], shape)
             move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
             at += n
     return tensor_bytes(out) if given is None else given
+
+
+def _fit(t: torch.Tensor, shape: torch.Size, stacked: bool = False) -> torch.Tensor:
+    """``t``, checked for what `encode_safetensors` with ``unchecked`` copies it as: of
+    ``shape``, and (unless ``stacked``: a stack copies values, from any device it accepts)
+    a contiguous CPU tensor without a lazy bit (complex dtypes are never planned: no conj
+    bit). `PlanUnfit` if not."""
+    try:
+        if t.shape == shape and (stacked or t.is_cpu and not t.is_neg()
+                                 and t.is_contiguous()):
+            return t
+    except (RuntimeError, NotImplementedError):  # (an exotic tensor: encoded one at a time)
+        pass
+    raise PlanUnfit
 
 
 def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch.Tensor,
