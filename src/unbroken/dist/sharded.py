@@ -27,6 +27,7 @@ import math
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from .group import Group
 
 # (No DTensor is of these types: a Parameter made of a DTensor is of the DTensor's type.)
 _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
+_DICT = frozenset({dict})
 
 
 def is_sharded(value: Any) -> bool:
@@ -66,6 +68,10 @@ def split(tree: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """``node`` itself when it holds no DTensor; else a shallow copy of it (of its own
         type: an OrderedDict keeps its ``_metadata``, a Counter stays a Counter) without
         them."""
+        values = list(node.values())
+        if _PLAIN.issuperset(map(type, values)) or _DICT.issuperset(map(type, values)) and (
+                _PLAIN.issuperset(map(type, chain.from_iterable(map(dict.values, values))))):
+            return node  # (a state_dict, an optimizer's per-parameter state: at C speed)
         out: Any = None
         for k, v in node.items():
             kind = type(v)

@@ -167,7 +167,9 @@ class Planning:
             else:
                 named = zip(plan.paths, tensors)
         views, stored = self._views, self.tensors
-        if not views.keys().isdisjoint(ptrs) or not stored.keys().isdisjoint(plan.paths):
+        # (none met before, the common case: ~0.3 ms not spent hashing 10,000 of each)
+        if (views and not views.keys().isdisjoint(ptrs)
+                or stored and not stored.keys().isdisjoint(plan.paths)):
             return False  # a view met before, a key taken: `tensor` (it tells them apart)
         stored.update(named)
         self.kinds.extend(plan.kinds)

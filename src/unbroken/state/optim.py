@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import copy
 from collections.abc import Collection, Mapping
+from itertools import chain
 from typing import Any
 
 import torch
@@ -123,12 +124,12 @@ def _direct_state(optimizer: torch.optim.Optimizer, group_names: list[list[str]]
     otherwise."""
     if not _indexes_only(optimizer):
         return None
-    by_id: dict[int, str] = {}
-    for group, names in zip(optimizer.param_groups, group_names):
-        for p, name in zip(group["params"], names):
-            by_id.setdefault(id(p), name)  # (torch indexes a parameter where first met)
+    # (torch indexes a parameter where first met: the first name wins, laid last)
+    ids = list(map(id, chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+    by_id = dict(zip(reversed(ids), reversed(list(chain.from_iterable(group_names)))))
     try:
-        state = {by_id[id(p)]: s for p, s in optimizer.state.items()}
+        state = dict(zip(map(by_id.__getitem__, map(id, optimizer.state)),
+                         optimizer.state.values()))
     except KeyError:  # a state key in no group: torch's own method says what it makes of it
         return None
     return {
