@@ -8,6 +8,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import unbroken
 from unbroken.cli import main
@@ -278,3 +280,38 @@ def test_run_evaluates_the_interval_it_used(capsys, run, monkeypatch):
     assert doc["interval_source"] == "observed"
     assert doc["intervals"][0]["label"] == "observed"
     assert doc["intervals"][0]["seconds"] == pytest.approx(600)
+
+
+# -- extreme inputs -------------------------------------------------------------------------------
+
+_ANY = st.floats(min_value=5e-324, max_value=1.7e308, allow_nan=False, allow_infinity=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(c=_ANY, m=st.none() | _ANY, t=st.none() | _ANY, d=st.none() | _ANY,
+       r=st.just(0.0) | _ANY)
+def test_any_positive_inputs_give_finite_figures_or_a_value_error(c, m, t, d, r):
+    """Extreme but valid numbers never come out as inf or nan, nor raise from the arithmetic
+    (a ZeroDivisionError, an OverflowError): figures a user can read, or a ValueError that
+    names the inputs (the command line's usage error)."""
+    if m is None and t is None:
+        return
+    try:
+        out = plan(c, m, r, t, d)
+    except ValueError as e:
+        assert "save_seconds=" in str(e)
+        return
+    numbers = [v for v in out.values() if isinstance(v, float)]
+    numbers += [v for i in out["intervals"] for v in i.values() if isinstance(v, float)]
+    assert all(math.isfinite(v) for v in numbers)
+    assert all(i["seconds"] > 0 for i in out["intervals"])
+
+
+@pytest.mark.parametrize("argv", [
+    ["--save-seconds", "1e308", "--mtbf-hours", "1e308"],
+    ["--save-seconds", "1e-320", "--mtbf-hours", "1e-300", "--hours", "1e300"]])
+def test_extreme_inputs_are_a_usage_error_not_inf_or_a_crash(capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2, (out, err)
+    assert "overflow or vanish" in err and "unexpected" not in err
+    assert "inf" not in out and "nan" not in out

@@ -101,7 +101,32 @@ def plan(save_seconds: float, mtbf_hours: float | None = None, restart_seconds: 
     if mtbf_hours is None and interval_minutes is None:
         raise ValueError("nothing to compute: give an MTBF (for the best interval) or an "
                          "interval (for its overhead), or both")
-    c, r = float(save_seconds), float(restart_seconds)
+    try:
+        out = _figures(float(save_seconds), mtbf_hours, float(restart_seconds),
+                       interval_minutes, hours)
+    except (ZeroDivisionError, OverflowError):
+        out = None
+    # (a float overflows to inf or a difference vanishes to 0 far outside any real run: said,
+    # rather than printed as inf or nan, or raised from deep inside)
+    if out is None or not all(_finite(v) for v in [*out.values(), *(
+            x for i in out["intervals"] for x in i.values())]) or not all(
+            i["seconds"] > 0 for i in out["intervals"]):
+        raise ValueError(
+            f"save_seconds={save_seconds!r}, mtbf_hours={mtbf_hours!r}, "
+            f"interval_minutes={interval_minutes!r}, hours={hours!r}: the figures overflow "
+            "or vanish in floating point; give values in a realistic range (a save of "
+            "seconds to hours, an MTBF of minutes to years)")
+    return out
+
+
+def _finite(value: Any) -> bool:
+    """Whether a figure of `plan` is a number it can show (None, a label or a list: yes)."""
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _figures(c: float, mtbf_hours: float | None, r: float, interval_minutes: float | None,
+             hours: float | None) -> dict[str, Any]:
+    """`plan`'s figures, its inputs checked (``c``, ``r``: seconds)."""
     m = mtbf_hours * 3600 if mtbf_hours is not None else None
     duration = hours * 3600 if hours is not None else None
     intervals = []
