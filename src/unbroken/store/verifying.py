@@ -31,11 +31,18 @@ UNREADABLE = "unreadable"  # the status of a generation this machine may not rea
 # (moved aside as corrupt, a restore falling back past it) but left as it is, and the error
 # raised (`RunUnreadable`): a good generation behind a permission was rolled back over. So
 # are those of a network file system or store that did not answer (a stale handle, a
-# timeout, a connection refused or reset): they say nothing of the bytes either.
+# timeout, a connection refused or reset), or answered that it could not serve the read
+# now (an object store's 503 SlowDown and 409 are EBUSY in s3fs, its 500 InternalError
+# EREMOTEIO, a redirect to another region EREMCHG, an unimplemented call ENOSYS; a client
+# library's own error, `backends.objects`, is EREMOTEIO): they say nothing of the bytes either.
 MACHINE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EMFILE, errno.ENFILE,
                             errno.ENOMEM, errno.ENOBUFS, errno.ESTALE, errno.ENOTCONN,
                             errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-                            errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH})
+                            errno.ECONNABORTED, errno.EHOSTUNREACH, errno.ENETUNREACH,
+                            errno.ENETDOWN, errno.ENETRESET, errno.EHOSTDOWN, errno.EBUSY,
+                            errno.EAGAIN, errno.ENOSYS, errno.ECANCELED,
+                            getattr(errno, "EREMOTEIO", errno.EBUSY),
+                            getattr(errno, "EREMCHG", errno.EBUSY)})
 
 
 def unreadable(path: str, e: OSError) -> UnbrokenError:

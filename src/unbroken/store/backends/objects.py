@@ -42,6 +42,9 @@ _ERRNO = ((PermissionError, errno.EACCES), (FileNotFoundError, errno.ENOENT),
           (ConnectionAbortedError, errno.ECONNABORTED), (ConnectionError, errno.ENOTCONN))
 
 
+_REMOTE = getattr(errno, "EREMOTEIO", errno.ECONNABORTED)  # (a machine error: `verifying`)
+
+
 def _translated(path: str, call: Callable[[], T]) -> T:
     """``call()``, with any error that is not an ``OSError`` (a client library's own) turned
     into one naming ``path``."""
@@ -61,7 +64,11 @@ def _translated(path: str, call: Callable[[], T]) -> T:
             raise e from None
         raise named from None
     except Exception as e:  # the client library's own error types
-        raise OSError(errno.EIO, f"{type(e).__name__}: {e}", path) from None
+        # (A connection dropped, a read timed out, a server that answered no HTTP status:
+        # not the object's bytes, which this store's own hashes judge. A checksum the client
+        # checked on the bytes it got is a verdict on them, as a hash of ours would be.)
+        code = errno.EIO if "checksum" in type(e).__name__.lower() else _REMOTE
+        raise OSError(code, f"{type(e).__name__}: {e}", path) from None
 
 
 def _translating(method: Callable[..., T]) -> Callable[..., T]:
