@@ -81,8 +81,9 @@ class UpdateBoundaryError(UnbrokenError):
 
 
 class UnsupportedSetup(UnbrokenError):
-    """A framework setup (Lightning, the Transformers Trainer, Accelerate) whose continuation a
-    generation would not capture exactly; raised by the adapter before anything is trained."""
+    """A setup whose continuation a generation would not capture exactly (a framework's:
+    Lightning, the Transformers Trainer, Accelerate; a `ResumableLoader` collate_fn with a
+    random generator of its own); raised before anything is trained."""
 
 
 class UnbrokenWarning(UserWarning):

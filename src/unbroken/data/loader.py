@@ -22,7 +22,9 @@ Rules (documented contract):
   window: they are handed out again, exactly as a resumed process would see them.
 * The DataLoader gets a private ``torch.Generator`` (seeded from seed, epoch and cursor), so
   ``iter()`` never draws from the global torch RNG; with a ``collate_fn``, each batch's
-  collate runs under RNGs seeded from (seed, epoch, position of its first sample). A draw in
+  collate runs under RNGs seeded from (seed, epoch, position of its first sample); one that
+  reaches a random generator of its own (neither saved nor seeded per batch: a resumed run
+  would collate differently) is refused at construction (`UnsupportedSetup`). A draw in
   a map-style dataset's ``__getitem__`` inside workers survives a resume only under `seeded`
   (workers' own streams cannot be saved): an unwrapped one with workers is warned about.
 * **Iterable datasets** must implement the resumable-iterable contract of
@@ -53,6 +55,7 @@ from ._checks import counted, located
 from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from ._loader_state import check_iterable, check_settings, settings
+from ._private_rng import refuse_private_collate
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
 from .seeding import _RecordKeys, _SeededCollate, warn_unless_seeded
@@ -102,6 +105,8 @@ class ResumableLoader:
         if seed is not None and (isinstance(seed, bool)
                                  or not isinstance(seed, (int, np.integer))):
             raise TypeError(f"ResumableLoader: seed must be an int, got {seed!r}")
+        if collate_fn is not None:  # (before anything is built: a refused loader holds nothing)
+            refuse_private_collate(collate_fn)
         self._dataset = dataset
         self.sampler = sampler
         self.accumulation = accumulation

@@ -1,0 +1,186 @@
+"""Finding a random generator of its own that a collate function reaches.
+
+A collate function (or a Hugging Face data collator) that draws from a generator it holds —
+a ``torch.Generator``, a ``numpy.random.Generator``/``RandomState``, a ``random.Random``,
+reached through attributes, containers, closures, globals, defaults or a ``functools.partial``,
+at any depth of wrapping — continues that stream from where it was made in each process and
+worker: the stream is neither saved with a generation nor positioned by the data cursor, so a
+resumed run collates differently. Only the process-wide streams are exact: a generation saves
+them, and the loader seeds them for each batch's collate from (seed, epoch, position).
+
+`private_rng` walks what an object reaches and returns the path to the first such generator;
+`refuse_private_collate` is `ResumableLoader`'s refusal of such a ``collate_fn``, and the
+Transformers adapter refuses such a ``data_collator`` in its own words: each names the path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import logging
+import random
+import sys
+import types
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from ..errors import UnsupportedSetup
+
+# How far `private_rng` looks into what a collator holds: deep enough for a user collator
+# wrapping the Trainer's wrapping a Hugging Face collator, bounded so that a collator holding a
+# tokenizer or a model is searched in a fraction of a second.
+_MAX_DEPTH = 8
+_MAX_OBJECTS = 20_000
+_MAX_ITEMS = 1_000  # of one container: a generator is not hidden past a big list's start
+_PRIVATE = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_NAMES = ("torch.Generator", "numpy.random.Generator", "numpy.random.RandomState",
+          "random.Random")
+# Leaves: nothing a random generator could hide in (or too big to walk: a tensor's storage).
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor,
+           np.ndarray, types.ModuleType, type, torch.dtype, torch.device)
+# Not searched: what a collate function reaching a global model, optimizer or dataset would
+# drag in is not the collator's own randomness (the sampler's, the model's, the dataset's
+# streams are other parts' business), and searching it would name them falsely; nor the
+# process-wide logging registry a logger reaches (any library's sampling filter).
+_OPAQUE = (torch.nn.Module, torch.optim.Optimizer, torch.utils.data.Dataset,
+           torch.utils.data.DataLoader, logging.Logger, logging.LoggerAdapter,
+           logging.Manager, logging.Handler, logging.Filterer)
+# Framework trainers are opaque for the same reason (a Trainer holds the model, optimizer,
+# accelerator and callbacks), named by (module, class) so that the data layer imports no
+# framework: a class whose module was never imported has no instance to meet.
+_TRAINERS = (("transformers.trainer", "Trainer"),
+             ("transformers.training_args", "TrainingArguments"),
+             ("lightning.pytorch.trainer.trainer", "Trainer"),
+             ("pytorch_lightning.trainer.trainer", "Trainer"))
+
+
+def _skipped() -> tuple[type, ...]:
+    """The types the walk does not enter: leaves, the opaque ones, and the trainer classes
+    of the frameworks imported so far."""
+    found = [getattr(sys.modules.get(module), name, None) for module, name in _TRAINERS]
+    return _LEAVES + _OPAQUE + tuple(t for t in found if isinstance(t, type))
+
+
+def _global_streams() -> tuple[object, ...]:
+    # The process-wide streams the generation saves (and the loader seeds per batch): a
+    # collator reaching them (random.random's instance, np.random's, torch's default) is fine.
+    return (random._inst, np.random.mtrand._rand, torch.default_generator)  # type: ignore[attr-defined]
+
+
+def _seeded_hf(obj: Any) -> bool:
+    """A Hugging Face collator built with ``seed=`` (DataCollatorForLanguageModeling...):
+    its generator is created lazily, in each process and worker, from that seed."""
+    values = getattr(obj, "__dict__", None)
+    return (isinstance(values, dict) and values.get("seed") is not None
+            and "generator" in values)
+
+
+def _children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """(path suffix, object) for what ``obj`` holds: attributes, items, a function's closure
+    cells, defaults and the globals its code names, a partial's function and arguments, a
+    bound method's instance, a callable object's ``__call__``."""
+    if isinstance(obj, Mapping):
+        for key, value in list(itertools.islice(obj.items(), _MAX_ITEMS)):
+            yield f"[{key!r}]", value
+        return
+    if isinstance(obj, list | tuple | set | frozenset):
+        for i, value in enumerate(list(itertools.islice(obj, _MAX_ITEMS))):
+            yield f"[{i}]", value
+        return
+    if isinstance(obj, functools.partial):
+        yield ".func", obj.func
+        for i, value in enumerate(obj.args):
+            yield f".args[{i}]", value
+        for key, value in obj.keywords.items():
+            yield f".keywords[{key!r}]", value
+        return
+    if isinstance(obj, types.MethodType):
+        yield ".__self__", obj.__self__
+        yield ".__func__", obj.__func__
+        return
+    if isinstance(obj, types.BuiltinMethodType):  # rng.random of a private random.Random
+        yield ".__self__", obj.__self__
+        return
+    if isinstance(obj, types.FunctionType):
+        try:
+            found = inspect.getclosurevars(obj)
+        except (TypeError, ValueError):  # a cell not yet filled
+            found = None
+        if found is not None:
+            for name, value in found.nonlocals.items():
+                yield f" (closure {name})", value
+            for name, value in found.globals.items():
+                yield f" (global {name})", value
+        for i, value in enumerate(obj.__defaults__ or ()):
+            yield f" (default #{i})", value
+        for name, value in (obj.__kwdefaults__ or {}).items():
+            yield f" (default {name})", value
+        return
+    values = getattr(obj, "__dict__", None)
+    if isinstance(values, dict):
+        for key, value in list(values.items()):
+            yield f".{key}", value
+    call = getattr(type(obj), "__call__", None)
+    if isinstance(call, types.FunctionType):  # a collator class's own code (its globals)
+        yield f" ({type(obj).__name__}.__call__)", call
+
+
+def private_rng(root: Any, name: str) -> str | None:
+    """The path to a random generator of its own that ``root`` reaches, or None.
+
+    The path starts with ``name`` (what the caller calls ``root``: ``collate_fn``,
+    ``data_collator``) and ends with what was found: ``"collate_fn.rng: a torch.Generator"``.
+    The global streams (saved, and seeded per batch by the loader) are not reported, however
+    reached; nor what unbroken's own objects hold (their streams are saved or keyed).
+    """
+    shared = {id(s) for s in _global_streams()}
+    skipped = _skipped()
+    seen: set[int] = set()
+    stack: list[tuple[str, Any, int]] = [(name, root, 0)]
+    while stack and len(seen) < _MAX_OBJECTS:
+        path, obj, depth = stack.pop()
+        if id(obj) in seen or id(obj) in shared or isinstance(obj, skipped) \
+                or type(obj).__module__.startswith("unbroken."):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, _PRIVATE):
+            kind = next(n for k, n in zip(_PRIVATE, _NAMES, strict=True) if isinstance(obj, k))
+            return f"{path}: a {kind}"
+        if _seeded_hf(obj):
+            return f"{path}: {type(obj).__name__}(seed={obj.seed!r})"
+        if depth < _MAX_DEPTH:
+            stack.extend((path + suffix, child, depth + 1)
+                         for suffix, child in reversed(list(_children(obj))))
+    return None
+
+
+def _named(fn: Any) -> str:
+    """How an error names a collate function: its qualified name, a partial's function, or
+    the class of a callable object (``Masking(...)``)."""
+    if isinstance(fn, functools.partial):
+        return f"functools.partial({_named(fn.func)})"
+    name = getattr(fn, "__qualname__", None)
+    return name if isinstance(name, str) else f"{type(fn).__qualname__}(...)"
+
+
+def refuse_private_collate(collate_fn: Callable[[list[Any]], Any]) -> None:
+    """Refuse a collate_fn drawing from a generator of its own: it continues that stream from
+    where it was made (in the main process, or from a worker's copy of it each pass), which no
+    generation saves and the cursor does not position, so a resume collates differently.
+    What collate draws from the global streams is exact: `_SeededCollate` (map-style) and the
+    iterable pass seed them for each batch."""
+    found = private_rng(collate_fn, "collate_fn")
+    if found is not None:
+        raise UnsupportedSetup(
+            f"ResumableLoader: collate_fn={_named(collate_fn)} draws from a random generator "
+            f"of its own ({found}): its stream is neither saved with a generation nor "
+            "positioned by the data cursor, so a resumed run would collate differently; draw "
+            "from the global RNGs instead (torch's default CPU generator: torch.rand, "
+            "torch.randint...; NumPy's np.random.*; Python's random.*): ResumableLoader seeds "
+            "those three for each batch's collate_fn call from (its seed, the epoch, the "
+            "position of the batch's first sample), the same with any number of workers")
