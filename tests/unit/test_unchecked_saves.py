@@ -80,3 +80,85 @@ def test_a_tensor_changed_in_place_is_saved_as_it_is(tmp_path, mode, where, chan
             assert v.shape == want.shape and torch.equal(v, want), k
     finally:
         ck.close()
+
+
+class _Extra:
+    """An extra part: a mapping of 20 small tensors (planned from the second save), and, when
+    ``bad``, a value no save can store (a set: an async snapshot copies it, the encoder
+    refuses it)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.a = {f"w{i}": torch.randn(4, 4, generator=g) for i in range(20)}
+        self.bad = False
+
+    def state_dict(self) -> dict:
+        return {"a": self.a, **({"z": {1, 2}} if self.bad else {})}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.a = sd["a"]
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+@pytest.mark.parametrize("size", [8, 32])  # (fewer and more bytes than the planned shape)
+def test_a_save_refused_after_a_planned_tensor_changed_leaves_no_stale_plan(
+        tmp_path, mode, size):
+    """Found by the review of this change: a thread-mode save refused after its plan took
+    the snapshot's buffers unchecked (a tensor of another shape) left them recorded as
+    checked; the next save wrote the old shape and read past the new buffer (a generation
+    that verified, holding the wrong bytes)."""
+    extra = _Extra()
+    ck = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(2, 2),
+                               extras={"ex": extra}, async_save=mode)
+    try:
+        ck.save(1)
+        ck.save(2)
+        ck.wait()
+        extra.a["w3"] = torch.arange(float(size))
+        extra.bad = True
+        with pytest.raises(unbroken.errors.UnsupportedValue):
+            ck.save(3)
+            ck.wait()
+        extra.bad = False
+        ck.save(4)
+        ck.wait()
+    finally:
+        ck.close()
+    again = _Extra()
+    ck = unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(2, 2),
+                               extras={"ex": again})
+    try:
+        assert ck.restore(generation=4) == 4
+    finally:
+        ck.close()
+    for k, want in extra.a.items():
+        assert again.a[k].shape == want.shape and torch.equal(again.a[k], want), k
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_tensor_whose_storage_was_freed_is_refused_not_read_from_address_0(
+        tmp_path, mode, planned):
+    """A parameter whose storage was freed (``untyped_storage().resize_(0)``, as FSDP does)
+    keeps its shape: its bytes were read from address 0 and the process died (SIGSEGV). Its
+    save is refused, naming it; the next save of real values goes on."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
+    try:
+        if planned:
+            ck.save(1)
+            ck.save(2)
+            ck.wait()
+        weight = model[1].weight
+        kept = weight.detach().clone()
+        weight.untyped_storage().resize_(0)
+        with pytest.raises(unbroken.errors.UnsupportedValue, match=r"1\.weight.*holds no memory"):
+            ck.save(3)
+            ck.wait()
+        weight.untyped_storage().resize_(kept.nbytes)
+        with torch.no_grad():
+            weight.copy_(kept)
+        ck.save(4)
+        assert ck.wait().generation == 4
+    finally:
+        ck.close()

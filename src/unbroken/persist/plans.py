@@ -131,6 +131,8 @@ class Planning:
         except (RuntimeError, NotImplementedError):  # (an exotic tensor: `fill` says what)
             return False
         if 0 in ptrs:  # an empty tensor has no address: known by its id, as in `tensor`
+            if any(t.numel() for p, t in zip(ptrs, tensors) if not p):
+                return False  # (a storage freed under its tensor: `fill` refuses it)
             ptrs = [p or -id(t) for p, t in zip(ptrs, tensors)]
         views = self.views
         if len(set(ptrs)) != len(ptrs) or not views.keys().isdisjoint(ptrs):

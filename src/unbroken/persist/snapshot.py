@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedValue
-from ..state.codec import MAX_DEPTH, encode_tree, uninitialized, view_ident
+from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
 from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
@@ -158,12 +158,7 @@ class _Taking(Planning):
                     f"tensors of dtype {t.dtype} cannot be stored (quantized dtypes are not "
                     "supported); convert them (e.g. .dequantize()) in state_dict()")
             raise UnsupportedValue(f"{_shown((*path, key))}: {what} before saving")
-        try:
-            ptr = t.data_ptr()
-        except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
-            ptr = 0
-        except ValueError:  # (what torch raises for a lazy module's parameter)
-            raise uninitialized(_shown((*path, key)), t) from None
+        ptr = address(t, _shown((*path, key)))
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
         i = self.views.get(at)
         while i is not None:

@@ -89,6 +89,26 @@ def uninitialized(path: str, t: torch.Tensor) -> Exception:
                             "saving")
 
 
+def address(t: torch.Tensor, path: str) -> int:
+    """``t``'s data address (its storage's plus its offset), or 0 for a tensor without storage
+    of its own (a DTensor, an empty or meta tensor). Refuses a lazy module's uninitialized
+    parameter, and a tensor whose storage holds no memory (freed: ``untyped_storage()
+    .resize_(0)``, as FSDP does with a parameter it sharded), whose bytes would be read from
+    address 0: the process crashed (SIGSEGV)."""
+    try:
+        ptr = t.data_ptr()
+    except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
+        return 0
+    except ValueError:  # (what torch raises for a lazy module's parameter)
+        raise uninitialized(path, t) from None
+    if not ptr and not t.is_meta and t.numel():
+        raise UnsupportedValue(
+            f"{path}: a tensor of shape {list(t.shape)} whose storage holds no memory (freed "
+            "or resized to 0 bytes, as FSDP does with a parameter it sharded); save while it "
+            "holds its values (FSDP: its state_dict), or keep it out of the saved state")
+    return ptr
+
+
 # A lazy module's parameter or buffer before its first forward (torch does not export the
 # class's name to type checkers).
 UNINITIALIZED: type = getattr(torch.nn.parameter, "UninitializedTensorMixin")  # noqa: B009
@@ -146,12 +166,7 @@ class _Encoder(Planning):
         # The same view referenced twice (tied weights) is stored once and decoded as one
         # object; a lazy view is found as itself (`view_ident` keeps its bits), before it is
         # resolved into a new tensor.
-        try:
-            ptr = t.data_ptr()
-        except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
-            ptr = 0
-        except ValueError:  # (what torch raises for a lazy module's parameter)
-            raise uninitialized(path, t) from None
+        ptr = address(t, path)
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
         held = self._views.get(at)
         if held is not None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
-from .codec import encode_tree_for_file
+from .codec import Encoded, encode_tree_for_file
 from .decoding import decode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
@@ -31,6 +31,30 @@ def check_part_tree(name: str, tree: Any) -> None:
     if not isinstance(tree, Mapping):
         raise UnsupportedValue(f"state_dict() of part {name!r} returned a "
                                f"{type(tree).__name__}; it must return a dict")
+
+
+def _encoded(name: str, part: str, value: Any, meta: Mapping[str, str],
+             plans: dict[str, Any] | None, layout: dict[str, Any] | None, room: Room | None,
+             owned: bool, to_file: bool, artifacts: dict[str, Any]) -> Encoded:
+    """Part ``part`` encoded (`codec.encode_tree_for_file`) and, with ``to_file`` (not an
+    incremental save), its tensor file ``name`` built into ``artifacts``: a plan's tensors
+    are checked as the file is built (``defer``; not an owner's buffers, which a plan keeps
+    for the next save only once checked), and one that no longer fits its plan has the part
+    encoded again, one tensor at a time."""
+    for defer in (to_file and not owned, False):
+        encoded = encode_tree_for_file(value, plans, owned, defer)
+        if not encoded.tensors or not to_file:
+            break
+        try:
+            artifacts[name] = encode_safetensors(
+                encoded.tensors, {**meta, "unbroken.part": part}, prepared=True,
+                layout=layout, kinds=encoded.kinds, ptrs=encoded.ptrs, room=room,
+                unchecked=encoded.unchecked)
+            break
+        except PlanUnfit:
+            assert plans is not None  # (only a plan's tensors go unchecked)
+            plans.clear()
+    return encoded
 
 
 def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: str = "",
@@ -57,22 +81,17 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
             name = f"{prefix}{part}.safetensors"
             layout = None if layouts is None else layouts.setdefault(name, {})
             plans = None if layout is None else layout.setdefault("plans", {})
-            # (A plan's tensors checked as their file is built, when it is built here; one
-            # that no longer fits its plan has the part encoded again, one tensor at a time.)
-            for defer in (plan is None, False):
-                encoded = encode_tree_for_file(value, plans, owned, defer)
-                if not encoded.tensors or plan is not None:
-                    break
-                try:
-                    artifacts[name] = encode_safetensors(
-                        encoded.tensors, {**meta, "unbroken.part": part}, prepared=True,
-                        layout=layout, kinds=encoded.kinds, ptrs=encoded.ptrs, room=room,
-                        unchecked=encoded.unchecked)
-                    files[part] = name
-                    break
-                except PlanUnfit:
-                    assert plans is not None  # (only a plan's tensors go unchecked)
+            try:
+                encoded = _encoded(name, part, value, meta, plans, layout, room, owned,
+                                   plan is None, artifacts)
+            except BaseException:
+                # (a save refused after a plan took the part: the next one plans it anew,
+                # never on what this one took and did not check)
+                if plans:
                     plans.clear()
+                raise
+            if name in artifacts:
+                files[part] = name
             skeleton, tensors = encoded.skeleton, encoded.tensors
             skeletons[part] = skeleton
             texts.update(encoded.texts)
