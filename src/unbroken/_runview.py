@@ -19,7 +19,7 @@ from .store.objects import ObjectStore
 from .store.opening import is_url, open_store
 from .store.retention import ranked
 from .store.runrecord import RunRecord, folder_run
-from .store.verifying import UNREADABLE
+from .store.verifying import UNREADABLE, unreadable
 
 # The status of a generation that a writer's retention deleted while `verify_one` read it.
 GONE = "deleted while checked"
@@ -285,6 +285,17 @@ def aside_lines(entries: list[dict[str, Any]]) -> list[str]:
 Problems = Callable[[dict[str, Any], Manifest, str, Any, Any], list[str]]
 
 
+def _opened(store: Any, path: str, size: int, whole: bool) -> Any:
+    """An artifact read again for decoding (``whole``: into memory, else mapped): an error
+    of this machine or store there (a second download refused by a throttled store, no
+    memory or descriptors left to map it) is `RunUnreadable`, as in the hash pass; an
+    I/O error is the file's."""
+    try:
+        return store.fs.read_file(path, size) if whole else store.fs.map_file(path, size)
+    except OSError as e:
+        raise unreadable(path, e) from None
+
+
 def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | None = None,
                deep: Problems | None = None) -> dict[str, Any]:
     """Re-hash every artifact (streaming), then decode the generation's structure (headers,
@@ -305,9 +316,8 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
     try:
         check_sizes(m, info.path)  # before reading a byte
         store.verify(info)  # every byte re-hashed against the manifest, one buffer at a time
-        files = {a.name: (store.fs.read_file(os.path.join(info.path, a.name), a.size)
-                          if a.name in (STATE_FILE, SHARDS_FILE) else
-                          store.fs.map_file(os.path.join(info.path, a.name), a.size))
+        files = {a.name: _opened(store, os.path.join(info.path, a.name), a.size,
+                                 a.name in (STATE_FILE, SHARDS_FILE))
                  for a in m.artifacts}
         tree, meta = decode_generation(files, info.path)  # headers, references, stamps
         if m.world_size > 1:  # each rank's own random streams, each checked (rank 0's: the part)

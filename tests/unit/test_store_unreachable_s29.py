@@ -107,3 +107,148 @@ def test_a_checksum_the_client_checked_still_judges_the_bytes(url, monkeypatch):
         assert ckpt.restore() == 2
     ckpt.close()
     assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+
+
+# -- found by the outside review of the change ---------------------------------------------------
+
+
+def _s3fs_error(code: str) -> OSError:
+    """What s3fs raises for a server's answer: its own translation of botocore's error."""
+    import botocore.exceptions
+    from s3fs.errors import translate_boto_error
+
+    status = int(code) if code.isdigit() else 503
+    return translate_boto_error(botocore.exceptions.ClientError(
+        {"Error": {"Code": code, "Message": f"upstream said {code}"},
+         "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"))
+
+
+def _transport_errors() -> dict[str, Any]:
+    import ssl
+
+    import aiohttp
+    import requests
+
+    return {"requests_timeout": lambda: requests.exceptions.ReadTimeout("read timed out"),
+            "requests_connection": lambda: requests.exceptions.ConnectionError("reset"),
+            "aiohttp": lambda: aiohttp.ClientOSError(),
+            "ssl_eof": lambda: ssl.SSLEOFError(8, "EOF occurred in violation of protocol")}
+
+
+@pytest.mark.parametrize("code", ["502", "504", "429", "Throttling", "RequestLimitExceeded"])
+def test_a_server_answer_s3fs_does_not_map_moves_nothing(url, monkeypatch, code):
+    """s3fs makes EIO of the codes it does not know (a proxy's 502, a 429): the server's
+    answer, not the object's bytes."""
+    _save(url)
+    _failing_reads(monkeypatch, lambda: _s3fs_error(code))
+    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
+    with pytest.raises(RunUnreadable):
+        ckpt.restore()
+    ckpt.close()
+    monkeypatch.undo()
+    assert not ckpt.store.aside()
+
+
+@pytest.mark.parametrize("kind", ["requests_timeout", "requests_connection", "aiohttp",
+                                  "ssl_eof"])
+def test_a_transport_error_without_an_errno_moves_nothing(url, monkeypatch, kind):
+    _save(url)
+    _failing_reads(monkeypatch, _transport_errors()[kind])
+    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
+    with pytest.raises(RunUnreadable):
+        ckpt.restore()
+    ckpt.close()
+    monkeypatch.undo()
+    assert not ckpt.store.aside()
+
+
+class DataCorruption(Exception):
+    """google-resumable-media's verdict on a download's checksum."""
+
+
+class AzureError(Exception):
+    """azure-core's error type, here for an MD5 mismatch."""
+
+
+@pytest.mark.parametrize("make", [lambda: DataCorruption("Checksum mismatch while downloading"),
+                                  lambda: AzureError("MD5 mismatch. Expected 'x==', got 'y=='")])
+def test_other_clients_verdicts_on_the_bytes_still_judge_them(url, monkeypatch, make):
+    _save(url)
+    _failing_reads(monkeypatch, make)
+    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ckpt.restore() == 2
+    ckpt.close()
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+
+
+def _local_run(tmp_path) -> str:
+    root = str(tmp_path / "run")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    ckpt = unbroken.Checkpointer(root, model=model, read_back="sync")
+    ckpt.restore()
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ckpt.save(step)
+    ckpt.close()
+    return root
+
+
+@pytest.mark.parametrize("which", ["read_file", "map_file"])
+def test_verify_calls_a_second_read_refused_by_the_machine_unreadable(
+        tmp_path, monkeypatch, capsys, which):
+    """verify hashes every file, then reads or maps it again to decode it: an error of the
+    machine or store there is no verdict on the bytes (exit 2, not corrupt with exit 1)."""
+    from unbroken.store.backends.local import LocalFS
+
+    root = _local_run(tmp_path)
+    real = getattr(LocalFS, which)
+
+    def failing(self: Any, path: str, *a: Any, **k: Any) -> Any:
+        if NEWEST in path and not path.endswith("MANIFEST.json"):
+            raise OSError(errno.EBUSY, "Device or resource busy", path)
+        return real(self, path, *a, **k)
+
+    monkeypatch.setattr(LocalFS, which, failing)
+    capsys.readouterr()
+    assert main(["verify", root]) == 2
+    assert "unreadable" in capsys.readouterr().out
+
+
+def test_a_flapping_stale_handle_in_listing_neither_drops_nor_moves_the_newest(
+        tmp_path, monkeypatch):
+    """The manifest read fails with ESTALE and the existence check right after fails too:
+    ``os.path.lexists`` says False for any error, so listing took the generation for deleted
+    (the restore silently used the older one) and the next save moved it aside as torn."""
+    import os
+
+    from unbroken.store.backends.local import LocalFS
+
+    root = _local_run(tmp_path)
+    stale = [False]
+    real_read, real_lstat = LocalFS.read_file, os.lstat
+
+    def read_file(self: Any, path: str, *a: Any, **k: Any) -> Any:
+        if NEWEST in path:
+            stale[0] = True
+            raise OSError(errno.ESTALE, "Stale file handle", path)
+        return real_read(self, path, *a, **k)
+
+    def lstat(path: Any, *a: Any, **k: Any) -> Any:
+        if stale[0] and NEWEST in os.fspath(path):
+            stale[0] = False
+            raise OSError(errno.ESTALE, "Stale file handle", os.fspath(path))
+        return real_lstat(path, *a, **k)
+
+    monkeypatch.setattr(LocalFS, "read_file", read_file)
+    monkeypatch.setattr(os, "lstat", lstat)
+    ckpt = unbroken.Checkpointer(root, model=torch.nn.Linear(4, 4))
+    with pytest.raises(RunUnreadable, match=NEWEST):
+        ckpt.restore()
+    ckpt.close()
+    monkeypatch.undo()
+    assert sorted(os.listdir(root)) == ["LOCK", "RUN.json", "gen-000000001", "gen-000000002",
+                                        NEWEST]

@@ -46,6 +46,8 @@ from .verifying import (
     UNREADABLE,
     GenerationInfo,
     Verifying,
+    looked_at,
+    present,
     stat_identity,
     unreadable,
 )
@@ -186,6 +188,8 @@ class GenerationStore(AsideFolder, Verifying):
             mode = os.lstat(path).st_mode
         except FileNotFoundError:
             return None
+        except OSError as e:  # (the folder's own entry unreadable: not judged by a machine error)
+            return looked_at(generation, path, e)
         if not stat.S_ISDIR(mode):
             kind = "a symbolic link" if stat.S_ISLNK(mode) else f"not a folder (mode {oct(mode)})"
             return GenerationInfo(generation, path, "corrupt", f"{path}: {kind}; a generation "
@@ -193,8 +197,9 @@ class GenerationStore(AsideFolder, Verifying):
         try:
             os.lstat(where)
         except FileNotFoundError:
-            if not os.path.lexists(path):
-                return None
+            there = present(path)
+            if there is not True:  # (gone; or not known: `_present`)
+                return None if there is False else looked_at(generation, path, there)
             return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
                                   "or deletion interrupted)")
         except OSError as e:  # (a folder it may not read: not a missing manifest)
@@ -217,9 +222,11 @@ class GenerationStore(AsideFolder, Verifying):
                                             "manifest (a generation never changes after commit)")
             for a in manifest.artifacts:
                 file = os.path.join(path, a.name)
-                if not os.path.lexists(file):
-                    raise CorruptCheckpoint(f"{file}: missing; the manifest lists {a.size} bytes")
-                st = os.lstat(file)
+                try:
+                    st = os.lstat(file)
+                except FileNotFoundError:
+                    raise CorruptCheckpoint(f"{file}: missing; the manifest lists {a.size} "
+                                            "bytes") from None
                 if not stat.S_ISREG(st.st_mode):
                     raise CorruptCheckpoint(f"{file}: not a regular file (mode "
                                             f"{oct(st.st_mode)})")
@@ -227,17 +234,20 @@ class GenerationStore(AsideFolder, Verifying):
                     raise CorruptCheckpoint(f"{file}: {st.st_size} bytes, the manifest lists "
                                             f"{a.size}")
         except (CorruptCheckpoint, OSError) as e:
-            # A concurrent deletion (manifest first, then the folder) is not corruption.
-            if not os.path.lexists(path):
+            # A concurrent deletion (manifest first, then the folder) is not corruption. (An
+            # existence this machine could not tell, a flapping ESTALE: not judged either.)
+            there = present(path)
+            if there is False:
                 return None
-            if not os.path.lexists(where):
+            manifest_there = present(where) if there is True else there
+            if manifest_there is False:
                 return GenerationInfo(generation, path, "torn", f"{where}: missing (deletion "
                                       "in progress or interrupted)")
+            if manifest_there is not True:
+                return looked_at(generation, path, manifest_there)
             if isinstance(e, CorruptCheckpoint):
                 return GenerationInfo(generation, path, "corrupt", str(e))
-            failed = unreadable(getattr(e, "filename", None) or path, e)
-            return GenerationInfo(generation, path, "corrupt" if isinstance(
-                failed, CorruptCheckpoint) else UNREADABLE, str(failed))
+            return looked_at(generation, path, e)
         return GenerationInfo(generation, path, "complete", "", manifest)
 
     # -- changing the folder (writer only) -----------------------------------------------------
@@ -388,3 +398,4 @@ class GenerationStore(AsideFolder, Verifying):
         for name in sorted(os.listdir(self.root)):
             if name.startswith(TRASH_PREFIX):
                 self.fs.rmtree(os.path.join(self.root, name))
+

@@ -57,6 +57,25 @@ def unreadable(path: str, e: OSError) -> UnbrokenError:
     return CorruptCheckpoint(f"{path}: unreadable ({e})")
 
 
+def present(path: str) -> bool | OSError:
+    """Whether ``path`` exists (``os.path.lexists``, which says False for any error), or the
+    error that kept this machine from telling (a stale handle, a permission)."""
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        return e
+    return True
+
+
+def looked_at(generation: int, path: str, e: OSError) -> GenerationInfo:
+    """A generation whose folder could not be looked at: unreadable (not judged, never
+    changed) for an error of this machine, else corrupt (`unreadable`)."""
+    failed = unreadable(getattr(e, "filename", None) or path, e)
+    return GenerationInfo(generation, path, "corrupt" if isinstance(failed, CorruptCheckpoint)
+                          else UNREADABLE, str(failed))
+
 def not_loadable(info: GenerationInfo) -> UnbrokenError:
     """The error for a generation listing did not find complete: `RunUnreadable` for one this
     machine may not read (not judged), else `CorruptCheckpoint` with the reason."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import functools
 import re
+import ssl
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -53,22 +54,44 @@ def _translated(path: str, call: Callable[[], T]) -> T:
     except CorruptCheckpoint:
         raise
     except OSError as e:
-        if e.filename is not None:
+        if e.filename is not None and not _from_server(e):
             raise
         # (s3fs raises a refused credential as a bare PermissionError: which object, and
         # not the client's 18 frames)
-        code = e.errno or next((n for kind, n in _ERRNO if isinstance(e, kind)), errno.EIO)
+        code = (_REMOTE if _from_server(e) or isinstance(e, ssl.SSLError) else e.errno
+                or next((n for kind, n in _ERRNO if isinstance(e, kind)), _judged(e)))
         try:
             named = type(e)(code, e.strerror or str(e) or type(e).__name__, path)
         except Exception:  # noqa: BLE001 -- a subclass with its own constructor: as it was
-            raise e from None
+            raise OSError(code, f"{type(e).__name__}: {e}", path) from None
         raise named from None
     except Exception as e:  # the client library's own error types
-        # (A connection dropped, a read timed out, a server that answered no HTTP status:
-        # not the object's bytes, which this store's own hashes judge. A checksum the client
-        # checked on the bytes it got is a verdict on them, as a hash of ours would be.)
-        code = errno.EIO if "checksum" in type(e).__name__.lower() else _REMOTE
-        raise OSError(code, f"{type(e).__name__}: {e}", path) from None
+        raise OSError(_judged(e), f"{type(e).__name__}: {e}", path) from None
+
+
+# Words of a client library's verdict on the bytes it received (botocore's
+# FlexibleChecksumError, google-resumable-media's DataCorruption, azure's "MD5 mismatch").
+_ON_CONTENT = ("checksum", "corrupt", "md5", "crc32", "crc64")
+
+
+def _judged(e: BaseException) -> int:
+    """The errno of a client library's error that carries none: EIO (content: judged) for a
+    verdict on the bytes received, else a machine error (a connection dropped, a read timed
+    out, a TLS session cut: not the object's bytes, which this store's own hashes judge)."""
+    said = f"{type(e).__name__} {e}".lower()
+    return errno.EIO if any(word in said for word in _ON_CONTENT) else _REMOTE
+
+
+def _from_server(e: OSError) -> bool:
+    """An error s3fs made of a server's answer that says nothing of the object (a 5xx, a
+    429, throttling: s3fs maps the codes it does not know to EIO)."""
+    response = getattr(e.__cause__, "response", None)
+    if not isinstance(response, dict):
+        return False
+    status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+    code = str((response.get("Error") or {}).get("Code", ""))
+    return (isinstance(status, int) and (status >= 500 or status == 429)
+            or "throttl" in code.lower() or code in ("RequestLimitExceeded", "SlowDown"))
 
 
 def _translating(method: Callable[..., T]) -> Callable[..., T]:
