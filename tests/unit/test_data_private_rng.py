@@ -177,3 +177,97 @@ def test_a_collate_fn_drawing_from_the_global_streams_is_accepted(collate_fn: An
 def test_no_collate_fn_is_accepted() -> None:
     assert private_rng(None, "collate_fn") is None
     assert len(batches(make_loader(None))) == N // B
+
+
+# -- found by the outside review -------------------------------------------------------------------
+
+generator = torch.Generator().manual_seed(42)  # (a module global, as for random_split)
+AUG = np.random.default_rng(5)  # (a module global a comprehension in a collate reads)
+
+
+class _Split:
+    """A LightningDataModule-like object: keeps a generator for its own split, and collates
+    with the global stream (an unused generator is not the collate's stream)."""
+
+    def __init__(self) -> None:
+        self.split_gen = torch.Generator().manual_seed(0)
+        self.p = 0.1
+
+    def collate(self, samples: list[Any]) -> torch.Tensor:
+        x = torch.utils.data.default_collate(samples)[0]
+        return self._mask(x)
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape) > self.p)
+
+
+class _SplitDrawing(_Split):
+    """The same, whose collate draws (through a method it calls) from a generator it keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = torch.Generator().manual_seed(1)
+
+    def _mask(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand(x.shape, generator=self.rng) > self.p)
+
+
+class _AttrLikeAGlobal:
+    """Reads ``self.generator`` (None: the global stream), named like the module's global."""
+
+    generator = None
+
+    def __call__(self, samples: list[Any]) -> torch.Tensor:
+        x = torch.utils.data.default_collate(samples)[0]
+        return x * (torch.rand(x.shape, generator=self.generator) > 0.1)
+
+
+class _Slotted:
+    __slots__ = ("rng",)
+
+    def __init__(self) -> None:
+        self.rng = np.random.default_rng(3)
+
+    def __call__(self, samples: list[Any]) -> torch.Tensor:
+        return torch.utils.data.default_collate(samples)[0] * float(self.rng.random())
+
+
+def _comprehension_global(samples: list[Any]) -> torch.Tensor:
+    return torch.tensor([float(AUG.random()) for _ in samples])
+
+
+class _Proxy:
+    """A global whose attributes raise (werkzeug's LocalProxy outside a request)."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError("working outside of a request context")
+
+
+PROXY = _Proxy()
+
+
+def _reads_proxy(samples: list[Any]) -> Any:
+    return torch.utils.data.default_collate(samples) if PROXY is not None else None
+
+
+@pytest.mark.parametrize("collate_fn", [
+    _Split().collate, _AttrLikeAGlobal(), _reads_proxy,
+    functools.partial(lambda s, args: torch.utils.data.default_collate(s),
+                      args=__import__("argparse").Namespace(seed=0, generator="gpt2"))],
+    ids=["unused_generator_of_its_object", "attribute_named_like_a_global", "raising_proxy",
+         "namespace_with_seed_and_generator_name"])
+def test_resumable_collators_the_walk_once_refused_or_crashed_on_are_accepted(collate_fn):
+    make_loader(collate_fn)  # (no UnsupportedSetup, nor any other error)
+
+
+@pytest.mark.parametrize("collate_fn", [
+    _SplitDrawing().collate, _Slotted(), _comprehension_global,
+    lambda s, held=__import__("collections").deque([np.random.default_rng(2)]): s,
+    lambda s, bits=np.random.PCG64(7): s],
+    ids=["method_calling_a_drawing_method", "slots", "global_read_in_a_comprehension",
+         "deque", "bit_generator"])
+def test_private_streams_the_walk_once_missed_are_refused(collate_fn):
+    with pytest.raises(UnsupportedSetup, match="draws from a random generator of its own"):
+        make_loader(collate_fn)

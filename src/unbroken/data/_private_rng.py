@@ -15,6 +15,8 @@ Transformers adapter refuses such a ``data_collator`` in its own words: each nam
 
 from __future__ import annotations
 
+import collections
+import dis
 import functools
 import inspect
 import itertools
@@ -37,9 +39,10 @@ from ..errors import UnsupportedSetup
 _MAX_DEPTH = 8
 _MAX_OBJECTS = 20_000
 _MAX_ITEMS = 1_000  # of one container: a generator is not hidden past a big list's start
-_PRIVATE = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random)
+_PRIVATE = (torch.Generator, np.random.Generator, np.random.RandomState, random.Random,
+            np.random.BitGenerator)
 _NAMES = ("torch.Generator", "numpy.random.Generator", "numpy.random.RandomState",
-          "random.Random")
+          "random.Random", "numpy.random bit generator")
 # Leaves: nothing a random generator could hide in (or too big to walk: a tensor's storage).
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor,
            np.ndarray, types.ModuleType, type, torch.dtype, torch.device)
@@ -77,7 +80,43 @@ def _seeded_hf(obj: Any) -> bool:
     its generator is created lazily, in each process and worker, from that seed."""
     values = getattr(obj, "__dict__", None)
     return (isinstance(values, dict) and values.get("seed") is not None
-            and "generator" in values)
+            and "generator" in values
+            and (values["generator"] is None or isinstance(values["generator"], _PRIVATE)))
+
+
+def _globals_loaded(code: types.CodeType) -> set[str]:
+    """The global names ``code`` and the code nested in it load."""
+    return {i.argval for c in _codes(code) for i in dis.get_instructions(c)
+            if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+
+
+def _named_on_self(func: Any, kind: type) -> set[str]:
+    """The attribute names a method's code (and the code of the methods of ``kind`` it names,
+    in turn) holds: what it may read of its object."""
+    names: set[str] = set()
+    todo, done = [func], set[types.CodeType]()
+    while todo and len(done) < 64:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None or code in done:
+            continue
+        done.add(code)
+        found: set[str] = set()
+        for c in _codes(code):
+            found.update(c.co_names)
+        names |= found
+        todo.extend(m for n in found if isinstance(m := inspect.getattr_static(kind, n, None),
+                                                    types.FunctionType))
+    return names
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """``code`` and the code nested in it (comprehensions, lambdas, inner functions)."""
+    todo = [code]
+    while todo:
+        c = todo.pop()
+        yield c
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:
@@ -88,7 +127,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         for key, value in list(itertools.islice(obj.items(), _MAX_ITEMS)):
             yield f"[{key!r}]", value
         return
-    if isinstance(obj, list | tuple | set | frozenset):
+    if isinstance(obj, list | tuple | set | frozenset | collections.deque):
         for i, value in enumerate(list(itertools.islice(obj, _MAX_ITEMS))):
             yield f"[{i}]", value
         return
@@ -100,22 +139,30 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
             yield f".keywords[{key!r}]", value
         return
     if isinstance(obj, types.MethodType):
-        yield ".__self__", obj.__self__
+        # (A method of an object that does more than collate, a LightningDataModule's: only
+        # what it and the methods it calls name on their object are looked into, not a
+        # generator the object keeps for its own ends, its split's.)
         yield ".__func__", obj.__func__
+        held = getattr(obj.__self__, "__dict__", None)
+        if isinstance(held, dict):
+            for name in sorted(_named_on_self(obj.__func__, type(obj.__self__)) & held.keys()):
+                yield f".__self__.{name}", held[name]
         return
     if isinstance(obj, types.BuiltinMethodType):  # rng.random of a private random.Random
         yield ".__self__", obj.__self__
         return
     if isinstance(obj, types.FunctionType):
-        try:
-            found = inspect.getclosurevars(obj)
-        except (TypeError, ValueError):  # a cell not yet filled
-            found = None
-        if found is not None:
-            for name, value in found.nonlocals.items():
-                yield f" (closure {name})", value
-            for name, value in found.globals.items():
-                yield f" (global {name})", value
+        # (what its code loads as globals, its nested code's too: a comprehension's, a
+        # lambda's; not ``getclosurevars``, whose "globals" are every name the code holds,
+        # an attribute's among them: ``self.generator`` named the module's ``generator``)
+        for name in sorted(_globals_loaded(obj.__code__)):
+            if name in obj.__globals__:
+                yield f" (global {name})", obj.__globals__[name]
+        for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+            try:
+                yield f" (closure {name})", cell.cell_contents
+            except ValueError:  # a cell not yet filled
+                continue
         for i, value in enumerate(obj.__defaults__ or ()):
             yield f" (default #{i})", value
         for name, value in (obj.__kwdefaults__ or {}).items():
@@ -123,8 +170,13 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         return
     values = getattr(obj, "__dict__", None)
     if isinstance(values, dict):
-        for key, value in list(values.items()):
+        for key, value in list(itertools.islice(values.items(), _MAX_ITEMS)):
             yield f".{key}", value
+    for kind in type(obj).__mro__:  # (a class with __slots__ holds no __dict__ for them)
+        slots = kind.__dict__.get("__slots__", ())
+        for slot in (slots,) if isinstance(slots, str) else slots:
+            if slot not in ("__dict__", "__weakref__") and hasattr(obj, slot):
+                yield f".{slot}", getattr(obj, slot)
     call = getattr(type(obj), "__call__", None)
     if isinstance(call, types.FunctionType):  # a collator class's own code (its globals)
         yield f" ({type(obj).__name__}.__call__)", call
@@ -144,18 +196,23 @@ def private_rng(root: Any, name: str) -> str | None:
     stack: list[tuple[str, Any, int]] = [(name, root, 0)]
     while stack and len(seen) < _MAX_OBJECTS:
         path, obj, depth = stack.pop()
-        if id(obj) in seen or id(obj) in shared or isinstance(obj, skipped) \
-                or type(obj).__module__.startswith("unbroken."):
+        if id(obj) in seen or id(obj) in shared:
             continue
         seen.add(id(obj))
-        if isinstance(obj, _PRIVATE):
-            kind = next(n for k, n in zip(_PRIVATE, _NAMES, strict=True) if isinstance(obj, k))
-            return f"{path}: a {kind}"
-        if _seeded_hf(obj):
-            return f"{path}: {type(obj).__name__}(seed={obj.seed!r})"
-        if depth < _MAX_DEPTH:
-            stack.extend((path + suffix, child, depth + 1)
-                         for suffix, child in reversed(list(_children(obj))))
+        try:
+            if isinstance(obj, skipped) or str(type(obj).__module__).startswith("unbroken."):
+                continue
+            if isinstance(obj, _PRIVATE):
+                kind = next(n for k, n in zip(_PRIVATE, _NAMES, strict=True)
+                            if isinstance(obj, k))
+                return f"{path}: a {kind}"
+            if _seeded_hf(obj):
+                return f"{path}: {type(obj).__name__}(seed={obj.seed!r})"
+            if depth < _MAX_DEPTH:
+                stack.extend((path + suffix, child, depth + 1)
+                             for suffix, child in reversed(list(_children(obj))))
+        except Exception:  # noqa: BLE001 -- an object that will not be looked into (a proxy
+            continue  # whose attributes raise, a mapping that raises on a read): passed by
     return None
 
 
