@@ -21,7 +21,7 @@ from ..state.parts import MODEL, STATE_FILE
 from ..state.tensorfile import ST_DTYPES
 from ..store.backends.local import LocalFS
 from ..store.generations import GenerationStore
-from ..store.verifying import GenerationInfo, not_loadable
+from ..store.verifying import GenerationInfo, not_loadable, unreadable
 from ._export_paths import check_out
 
 SCHEMA = "unbroken.export/1"
@@ -291,8 +291,8 @@ def hash_checked(out: str, entry: Any, name: str) -> str:
         size, digest = LocalFS().hash_file(path, max(want_size, 0))
     except CorruptCheckpoint as e:  # larger than recorded: never read past the size
         raise CorruptCheckpoint(f"{e}; {EXPORT_JSON} records {want_size} bytes") from None
-    except OSError as e:
-        raise CorruptCheckpoint(f"{path}: unreadable ({e})") from None
+    except OSError as e:  # (this machine's error, a permission: no verdict on the file)
+        raise unreadable(path, e) from None
     if (size, digest) != (want_size, want_hash):
         raise CorruptCheckpoint(f"{path}: {size} bytes with xxh3-128 {digest}; {EXPORT_JSON} "
                                 f"records {want_size} bytes with {want_hash}: the file was "
