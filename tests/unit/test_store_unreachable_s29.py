@@ -48,6 +48,7 @@ def url():
 
 
 def _save(url: str) -> None:
+    """Three generations of a small model at ``url`` (a store's URL or a local folder)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
     ckpt = unbroken.Checkpointer(url, model=model, keep=unbroken.Keep(last=5),
@@ -185,15 +186,7 @@ def test_other_clients_verdicts_on_the_bytes_still_judge_them(url, monkeypatch, 
 
 def _local_run(tmp_path) -> str:
     root = str(tmp_path / "run")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 4)
-    ckpt = unbroken.Checkpointer(root, model=model, read_back="sync")
-    ckpt.restore()
-    for step in (1, 2, 3):
-        with torch.no_grad():
-            model.weight.add_(1.0)
-        ckpt.save(step)
-    ckpt.close()
+    _save(root)
     return root
 
 
