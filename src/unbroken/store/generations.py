@@ -198,7 +198,7 @@ class GenerationStore(AsideFolder, Verifying):
             os.lstat(where)
         except FileNotFoundError:
             there = present(path)
-            if there is not True:  # (gone; or not known: `_present`)
+            if there is not True:  # (gone; or not known: `present`)
                 return None if there is False else looked_at(generation, path, there)
             return GenerationInfo(generation, path, "torn", f"{where}: missing (never committed, "
                                   "or deletion interrupted)")
@@ -398,4 +398,3 @@ class GenerationStore(AsideFolder, Verifying):
         for name in sorted(os.listdir(self.root)):
             if name.startswith(TRASH_PREFIX):
                 self.fs.rmtree(os.path.join(self.root, name))
-

@@ -76,6 +76,7 @@ def looked_at(generation: int, path: str, e: OSError) -> GenerationInfo:
     return GenerationInfo(generation, path, "corrupt" if isinstance(failed, CorruptCheckpoint)
                           else UNREADABLE, str(failed))
 
+
 def not_loadable(info: GenerationInfo) -> UnbrokenError:
     """The error for a generation listing did not find complete: `RunUnreadable` for one this
     machine may not read (not judged), else `CorruptCheckpoint` with the reason."""
