@@ -74,10 +74,12 @@ def _failing_reads(monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
     monkeypatch.setattr(MemoryFileSystem, "cat_ranges", cat_ranges)
 
 
-@pytest.mark.parametrize("failure", sorted(FAILURES))
-def test_a_read_the_store_cannot_serve_now_moves_nothing(url, monkeypatch, failure):
+def _moves_nothing(url: str, monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
+    """Reads of the newest generation failing with ``make()``: the restore raises
+    `RunUnreadable` naming it, nothing is moved, and once the store answers again the
+    newest generation restores (nothing was lost)."""
     _save(url)
-    _failing_reads(monkeypatch, FAILURES[failure])
+    _failing_reads(monkeypatch, make)
     ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
     with pytest.raises(RunUnreadable) as e:
         ckpt.restore()
@@ -87,8 +89,26 @@ def test_a_read_the_store_cannot_serve_now_moves_nothing(url, monkeypatch, failu
     assert [g.name for g in ckpt.store.scan()] == ["gen-000000001", "gen-000000002", NEWEST]
     assert not ckpt.store.aside()
     fresh = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
-    assert fresh.restore() == 3  # (the store answers again: nothing was lost)
+    assert fresh.restore() == 3
     fresh.close()
+
+
+def _judged(url: str, monkeypatch: pytest.MonkeyPatch, make: Any) -> None:
+    """Reads of the newest generation failing with ``make()``, a verdict on the bytes: the
+    generation is moved aside as corrupt and the restore falls back to the previous one."""
+    _save(url)
+    _failing_reads(monkeypatch, make)
+    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ckpt.restore() == 2
+    ckpt.close()
+    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+
+
+@pytest.mark.parametrize("failure", sorted(FAILURES))
+def test_a_read_the_store_cannot_serve_now_moves_nothing(url, monkeypatch, failure):
+    _moves_nothing(url, monkeypatch, FAILURES[failure])
 
 
 def test_verify_calls_it_unreadable_with_exit_2(url, monkeypatch, capsys):
@@ -100,14 +120,7 @@ def test_verify_calls_it_unreadable_with_exit_2(url, monkeypatch, capsys):
 
 
 def test_a_checksum_the_client_checked_still_judges_the_bytes(url, monkeypatch):
-    _save(url)
-    _failing_reads(monkeypatch, lambda: FlexibleChecksumError("Expected checksum X, got Y"))
-    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert ckpt.restore() == 2
-    ckpt.close()
-    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+    _judged(url, monkeypatch, lambda: FlexibleChecksumError("Expected checksum X, got Y"))
 
 
 # -- found by the outside review of the change ---------------------------------------------------
@@ -140,27 +153,13 @@ def _transport_errors() -> dict[str, Any]:
 def test_a_server_answer_s3fs_does_not_map_moves_nothing(url, monkeypatch, code):
     """s3fs makes EIO of the codes it does not know (a proxy's 502, a 429): the server's
     answer, not the object's bytes."""
-    _save(url)
-    _failing_reads(monkeypatch, lambda: _s3fs_error(code))
-    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
-    with pytest.raises(RunUnreadable):
-        ckpt.restore()
-    ckpt.close()
-    monkeypatch.undo()
-    assert not ckpt.store.aside()
+    _moves_nothing(url, monkeypatch, lambda: _s3fs_error(code))
 
 
 @pytest.mark.parametrize("kind", ["requests_timeout", "requests_connection", "aiohttp",
                                   "ssl_eof"])
 def test_a_transport_error_without_an_errno_moves_nothing(url, monkeypatch, kind):
-    _save(url)
-    _failing_reads(monkeypatch, _transport_errors()[kind])
-    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
-    with pytest.raises(RunUnreadable):
-        ckpt.restore()
-    ckpt.close()
-    monkeypatch.undo()
-    assert not ckpt.store.aside()
+    _moves_nothing(url, monkeypatch, _transport_errors()[kind])
 
 
 class DataCorruption(Exception):
@@ -174,14 +173,7 @@ class AzureError(Exception):
 @pytest.mark.parametrize("make", [lambda: DataCorruption("Checksum mismatch while downloading"),
                                   lambda: AzureError("MD5 mismatch. Expected 'x==', got 'y=='")])
 def test_other_clients_verdicts_on_the_bytes_still_judge_them(url, monkeypatch, make):
-    _save(url)
-    _failing_reads(monkeypatch, make)
-    ckpt = unbroken.Checkpointer(url, model=torch.nn.Linear(4, 4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        assert ckpt.restore() == 2
-    ckpt.close()
-    assert [e.reason for e in ckpt.store.aside()] == ["corrupt"]
+    _judged(url, monkeypatch, make)
 
 
 def _local_run(tmp_path) -> str:
