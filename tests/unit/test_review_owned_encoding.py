@@ -545,7 +545,7 @@ def _count_shortcuts(monkeypatch):
 
 def planned_values(obj: Any, plan: Any) -> list[Any]:
     leaves = encodeplans.planned_leaves(obj, plan.keys, plan.inner)
-    return [] if leaves is None else leaves[2]
+    return [] if leaves is None else leaves
 
 
 def _run_pair(tmp_path: Path, changes: list[tuple[str, int]]) -> None:

@@ -122,7 +122,7 @@ CHANGES = [
     "values", "conj", "neg", "expand", "data", "set_", "set_tie", "resize", "param",
     "requires_grad", "nonleaf", "subclass", "retype", "order", "shrink", "grow", "int_key",
     "share_inner", "cross", "state_list", "state_back", "inner_order", "extra", "no_extra",
-    "cross_model", "fail",
+    "cross_model", "fail", "swap", "early_tie", "early_view", "no_metadata",
 ]
 
 
@@ -195,6 +195,19 @@ def _apply(tree: dict[str, Any], change: str, i: int, buffers: SnapshotBuffers) 
         tree["extra"] = {"big": torch.randn(100)}
     elif change == "no_extra":
         tree.pop("extra", None)
+    elif change == "swap":  # two keys' tensors swapped: the plan's addresses, reordered
+        if other != key:
+            model[key], model[other] = model[other], t
+    elif change == "early_tie":  # a part before the model holding one of its tensors
+        tree_items = list(tree.items())
+        tree.clear()
+        tree.update([("early", {"x": t}), *[(k, v) for k, v in tree_items if k != "early"]])
+    elif change == "early_view":  # ... or another view at the same address
+        tree_items = list(tree.items())
+        tree.clear()
+        tree.update([("early", {"x": t[0]}), *[(k, v) for k, v in tree_items if k != "early"]])
+    elif change == "no_metadata":  # a state_dict without attributes (the snapshot's own
+        tree["model"] = OrderedDict(model)  # container is then given again)
     elif change == "fail":  # a snapshot that raises midway (a new shape taken before it)
         bad = dict(tree)
         bad["model"] = _retype(model, type(model))
@@ -226,6 +239,30 @@ def test_plans_take_what_fresh_buffers_take(changes):
         _apply(tree, change, i, buffers)
         failed = failed or change == "fail"
         _check(buffers, tree, accounting=not failed)
+
+
+@pytest.mark.parametrize("change", ["swap", "early_tie", "early_view", "no_metadata"])
+def test_a_plan_reusing_its_addresses_and_container_still_takes_ties_and_swaps(change):
+    """A plan keeps the addresses it took last (`Plan.seen`) and the container it filled
+    (`Plan.out`): the same addresses again are checked only against the other tensors met,
+    which a part met before the model may share (a tie, or another view at one address);
+    addresses reordered are checked again; a container without attributes is given again,
+    with this snapshot's values."""
+    torch.manual_seed(0)
+    tree: dict[str, Any] = {"model": _model(N), "opt": {"state": _state(N), "lr": 0.1}}
+    if change != "no_metadata":  # (a container without attributes: given again)
+        tree["model"] = OrderedDict(tree["model"])
+    buffers = SnapshotBuffers()
+    _check(buffers, tree)
+    _check(buffers, tree)  # planned, addresses kept
+    _apply(tree, change, 3, buffers)
+    _check(buffers, tree)
+    last, again = buffers.take(tree), buffers.take(tree)
+    assert (again["model"] is last["model"]) == (change in ("swap", "no_metadata"))
+    for k, v in tree["model"].items():  # (a container given again holds these values)
+        assert torch.equal(again["model"][k], v)
+    if change.startswith("early"):  # one buffer for the tie; its own for the other view
+        assert (again["early"]["x"] is again["model"]["w3"]) == (change == "early_tie")
 
 
 def test_lazy_views_and_parameters_are_taken_by_the_plan_with_their_values():

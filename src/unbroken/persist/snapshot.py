@@ -68,6 +68,9 @@ class _Taking(Planning):
         self.bufs: list[torch.Tensor] = []
         self.views: dict[int, int] = {}
         self.after: dict[int, int] = {}
+        # The views a plan took: (the index of its first in ``src``, its views' addresses ->
+        # their index from there), the plan's own (`Plan.seen`), not copied into ``views``.
+        self.placed: list[tuple[int, dict[int, int]]] = []
         # What the one _foreach_copy_ copies at the end: the CPU tensors met (in order) that
         # neither were copied alone (another device, a subclass) nor by a plan's block.
         self.to: list[torch.Tensor] = []
@@ -113,7 +116,8 @@ class _Taking(Planning):
             raise UnsupportedValue(f"{_shown(path[:8])}...: nested deeper than {MAX_DEPTH} "
                                    "levels; make its state_dict() return a tree, not a cycle")
         entries = self.cache.get(path, _NONE)
-        views, src, bufs, to, of = self.views, self.src, self.bufs, self.to, self.of
+        views, placed, src, bufs, to, of = (self.views, self.placed, self.src, self.bufs,
+                                            self.to, self.of)
         for k, v in items:
             key = k if type(k) in _IMMUTABLE else self.key(k, path)
             kind = type(v)
@@ -127,7 +131,8 @@ class _Taking(Planning):
                            and v.shape == entry[1] and v.dtype is entry[2] else 0)
                 except RuntimeError:  # (a sparse tensor has no storage, a nested no shape)
                     ptr = 0
-                if ptr and ptr not in views and entry is not None:  # (entry: for mypy)
+                if (ptr and ptr not in views and entry is not None  # (entry: for mypy)
+                        and (not placed or self.met(ptr) is None)):
                     views[ptr], buf = len(src), entry[0]
                     src.append(v)
                     bufs.append(buf)
@@ -160,7 +165,7 @@ class _Taking(Planning):
             raise UnsupportedValue(f"{_shown((*path, key))}: {what} before saving")
         ptr = address(t, _shown((*path, key)))
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
-        i = self.views.get(at)
+        head = i = self.met(at)
         while i is not None:
             other = self.src[i]
             if other is t or (ptr and view_ident(other) == view_ident(t)):
@@ -168,8 +173,8 @@ class _Taking(Planning):
                 return self.bufs[i]
             i = self.after.get(i)
         i = len(self.src)
-        if at in self.views:
-            self.after[i] = self.views[at]
+        if head is not None:
+            self.after[i] = head
         self.views[at] = i
         entries = self.cache.setdefault(path, {})
         entry = _fit(entries.get(key), t)
@@ -188,6 +193,17 @@ class _Taking(Planning):
             self.cuda = self.cuda or t.device.type == "cuda"
             buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
         return buf
+
+    def met(self, at: int) -> int | None:
+        """The index in ``src`` of the last view met at address ``at`` (the others follow
+        by ``after``), or None."""
+        i = self.views.get(at)
+        if i is None:
+            for first, where in self.placed:
+                j = where.get(at)
+                if j is not None:
+                    return first + j
+        return i
 
     def node(self, node: Any, path: tuple[Any, ...]) -> Any:
         """A container at ``path`` rebuilt, or anything else deep-copied."""

@@ -26,30 +26,40 @@ _SHAPE, _DTYPE, _IS_CPU = (operator.attrgetter(a) for a in ("shape", "dtype", "i
 _T = torch.Tensor
 
 
-def planned_leaves(obj: Mapping[Any, Any], keys: list[Any], inner: list[list[Any]] | None
-                   ) -> tuple[list[Any], list[list[Any]] | None, list[Any]] | None:
-    """A mapping's keys, its dicts' keys (``inner`` not None: its values are dicts) and their
-    values in order, when they are a plan's ``keys`` and ``inner`` (plain str and int keys,
-    whose ``==`` runs no user code); None if not. What a plan (the encoder's, the async
-    snapshot's) checks first, in whole-list operations."""
+# An optimizer state's per-key dicts as a plan knows them: their keys in a row, and how many
+# each holds (compared in two whole-list operations, not a list per key).
+Inner = tuple[list[Any], list[int]]
+
+
+def inner_of(names: list[list[Any]]) -> Inner:
+    """``names`` (each dict's keys) as a plan keeps them (`Inner`)."""
+    return list(chain.from_iterable(names)), list(map(len, names))
+
+
+def planned_leaves(obj: Mapping[Any, Any], keys: list[Any], inner: Inner | None
+                   ) -> list[Any] | None:
+    """A mapping's values (``inner`` None) or its dicts' values in order, when its keys are
+    a plan's ``keys`` and its dicts' keys are ``inner`` (plain str and int keys, whose ``==``
+    runs no user code); None if not. What a plan (the encoder's, the async snapshot's)
+    checks first, in whole-list operations."""
     got = list(obj)
     if not _PLAIN_KEYS.issuperset(map(type, got)) or got != keys:
         return None
     values = list(obj.values())
     if inner is None:
-        return got, None, values
-    if not _DICT.issuperset(map(type, values)):
+        return values
+    if not _DICT.issuperset(map(type, values)) or list(map(len, values)) != inner[1]:
         return None
-    names = list(map(list, values))
-    if not _PLAIN_KEYS.issuperset(map(type, chain.from_iterable(names))) or names != inner:
+    names = list(chain.from_iterable(values))
+    if not _PLAIN_KEYS.issuperset(map(type, names)) or names != inner[0]:
         return None
-    return got, names, [v for d in values for v in d.values()]
+    return list(chain.from_iterable(map(dict.values, values)))
 
 
 class _Plan(NamedTuple):
     """How the last save encoded a mapping of many tensors: a model's state_dict (keys ->
     tensors: ``inner`` None) or an optimizer's per-parameter state (keys -> dicts of tensors:
-    ``inner``, each one's keys). Every tensor was stored as itself under its path (``kinds``,
+    ``inner``, their keys). Every tensor was stored as itself under its path (``kinds``,
     in order) and referenced by a plain ``{"$t": "tensor", "key": path}`` (``refs``). A later
     save of a mapping of the same type and keys whose tensors are still plain, contiguous CPU
     tensors of the same dtypes and shapes, none of them met before in the part, gets the same
@@ -63,7 +73,7 @@ class _Plan(NamedTuple):
 
     kind: type
     keys: list[Any]
-    inner: list[list[Any]] | None
+    inner: Inner | None
     kinds: list[tuple[str, torch.dtype, torch.Size]]
     paths: list[str]
     shapes: list[torch.Size]
@@ -132,11 +142,10 @@ class Planning:
         encoder checks each as it copies it, or the copy (a ``torch.stack``) refuses what
         does not fit, and then the part is encoded again without plans (``unchecked``: see
         `codec.encode_tree_for_file`)."""
-        leaves = (planned_leaves(obj, plan.keys, plan.inner) if type(obj) is plan.kind
-                  else None)
-        if leaves is None:
+        tensors = (planned_leaves(obj, plan.keys, plan.inner) if type(obj) is plan.kind
+                   else None)
+        if tensors is None:
             return False
-        tensors = leaves[2]
         mine = plan.mine
         if mine and len(tensors) == len(mine[0]) and all(map(operator.is_, tensors, mine[0])):
             # The owner's own buffers, the objects checked last time: a buffer is never
@@ -211,7 +220,8 @@ class Planning:
             if type(held) is not tuple or len(held[1]) != 2:  # (not one plain reference)
                 return
             refs.append(held[1])
-        self.plans[path] = _Plan(type(obj), list(obj), inner, kinds, want,
+        self.plans[path] = _Plan(type(obj), list(obj),
+                                 None if inner is None else inner_of(inner), kinds, want,
                                  [s for _, _, s in kinds], [d for _, d, _ in kinds], refs,
                                  skeleton, [], _mine(tensors, self.ptrs[start:], want, refs)
                                  if self.owned else [])
