@@ -160,3 +160,15 @@ def test_a_stateful_that_is_no_module_is_asked():
     walked = LiveModel(Stateful())  # type: ignore[arg-type]
     assert not walked.lists and not walked.loads
     assert list(walked.state_dict()) == ["x"]
+
+
+def test_a_module_without_one_of_nn_modules_attributes_is_asked():
+    """The walk reads each module's attributes from its ``__dict__``: a module missing one
+    there (a load hook dict lost, as in a module restored from an old pickle by hand) makes
+    the model's own ``state_dict()`` the source, not a ``KeyError``."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    del model[1].__dict__["_load_state_dict_post_hooks"]
+    walked = LiveModel(model)
+    assert not walked.lists and not walked.loads and walked.tensors == {}
+    assert list(walked.state_dict()) == list(model.state_dict())
+    assert walked.param_names() == param_names(model)
