@@ -20,7 +20,7 @@ import importlib
 import json
 import os
 import sys
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from . import tools
 from ._commands import (
@@ -204,36 +204,6 @@ def _inspect(args: argparse.Namespace) -> int:
     return emit(args, payload, "\n".join(lines), ok)
 
 
-def _replay_fixtures(args: argparse.Namespace, store: Any, scanned: list[Any],
-                     records: list[dict[str, Any]]) -> None:
-    """``--factory``: replay the next-step fixture of every verified generation that has one
-    (`tools.nextstep`); a replay that differs makes the generation fail."""
-    from .store.objects import ObjectStore
-    from .tools._factory import load_factory
-    from .tools.nextstep import replay
-
-    if not args.deep:
-        raise UsageError("--factory replays next-step fixtures: it goes with --deep")
-    if isinstance(store, ObjectStore):
-        raise UsageError(f"{store.root}: next-step fixtures are recorded in local runs only")
-    factory = load_factory(args.factory)
-    replayed = 0
-    for info, rec in zip(scanned, records, strict=True):
-        if rec["status"] != "verified":
-            continue
-        compared, problems = replay(store.root, info, factory, args.factory)
-        rec["next_step"] = compared
-        replayed += compared is not None
-        if problems:
-            rec.update(status="corrupt", reason="; ".join(problems), problems=problems)
-    if not replayed and any(r["status"] == "verified" for r in records):
-        # (asked to replay, and nothing could be: a pass here would read as a replay passed)
-        raise UsageError(
-            f"{store.root}: --factory replays next-step fixtures, and no verified generation "
-            "checked here has one; save with Checkpointer(next_step_fixture=True) to record "
-            "them, or drop --factory")
-
-
 # -- verify -------------------------------------------------------------------------------------
 
 
@@ -285,7 +255,9 @@ def _verify(args: argparse.Namespace) -> int:
         records += [verify_one(store, g, run, deep) for g in scanned]
         recheck_torn(store, scanned, records[-len(scanned):] if scanned else [])
     if args.factory:
-        _replay_fixtures(args, store, scanned, records)
+        from .tools.nextstep import replay_fixtures
+
+        replay_fixtures(args, store, scanned, records)
     # (nothing verified, every generation gone while checked, is no verdict of success)
     ok = all(r["status"] in ("verified", GONE) for r in records) and (
         not records or any(r["status"] != GONE for r in records))

@@ -12,6 +12,7 @@ digests are compared with what the training run recorded after that same update.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import tempfile
@@ -79,3 +80,32 @@ def replay(root: str, info: GenerationInfo, factory: Any, spec: str
                             "run")
     return {"step": recorded["step"], "ids_checked": recorded["ids"] is not None,
             "parts": [p for p in ("model", "optimizer") if p in recorded]}, problems
+
+
+def replay_fixtures(args: argparse.Namespace, store: Any, scanned: list[Any],
+                    records: list[dict[str, Any]]) -> None:
+    """``--factory``: replay the next-step fixture of every verified generation that has one
+    (`replay`); a replay that differs makes the generation fail."""
+    from ..store.objects import ObjectStore
+    from ._factory import load_factory
+
+    if not args.deep:
+        raise UsageError("--factory replays next-step fixtures: it goes with --deep")
+    if isinstance(store, ObjectStore):
+        raise UsageError(f"{store.root}: next-step fixtures are recorded in local runs only")
+    factory = load_factory(args.factory)
+    replayed = 0
+    for info, rec in zip(scanned, records, strict=True):
+        if rec["status"] != "verified":
+            continue
+        compared, problems = replay(store.root, info, factory, args.factory)
+        rec["next_step"] = compared
+        replayed += compared is not None
+        if problems:
+            rec.update(status="corrupt", reason="; ".join(problems), problems=problems)
+    if not replayed and any(r["status"] == "verified" for r in records):
+        # (asked to replay, and nothing could be: a pass here would read as a replay passed)
+        raise UsageError(
+            f"{store.root}: --factory replays next-step fixtures, and no verified generation "
+            "checked here has one; save with Checkpointer(next_step_fixture=True) to record "
+            "them, or drop --factory")
