@@ -27,7 +27,8 @@ CHANGES = st.sampled_from([
     "none", "values", "shape", "dtype", "rename", "tie_in", "tie_across", "empty", "sparse",
     "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
     "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta",
-    "negative_view", "path_clash", "odict_for_dict", "all_shapes", "all_values"])
+    "negative_view", "path_clash", "odict_for_dict", "all_shapes", "all_values", "swap",
+    "tie_before", "view_before", "tie_after"])
 
 
 class Name(str):
@@ -54,7 +55,7 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
     key = f"layer{i % N}.weight"
     t, entry = model.get(key), state.get(key)
     if change in ("values", "shape", "dtype", "rename", "tie_in", "empty", "sparse", "meta",
-                  "negative_view",
+                  "negative_view", "swap", "tie_before", "view_before", "tie_after",
                   "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
                       isinstance(t, torch.Tensor) and not t.is_sparse):
         return  # (an earlier change took this tensor away)
@@ -122,6 +123,16 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
         for k, v in model.items():
             if isinstance(v, torch.Tensor) and not v.is_sparse and v.numel():
                 model[k] = torch.randn(v.numel() // 2 + 1, 2)
+    elif change == "swap":  # two keys' tensors swapped: a plan's addresses, reordered
+        other = f"layer{(i + 1) % N}.weight"
+        if other != key and isinstance(model.get(other), torch.Tensor):
+            model[key], model[other] = model[other], t
+    elif change in ("tie_before", "view_before"):  # a part met before the planned ones
+        items = [(k, v) for k, v in tree.items() if k != "before"]  # holding one of their
+        tree.clear()  # tensors, or another view at its address
+        tree.update([("before", {"x": t if change == "tie_before" else t[:1]}), *items])
+    elif change == "tie_after":  # ... or met after them (found among the plan's views)
+        tree["after"] = {"x": t}
     elif change == "all_values":  # the usual save: new values, the same tensors
         with torch.no_grad():
             for v in _tensors(tree, []):

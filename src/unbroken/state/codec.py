@@ -154,6 +154,9 @@ class _Encoder(Planning):
         # address, which is rare. (One view per address is a ``(tensor, ref)`` pair; a list
         # only for the rare second one.)
         self._views: dict[int, Any] = {}
+        # The views a plan took, not copied into ``_views`` (`Planning.planned`): (address ->
+        # index, the tensors, their references) for each.
+        self._placed: list[tuple[dict[int, int], list[Any], list[dict[str, Any]]]] = []
         self.met: set[str] = set()  # the paths of the mappings this encoding met by plan
 
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
@@ -169,6 +172,8 @@ class _Encoder(Planning):
         ptr = address(t, path)
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
         held = self._views.get(at)
+        if held is None and self._placed:
+            held = self.held(at)
         if held is not None:
             for other, same in held if type(held) is list else (held,):
                 if other is t or (ptr and view_ident(other) == view_ident(t)):
@@ -219,6 +224,14 @@ class _Encoder(Planning):
         else:
             self._views[at] = [held, (t, ref)]
         return ref
+
+    def held(self, at: int) -> tuple[torch.Tensor, dict[str, Any]] | None:
+        """The view a plan took at address ``at`` and its reference, or None."""
+        for where, tensors, refs in self._placed:
+            i = where.get(at)
+            if i is not None:
+                return tensors[i], refs[i]
+        return None
 
     def _key(self, path: str) -> str:
         """A unique tensor key for ``path``."""
