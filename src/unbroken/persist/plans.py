@@ -155,9 +155,9 @@ class Planning:
                 return False  # views at one address: `fill` (it compares the views)
             if not empty:  # (ids are not kept: another object may take an id)
                 seen[:] = ptrs, where
-        mine = where.keys()
-        if not (self.views.keys().isdisjoint(mine)
-                and all(w.keys().isdisjoint(mine) for _, w in self.placed)):
+        taken = where.keys()
+        if not (self.views.keys().isdisjoint(taken)
+                and all(w.keys().isdisjoint(taken) for _, w in self.placed)):
             return False  # a tie with a tensor met before: `fill` (it compares the views)
         try:
             with torch.no_grad():  # (a parameter's history is not the buffer's)

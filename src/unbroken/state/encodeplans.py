@@ -187,10 +187,10 @@ class Planning:
                 named = mine[2]
             else:
                 named = zip(plan.paths, tensors)
-        views, stored, mine_at = self._views, self.tensors, where.keys()
+        views, stored, taken = self._views, self.tensors, where.keys()
         # (none met before, the common case: ~0.3 ms not spent hashing 10,000 of each)
-        if (views and not views.keys().isdisjoint(mine_at)
-                or not all(w.keys().isdisjoint(mine_at) for w, _, _ in self._placed)
+        if (views and not views.keys().isdisjoint(taken)
+                or not all(w.keys().isdisjoint(taken) for w, _, _ in self._placed)
                 or stored and not stored.keys().isdisjoint(plan.paths)):
             return False  # a view met before, a key taken: `tensor` (it tells them apart)
         stored.update(named)
