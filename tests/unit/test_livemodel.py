@@ -172,3 +172,18 @@ def test_a_module_without_one_of_nn_modules_attributes_is_asked():
     assert not walked.lists and not walked.loads and walked.tensors == {}
     assert list(walked.state_dict()) == list(model.state_dict())
     assert walked.param_names() == param_names(model)
+
+
+def test_a_traced_module_is_walked_through_its_attributes():
+    """A traced module keeps its parameters, buffers and children outside its ``__dict__``
+    (``__getattr__`` serves them): the walk reads them by attribute, and still lists its
+    state itself."""
+    model = torch.jit.trace(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                                torch.nn.Linear(4, 2)).eval(), torch.randn(2, 3))
+    assert "_parameters" not in vars(model)
+    walked = LiveModel(model)
+    assert walked.lists
+    kept = model.state_dict(keep_vars=True)
+    assert list(walked.tensors) == list(kept)
+    assert all(walked.tensors[k] is kept[k] for k in kept)
+    assert walked.param_names() == param_names(model)

@@ -19,6 +19,10 @@ _PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _OWN_WAYS = frozenset({"state_dict", "_save_to_state_dict", "get_extra_state", "set_extra_state",
                        "_load_from_state_dict", "load_state_dict", "named_modules",
                        "named_parameters", "_named_members"})
+# The attributes of a module the walk reads, from its __dict__ where they are (`_Attributes`).
+_FIELDS = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules",
+           "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+           "_load_state_dict_post_hooks")
 # Deeper than this, ``state_dict()``'s recursion is refused by Python (its default limit):
 # a module holding its parent as a child nests without end.
 _MAX_DEPTH = 900
@@ -58,64 +62,76 @@ class LiveModel:
                       and kind.named_parameters is _MODULE.named_parameters
                       and kind._named_members is _MODULE._named_members)
         self.loads = kind.load_state_dict is _MODULE.load_state_dict
+        loads = self.loads
+        try:
+            self._walk(model, True)
+        except KeyError:  # a module keeping them elsewhere (a traced one: __getattr__)
+            self.tensors, self.names, self.loads, self.plain = {}, {}, loads, True
+            try:
+                self._walk(model, False)
+            except KeyError:  # a module without nn.Module's attributes (its __init__ not run)
+                self._own_way()
+
+    def _walk(self, model: Any, by_dict: bool) -> None:
+        """Walk ``model``'s modules, reading each one's attributes from its ``__dict__``,
+        where nn.Module keeps them (``by_dict``: ~0.3 us a module not spent on attribute
+        lookups; a module whose class defines one of them is read by attribute), or by
+        attribute; a KeyError if a module has one nowhere."""
         # What each class of module does its own way, found once per class: (lists its
-        # state and its children, loads it) as nn.Module does.
-        kinds: dict[type, tuple[bool, bool]] = {}
+        # state and its children, loads it, keeps its attributes in its __dict__ alone).
+        kinds: dict[type, tuple[bool, bool, bool]] = {}
         tensors, names = self.tensors, self.names
         stack: list[tuple[Any, str, int]] = [(model, "", 0)]
         pop, own = stack.pop, _OWN_WAYS.isdisjoint
-        try:
-            while stack:
-                # (Each module's attributes read from its __dict__, where nn.Module keeps
-                # them: ~0.3 us a module not spent on attribute lookups.)
-                m, prefix, depth = pop()
-                d = m.__dict__
-                kind = type(m)
-                plain = kinds.get(kind)
-                if plain is None:
-                    plain = kinds[kind] = (
-                        kind.state_dict is _MODULE.state_dict
-                        and kind._save_to_state_dict is _MODULE._save_to_state_dict
-                        and kind.get_extra_state is _MODULE.get_extra_state
-                        and kind.named_modules is _MODULE.named_modules,
-                        kind._load_from_state_dict is _MODULE._load_from_state_dict
-                        and kind.set_extra_state is _MODULE.set_extra_state)
-                if (not plain[0] or d["_state_dict_hooks"] or d["_state_dict_pre_hooks"]
-                        or not own(d) or depth > _MAX_DEPTH):
-                    # Its state or its children are listed its own way (a method of its
-                    # class or patched on it, a hook), or the modules nest past what
-                    # state_dict's recursion reaches (a module holding its parent): torch's
-                    # own calls are the source.
-                    self._own_way()
-                    return
-                if (not plain[1] or d["_load_state_dict_pre_hooks"]
-                        or d["_load_state_dict_post_hooks"]):
-                    self.loads = False
-                params = d["_parameters"]
-                if params:
-                    for name, p in params.items():
-                        if p is not None:
-                            key = prefix + name
-                            tensors[key] = p
-                            if id(p) not in names:
-                                names[id(p)] = key
-                            if type(p) not in _PLAIN:  # (a subclass may watch its copy_)
-                                self.loads = self.plain = False
-                buffers = d["_buffers"]
-                if buffers:
-                    transient = d["_non_persistent_buffers_set"]
-                    for name, b in buffers.items():
-                        if b is not None and name not in transient:
-                            tensors[prefix + name] = b
-                            if type(b) not in _PLAIN:
-                                self.loads = self.plain = False
-                children = d["_modules"]
-                if children:  # (reversed onto the stack: the first child is walked next)
-                    depth += 1
-                    stack.extend([(c, f"{prefix}{n}.", depth)
-                                  for n, c in reversed(children.items()) if c is not None])
-        except KeyError:  # a module without nn.Module's attributes (its __init__ not run)
-            self._own_way()
+        while stack:
+            m, prefix, depth = pop()
+            kind = type(m)
+            plain = kinds.get(kind)
+            if plain is None:
+                plain = kinds[kind] = (
+                    kind.state_dict is _MODULE.state_dict
+                    and kind._save_to_state_dict is _MODULE._save_to_state_dict
+                    and kind.get_extra_state is _MODULE.get_extra_state
+                    and kind.named_modules is _MODULE.named_modules,
+                    kind._load_from_state_dict is _MODULE._load_from_state_dict
+                    and kind.set_extra_state is _MODULE.set_extra_state,
+                    by_dict and not any(hasattr(kind, name) for name in _FIELDS))
+            d = m.__dict__
+            f = d if plain[2] else _Attributes(m)
+            if (not plain[0] or f["_state_dict_hooks"] or f["_state_dict_pre_hooks"]
+                    or not own(d) or depth > _MAX_DEPTH):
+                # Its state or its children are listed its own way (a method of its class
+                # or patched on it, a hook), or the modules nest past what state_dict's
+                # recursion reaches (a module holding its parent): torch's own calls are
+                # the source.
+                self._own_way()
+                return
+            if (not plain[1] or f["_load_state_dict_pre_hooks"]
+                    or f["_load_state_dict_post_hooks"]):
+                self.loads = False
+            params = f["_parameters"]
+            if params:
+                for name, p in params.items():
+                    if p is not None:
+                        key = prefix + name
+                        tensors[key] = p
+                        if id(p) not in names:
+                            names[id(p)] = key
+                        if type(p) not in _PLAIN:  # (a subclass may watch its copy_)
+                            self.loads = self.plain = False
+            buffers = f["_buffers"]
+            if buffers:
+                transient = f["_non_persistent_buffers_set"]
+                for name, b in buffers.items():
+                    if b is not None and name not in transient:
+                        tensors[prefix + name] = b
+                        if type(b) not in _PLAIN:
+                            self.loads = self.plain = False
+            children = f["_modules"]
+            if children:  # (reversed onto the stack: the first child is walked next)
+                depth += 1
+                stack.extend([(c, f"{prefix}{n}.", depth)
+                              for n, c in reversed(children.items()) if c is not None])
 
     def _own_way(self) -> None:
         """The model lists its state its own way: ``state_dict()`` is the only source."""
@@ -142,6 +158,23 @@ class LiveModel:
     def param_names(self) -> dict[int, str]:
         """id(parameter) -> its first name in the model (`optim.param_names`)."""
         return self.names if self.lists else param_names(self.model)
+
+
+class _Attributes:
+    """A module's attributes by name, for a module that keeps them elsewhere than in its
+    ``__dict__`` (a traced module serves them through ``__getattr__``; a class may define
+    one): ``KeyError`` where the module has none."""
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def __getitem__(self, name: str) -> Any:
+        try:
+            return getattr(self.module, name)
+        except AttributeError:
+            raise KeyError(name) from None
 
 
 def param_names(model: torch.nn.Module) -> dict[int, str]:
