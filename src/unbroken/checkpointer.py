@@ -24,7 +24,7 @@ from .errors import (
     UpdateBoundaryError,
 )
 from .inputs import EXTRA_NAME, check_options, dry_encode, metric, steps_from_env
-from .persist.background import InFlight
+from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
 from .persisting import Persisting
@@ -144,6 +144,7 @@ class Checkpointer(Persisting, Restoring):
         self._async = bool(async_save)
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
+        self._worker = Worker("unbroken-save")  # (its thread starts with the first save)
         # The order and header of each tensor file, used again while its tensors keep their
         # names, dtypes and shapes (one save at a time uses them).
         self._layouts: dict[str, Any] = {}
@@ -404,5 +405,5 @@ class Checkpointer(Persisting, Restoring):
                  "background", step, self._buffers.nbytes, time.monotonic() - started)
         self._in_flight = InFlight(step, lambda: self._persist(step, tree, values, again,
                                                                started, plan, snapshot=True),
-                                   self._pacer())
+                                   self._pacer(), worker=self._worker)
         return None

@@ -25,7 +25,7 @@ from .dist.filegroup import FileGroup, stage
 from .dist.group import Group, RankFailed, saving
 from .errors import SaveFailed, UnbrokenWarning
 from .persist.aftermath import settle_died_save
-from .persist.background import InFlight
+from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
 from .restoring import gc_paused
 from .saving import encode_share, replicated, saved_unchanged, stamps
@@ -69,6 +69,7 @@ class Persisting:
     _first_checked: bool = False
     _held: dict[str, list[HeldFile]]
     _in_flight: InFlight | None
+    _worker: Worker
     _layouts: dict[str, Any]
     _persister: ProcessPersister | None
     _read_back_later: bool
@@ -169,7 +170,8 @@ class Persisting:
             # committed and durable; the read-back and retention go on beside the loop, and
             # retention still waits for the read-back (the next save waits for both)
             # (not gc_paused: it re-hashes files, and the loop runs beside it for seconds)
-            self._in_flight = InFlight(step, verify_and_retain, self._pacer())
+            self._in_flight = InFlight(step, verify_and_retain, self._pacer(),
+                                       worker=self._worker)
             return info
         try:
             return verify_and_retain()
@@ -258,7 +260,8 @@ class Persisting:
             return info
 
         self._in_flight = InFlight(step, collect,
-                                   hurry=persister.hurry if self._persist_share else None)
+                                   hurry=persister.hurry if self._persist_share else None,
+                                   worker=self._worker)
 
     def _settle(self, step: int, again: bool, plan: Plan | None,
                 failed: SaveFailed) -> SaveFailed:
@@ -341,6 +344,7 @@ class Persisting:
         self._preemption.close()
         if self._trace is not None:
             self._trace.close()
+        self._worker.stop()
 
     def __enter__(self) -> Self:
         return self

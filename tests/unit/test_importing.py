@@ -280,7 +280,8 @@ def test_an_import_never_writes_into_its_source_or_onto_a_file(tmp_path, capsys)
     (tmp_path / "file").write_text("x")
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     for run, words in ((src, "the source itself"), (src / "sub", "inside the source"),
-                       (tmp_path / "file", "not a folder"), (tmp_path / "dangling", "not a folder")):
+                       (tmp_path / "file", "not a folder"),
+                       (tmp_path / "dangling", "not a folder")):
         code, doc = run_import(src, run, capsys)
         assert code == 2 and words in doc["error"], (run, doc)
     assert sorted(os.listdir(src)) == ["model.safetensors"]

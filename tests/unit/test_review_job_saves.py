@@ -77,13 +77,13 @@ def test_a_ctrl_c_as_the_background_part_ends_keeps_its_error_for_the_next_wait(
     ckpt.save(1)
     in_flight = ckpt._in_flight
     assert in_flight is not None and in_flight._ended.wait(10)
-    join = in_flight._thread.join
+    wait = in_flight._ended.wait
 
     def interrupted(*args):  # Ctrl-C lands after the background part ended
-        monkeypatch.setattr(in_flight._thread, "join", join)
+        monkeypatch.setattr(in_flight._ended, "wait", wait)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(in_flight._thread, "join", interrupted)
+    monkeypatch.setattr(in_flight._ended, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         ckpt.wait()
     with pytest.raises(SaveFailed, match="the read-back failed"):  # not lost

@@ -366,7 +366,7 @@ def test_the_block_size_limit_is_65536_bytes():
     _check(buffers, tree)
     plan = _plan(buffers, ("m",))
     keys = list(sd)
-    assert sorted(tuple(b.block.shape) for b in plan.blocks) == [(N, 3), (N, at // 4)]
+    assert sorted(tuple(b.shape) for b in plan.blocks) == [(N, 3), (N, at // 4)]
     assert [keys[i] for i in plan.loose] == ["o0", "o1"]
     for t in sd.values():
         t.add_(3)
@@ -384,7 +384,7 @@ def test_blocks_of_two_and_a_tensor_alone_of_its_kind():
     buffers = SnapshotBuffers()
     _check(buffers, tree)
     plan = _plan(buffers, ("m",))
-    assert sorted(b.block.shape[0] for b in plan.blocks) == [2] * 8
+    assert sorted(b.shape[0] for b in plan.blocks) == [2] * 8
     assert [list(sd)[i] for i in plan.loose] == ["alone"]
     sd["y3"] = torch.randn(5)  # one of a block of two: another shape
     _check(buffers, tree)
@@ -401,7 +401,7 @@ def test_optimizer_state_blocks_take_new_tensor_objects_and_steps():
     buffers = SnapshotBuffers()
     _check(buffers, tree)
     plan = _plan(buffers, ("opt", "state"))
-    assert sorted(tuple(b.block.shape) for b in plan.blocks) == [(N,), (2 * N, 3)]
+    assert sorted(tuple(b.shape) for b in plan.blocks) == [(N,), (2 * N, 3)]
     for k in state:  # the optimizer replaced by a new one, loaded: new objects, same shapes
         state[k] = {n: v.clone() * 2 for n, v in state[k].items()}
     _check(buffers, tree)
@@ -420,7 +420,7 @@ def test_a_stack_that_fails_midway_falls_back_to_the_same_buffers():
     tree = {"model": sd}
     buffers = SnapshotBuffers()
     _check(buffers, tree)
-    order = [tuple(b.block.shape) for b in _plan(buffers, ("model",)).blocks]
+    order = [tuple(b.shape) for b in _plan(buffers, ("model",)).blocks]
     later = "b" if order[0][1:] == (3, 2) else "w"
     sd[f"{later}5"] = torch.randn(1, 4) if later == "b" else torch.randn(1, 2)
     with torch.no_grad():
@@ -515,12 +515,12 @@ def test_blocks_are_released_when_replanned_or_dropped():
     sd = _model_sd()
     buffers = SnapshotBuffers()
     buffers.take({"model": sd, "other": {"x": torch.randn(4)}})
-    blocks = [weakref.ref(b.block) for b in _plan(buffers, ("model",)).blocks]
+    blocks = [weakref.ref(b) for b in _plan(buffers, ("model",)).blocks]
     sd["new"] = torch.randn(3, 2)  # a new key: planned again, new blocks
     snap = buffers.take({"model": sd, "other": {"x": torch.randn(4)}})
     gc.collect()
     assert all(r() is None for r in blocks)
-    blocks = [weakref.ref(b.block) for b in _plan(buffers, ("model",)).blocks]
+    blocks = [weakref.ref(b) for b in _plan(buffers, ("model",)).blocks]
     assert all(r() is not None for r in blocks)
     del snap
     buffers.take({"other": {"x": torch.randn(4)}})  # the model dropped
@@ -769,7 +769,7 @@ def test_a_shrunk_container_that_cannot_be_planned_releases_its_old_block():
     sd = {f"w{i}": torch.randn(1000) for i in range(N)}
     buffers = SnapshotBuffers()
     buffers.take({"m": sd})
-    block = weakref.ref(_plan(buffers, ("m",)).blocks[0].block)
+    block = weakref.ref(_plan(buffers, ("m",)).blocks[0])
     small = {"w0": sd["w0"], "w1": sd["w1"], "tie": sd["w0"]}
     for _ in range(2):
         _check(buffers, {"m": small})

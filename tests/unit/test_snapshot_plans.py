@@ -177,18 +177,35 @@ def _ident(t: torch.Tensor) -> Any:
     return view_ident(t) or id(t)
 
 
+# Chunk sizes a plan's tensors are checked and copied by (`plans.CHUNK`): the real one (one
+# chunk for these containers), and small ones whose chunks split blocks and place a change in
+# any chunk, first or not in its part.
+SIZES = st.sampled_from([plans.CHUNK, 1, 3, 7])
+
+
 @settings(max_examples=40, deadline=None)
-@given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6))
-def test_a_planned_snapshot_is_the_snapshot_fresh_buffers_take(changes):
-    _take_after(changes)
+@given(changes=st.lists(st.tuples(CHANGES, st.integers(0, N - 1)), min_size=1, max_size=6),
+       chunk=SIZES)
+def test_a_planned_snapshot_is_the_snapshot_fresh_buffers_take(changes, chunk):
+    _take_after(changes, chunk)
 
 
+@pytest.mark.parametrize("chunk", SIZES.elements)
 @pytest.mark.parametrize("change", CHANGES.elements)  # (each one alone, on every run)
-def test_each_change_after_a_planned_snapshot_is_taken_as_by_fresh_buffers(change):
-    _take_after([(change, 1), ("none", 0), (change, 2)])
+def test_each_change_after_a_planned_snapshot_is_taken_as_by_fresh_buffers(change, chunk):
+    _take_after([(change, 1), ("none", 0), (change, 2), (change, N - 3)], chunk)
 
 
-def _take_after(changes: list[tuple[str, int]]) -> None:
+def _take_after(changes: list[tuple[str, int]], chunk: int) -> None:
+    real = plans.CHUNK
+    plans.CHUNK = chunk  # (read as a plan is made)
+    try:
+        _taken_after(changes)
+    finally:
+        plans.CHUNK = real
+
+
+def _taken_after(changes: list[tuple[str, int]]) -> None:
     torch.manual_seed(0)
     tree: dict[str, Any] = {"model": _model(N), "optimizer": {"state": _state(N), "lr": 0.1}}
     buffers = SnapshotBuffers()
@@ -267,7 +284,7 @@ def test_small_tensors_of_one_shape_share_a_block_copied_by_one_stack():
     buffers = SnapshotBuffers()
     buffers.take({"model": sd})
     (plan,) = buffers._plans.values()
-    assert sorted(tuple(b.block.shape) for b in plan.blocks) == [(N, 3, 2), (N, 4)]
+    assert sorted(tuple(b.shape) for b in plan.blocks) == [(N, 3, 2), (N, 4)]
     assert [list(sd)[i] for i in plan.loose] == ["odd", "big"]
     with torch.no_grad():
         for t in sd.values():
@@ -291,3 +308,31 @@ def test_small_tensors_of_one_shape_share_a_block_copied_by_one_stack():
     assert len({storages[f"b{i}"] for i in range(N)}) == 1
     assert len(set(storages.values())) == 4
     assert snap["big"]._base is None and snap["big"].numel() == big
+
+
+@pytest.mark.parametrize("chunk", [plans.CHUNK, 4])
+@pytest.mark.parametrize("where", [0, 3, 5 * N // 2, 3 * N - 1])
+def test_a_freed_storage_in_any_chunk_is_refused_before_a_stack_reads_it(where, chunk,
+                                                                          monkeypatch):
+    """A stack reading a tensor whose storage was freed (its shape kept) would read freed
+    memory: each chunk's addresses are read before its stack, and the snapshot refuses the
+    tensor as fresh buffers do, naming it."""
+    monkeypatch.setattr(plans, "CHUNK", chunk)
+    sd = OrderedDict((f"w{i}", torch.randn(3, 2)) for i in range(3 * N))
+    buffers = SnapshotBuffers()
+    buffers.take({"m": sd})
+    assert buffers._plans
+    sd[f"w{where}"].untyped_storage().resize_(0)
+    stacked = []
+    real = torch.stack
+
+    def stack(tensors, **k):
+        assert all(t.untyped_storage().nbytes() for t in tensors), "a stack read freed memory"
+        stacked.append(len(tensors))
+        return real(tensors, **k)
+
+    monkeypatch.setattr(torch, "stack", stack)
+    with pytest.raises(UnsupportedValue, match=f"w{where}: a tensor of shape \\[3, 2\\] whose "
+                       "storage holds no memory"):
+        buffers.take({"m": sd})
+    assert stacked or where < chunk  # (the chunks before the freed tensor's were stacked)

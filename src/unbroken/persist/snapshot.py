@@ -211,6 +211,9 @@ class _Taking(Planning):
         if kind is dict:
             return self.mapping({}, node, path)
         if kind is list or kind is tuple:
+            if len(path) <= MAX_DEPTH and _IMMUTABLE.issuperset(map(type, node)):
+                # (an optimizer group's parameter names: ~0.4 us a name spared in `fill`)
+                return list(node) if kind is list else node
             items = self.fill({}, enumerate(node), path).values()
             return list(items) if kind is list else tuple(items)
         if kind is OrderedDict or kind is Counter:  # a module's state_dict: with _metadata

@@ -82,7 +82,7 @@ class LiveModel:
         kinds: dict[type, tuple[bool, bool, bool]] = {}
         tensors, names = self.tensors, self.names
         stack: list[tuple[Any, str, int]] = [(model, "", 0)]
-        pop, own = stack.pop, _OWN_WAYS.isdisjoint
+        pop = stack.pop
         while stack:
             m, prefix, depth = pop()
             kind = type(m)
@@ -99,7 +99,8 @@ class LiveModel:
             d = m.__dict__
             f = d if plain[2] else _Attributes(m)
             if (not plain[0] or f["_state_dict_hooks"] or f["_state_dict_pre_hooks"]
-                    or not own(d) or depth > _MAX_DEPTH):
+                    # (the 9 names looked up in the module's ~25 attributes, not the reverse)
+                    or not d.keys().isdisjoint(_OWN_WAYS) or depth > _MAX_DEPTH):
                 # Its state or its children are listed its own way (a method of its class
                 # or patched on it, a hook), or the modules nest past what state_dict's
                 # recursion reaches (a module holding its parent): torch's own calls are
@@ -115,8 +116,7 @@ class LiveModel:
                     if p is not None:
                         key = prefix + name
                         tensors[key] = p
-                        if id(p) not in names:
-                            names[id(p)] = key
+                        names.setdefault(id(p), key)
                         if type(p) not in _PLAIN:  # (a subclass may watch its copy_)
                             self.loads = self.plain = False
             buffers = f["_buffers"]
