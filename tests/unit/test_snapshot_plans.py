@@ -28,7 +28,7 @@ CHANGES = st.sampled_from([
     "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
     "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta",
     "negative_view", "path_clash", "odict_for_dict", "all_shapes", "all_values", "swap",
-    "tie_before", "view_before", "tie_after"])
+    "tie_before", "view_before", "tie_after", "reinterpret"])
 
 
 class Name(str):
@@ -54,9 +54,9 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
     model, state = tree["model"], tree["optimizer"]["state"]
     key = f"layer{i % N}.weight"
     t, entry = model.get(key), state.get(key)
-    if change in ("values", "shape", "dtype", "rename", "tie_in", "empty", "sparse", "meta",
-                  "negative_view", "swap", "tie_before", "view_before", "tie_after",
-                  "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
+    if change in ("values", "shape", "dtype", "reinterpret", "rename", "tie_in", "empty",
+                  "sparse", "meta", "negative_view", "swap", "tie_before", "view_before",
+                  "tie_after", "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
                       isinstance(t, torch.Tensor) and not t.is_sparse):
         return  # (an earlier change took this tensor away)
     if change in ("tie_across", "tensor_for_dict", "inner_rename", "inner_shape",
@@ -69,6 +69,8 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
         model[key] = torch.randn(2, 3)
     elif change == "dtype":
         model[key] = model[key].double()
+    elif change == "reinterpret":  # its bytes as another dtype: the same address and shape
+        model[key] = model[key].view(torch.int32 if t.dtype == torch.float32 else torch.float32)
     elif change == "rename":
         model[f"renamed{i}"] = model.pop(key)
     elif change == "tie_in":
@@ -90,7 +92,8 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
     elif change == "tensor_for_dict":
         state[key] = torch.ones(3, 2)
     elif change == "parameter":
-        model[key] = torch.nn.Parameter(model[key].clone())
+        model[key] = torch.nn.Parameter(model[key].clone(),
+                                        requires_grad=t.is_floating_point())
     elif change == "drop":
         del model[key]
     elif change == "add":
@@ -137,7 +140,7 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
         with torch.no_grad():
             for v in _tensors(tree, []):
                 if not v.is_sparse and v.numel():
-                    v.mul_(-1.5)
+                    v.mul_(-1.5) if v.is_floating_point() else v.add_(3)
 
 
 def _tensors(obj: Any, out: list[torch.Tensor]) -> list[torch.Tensor]:

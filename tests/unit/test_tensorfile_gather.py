@@ -67,9 +67,9 @@ def test_a_long_run_of_one_shape_is_stacked_and_the_layout_groups_shapes():
     stacks = []
     real = T._stacked
 
-    def spy(ts, into, dtype, shape):
+    def spy(ts, into, dtype, shape, unchecked=False):
         stacks.append((len(ts), tuple(shape)))
-        return real(ts, into, dtype, shape)
+        return real(ts, into, dtype, shape, unchecked)
 
     T._stacked = spy
     try:

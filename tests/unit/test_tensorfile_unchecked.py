@@ -61,8 +61,8 @@ def _same_as_unplanned(tree: dict[str, Any], layouts: dict[str, Any]) -> bool:
 
 
 def _changed(t: torch.Tensor, change: str) -> torch.Tensor:
-    """``t`` changed so that its dtype and its address may stay what a plan expects (what
-    the deferred checks see), but not its shape, contiguity or lazy bits."""
+    """``t`` changed so that its address may stay what a plan expects (what the deferred
+    checks see), but not its dtype, shape, contiguity or lazy bits."""
     if change == "same_numel_shape":  # the same bytes under another shape
         return t.reshape(-1) if t.dim() > 1 else t.reshape(1, -1)
     if change == "transposed":  # square: the same shape, not contiguous
@@ -73,6 +73,16 @@ def _changed(t: torch.Tensor, change: str) -> torch.Tensor:
         return t.reshape(-1)[:1].expand(t.shape)
     if change == "meta":
         return torch.empty(t.shape, device="meta")
+    if change == "reinterpreted":  # the same bytes, address and shape, another dtype
+        return t.view(torch.int32)
+    if change == "cast":  # another dtype a stack casts into the stretch's
+        return t.double()
+    if change == "complex":  # one a stack refuses to cast
+        return t.to(torch.complex64)
+    if change == "data_retyped":  # a parameter whose data became another dtype in place
+        p = torch.nn.Parameter(t.clone(), requires_grad=False)  # (an int one needs none)
+        p.data = p.data.view(torch.int32)
+        return p
     if change == "data_reshaped":  # a parameter whose data became another shape in place
         p = torch.nn.Parameter(t.clone())
         p.data = torch.randn(2, *t.shape)[0].reshape(-1)
@@ -81,7 +91,7 @@ def _changed(t: torch.Tensor, change: str) -> torch.Tensor:
 
 
 CHANGED = ["same_numel_shape", "transposed", "negative_view", "expanded", "meta",
-           "data_reshaped"]
+           "data_reshaped", "reinterpreted", "cast", "complex", "data_retyped"]
 
 
 @pytest.mark.parametrize("place", sorted(PLACES))
@@ -107,9 +117,10 @@ def test_the_plans_really_skip_the_checks_the_file_encoder_makes(monkeypatch):
     G.encode_generation(tree, META, layouts=layouts)
 
     def refused(t: torch.Tensor) -> Any:
-        raise AssertionError("a shape read by the plan")
+        raise AssertionError("a shape or a dtype read by the plan")
 
     monkeypatch.setattr(encodeplans, "_SHAPE", refused)
+    monkeypatch.setattr(encodeplans, "_DTYPE", refused)
     got = _bytes(G.encode_generation(tree, META, layouts=layouts))
     monkeypatch.undo()
     assert got == _bytes(G.encode_generation(tree, META))

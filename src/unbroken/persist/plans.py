@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..state.encodeplans import Inner, inner_of, planned_leaves
+from ..state.tensorfile import CHUNK
 
 # A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
 # them from the buffer again costs ~0.1 us a torch call, for 10,000 small tensors each save.
@@ -34,13 +35,6 @@ _PLAIN_KEYS = frozenset({str, int})  # keys a plan compares (``==`` of anything 
 _DICT = frozenset({dict})
 _SHAPE, _DTYPE, _NBYTES = (operator.attrgetter(a) for a in ("shape", "dtype", "nbytes"))
 _DATA_PTR = torch.Tensor.data_ptr
-
-
-# A plan's tensors are checked and copied this many at a time, in order: each chunk's block
-# members stacked, then its tensors' dtypes read while their metadata is still in the cache.
-# (After an update, 10,000 small tensors' metadata is out of it: reading their dtypes first,
-# then stacking, cost ~2 ms more.)
-CHUNK = 128
 
 
 class Part(NamedTuple):

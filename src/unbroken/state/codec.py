@@ -357,8 +357,8 @@ class Encoded(NamedTuple):
     """`encode_tree`'s skeleton and tensors, and what `encode_safetensors` takes of each
     tensor (``kinds``: key, dtype, shape; ``ptrs``: the address of its data), in order.
     ``texts``: the JSON text of each planned mapping, by the string the skeleton holds in
-    its place (`jsontext.dumps_json` puts it back). ``unchecked``: some tensors' shapes,
-    devices, lazy bits and contiguity are only what ``kinds`` expects (see
+    its place (`jsontext.dumps_json` puts it back). ``unchecked``: some tensors' dtypes,
+    shapes, devices, lazy bits and contiguity are only what ``kinds`` expects (see
     `encode_tree_for_file`)."""
 
     skeleton: Any
@@ -380,9 +380,9 @@ def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None, owned: 
     only it writes and never reshapes, retypes or moves: a plan meeting the same objects
     again skips their checks. (Any other tensors, the user's, may have changed in place.)
     ``defer``: for `encode_safetensors` with ``unchecked``, which checks, as it copies them,
-    the tensors a plan took without reading their shapes, devices, lazy bits and contiguity
-    (`Planning.planned`), and refuses the file (`tensorfile.PlanUnfit`) if one does not fit:
-    the caller then encodes the tree again with its plans cleared."""
+    the tensors a plan took without reading their dtypes, shapes, devices, lazy bits and
+    contiguity (`Planning.planned`), and refuses the file (`tensorfile.PlanUnfit`) if one
+    does not fit: the caller then encodes the tree again with its plans cleared."""
     enc = _Encoder(plans, owned, defer)
     skeleton = enc.encode(tree, "")
     if owned and plans:

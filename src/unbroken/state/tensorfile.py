@@ -32,6 +32,12 @@ ST_DTYPES: dict[torch.dtype, str] = {
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = ITEMSIZE
 _ITEMSIZE_OF = {dt: _ITEMSIZE[name] for name, dt in _ST_BY_NAME.items()}
+_DTYPE = operator.attrgetter("dtype")
+# Small tensors of one shape and dtype are stacked this many at a time, each stack checked
+# right after it while its tensors' metadata is in the cache (after an update, 10,000 small
+# tensors' is not: their dtypes read before a stack of all cost ~2 ms more). The async
+# snapshot's plans (`persist.plans`) copy and check their tensors so too.
+CHUNK = 128
 _SMALL = 64 * 1024  # tensors up to this size are gathered into one chunk per run of a dtype
 _STACKED = 8  # this many small tensors of one dtype and shape in a row: copied by one stack
 _json_key = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # C, as dumps'
@@ -84,11 +90,11 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     shapes stay the same (the bytes are those of a call without it); without ``room``, the
     buffers the small tensors are gathered into are kept there too, and the next call
     gathers into them again: the caller is done with the last call's chunks by then.
-    ``unchecked`` (with ``kinds``): the tensors' dtypes and addresses are as given, but their
+    ``unchecked`` (with ``kinds``): the tensors' addresses are as given, but their dtypes,
     shapes, devices, lazy bits and contiguity may not be (`codec.Encoded`): each is checked
     as it is copied, a stretch stacked by ``torch.stack`` (which refuses another device and
-    unequal shapes, and copies values, not memory) by its first tensor's shape; `PlanUnfit`
-    if one does not fit."""
+    unequal shapes, and copies values, not memory) by its first tensor's shape and, after
+    the stack, its dtypes; `PlanUnfit` if one does not fit."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by shape (small
@@ -126,7 +132,7 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # (fresh memory for 300 MB of small tensors costs more to fault in than to fill: a
     # save of them took 2.5x longer than with the buffers reused)
     reused = layout.setdefault("gathered", {}) if layout is not None and room is None else None
-    chunks = [tensor_bytes(_fit(values[c], kinds[c][2]) if unchecked else values[c])
+    chunks = [tensor_bytes(_fit(values[c], *kinds[c][1:]) if unchecked else values[c])
               if type(c) is int else _gather(c, values, ptrs, room, reused, i, unchecked)
               for i, c in enumerate(chunking)]
     meta = dict(metadata or {})
@@ -240,29 +246,27 @@ def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
     base, move = out.data_ptr(), ctypes.memmove
     at = 0
     for take, stretch, dtype, shape, n in run.parts:
-        if take is not None:
-            # (stack resizes an ``out`` of the wrong shape, which it checks the others by)
-            if unchecked:
-                _fit(values[stretch[0]], shape, stacked=True)
-            if _stacked(take(values), out[at:at + len(stretch) * n], dtype, shape):
-                at += len(stretch) * n
-                continue
+        if take is not None and _stacked(take(values), out[at:at + len(stretch) * n], dtype,
+                                         shape, unchecked):
+            at += len(stretch) * n
+            continue
         for x in stretch:
             if unchecked:
-                _fit(values[x], shape)
+                _fit(values[x], dtype, shape)
             move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
             at += n
     return tensor_bytes(out) if given is None else given
 
 
-def _fit(t: torch.Tensor, shape: torch.Size, stacked: bool = False) -> torch.Tensor:
+def _fit(t: torch.Tensor, dtype: torch.dtype | None, shape: torch.Size) -> torch.Tensor:
     """``t``, checked for what `encode_safetensors` with ``unchecked`` copies it as: of
-    ``shape``, and (unless ``stacked``: a stack copies values, from any device it accepts)
-    a contiguous CPU tensor without a lazy bit (complex dtypes are never planned: no conj
-    bit). `PlanUnfit` if not."""
+    ``shape``, and (``dtype`` None: the first of a stack, which copies values, from any
+    device it accepts, its dtypes checked after it) a contiguous CPU tensor of ``dtype``
+    without a lazy bit (complex dtypes are never planned: no conj bit). `PlanUnfit` if
+    not."""
     try:
-        if t.shape == shape and (stacked or t.is_cpu and not t.is_neg()
-                                 and t.is_contiguous()):
+        if t.shape == shape and (dtype is None or t.dtype is dtype and t.is_cpu
+                                 and not t.is_neg() and t.is_contiguous()):
             return t
     except (RuntimeError, NotImplementedError):  # (an exotic tensor: encoded one at a time)
         pass
@@ -270,13 +274,25 @@ def _fit(t: torch.Tensor, shape: torch.Size, stacked: bool = False) -> torch.Ten
 
 
 def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch.Tensor,
-             dtype: torch.dtype, shape: torch.Size) -> bool:
-    """``tensors`` (of ``dtype`` and ``shape``) copied side by side into the bytes ``into``;
-    False (nothing copied) for a dtype torch cannot stack on the CPU (a float8)."""
+             dtype: torch.dtype, shape: torch.Size, unchecked: bool = False) -> bool:
+    """``tensors`` (of ``dtype`` and ``shape``) copied side by side into the bytes ``into``,
+    `CHUNK` at a time; False (some maybe copied) for a dtype torch cannot stack on the CPU
+    (a float8), or a stack that fails: the caller copies them one at a time. ``unchecked``
+    (see `encode_safetensors`): each stack's first tensor's shape is checked before it (a
+    stack resizes an ``out`` of another shape, and checks the others by its first), and its
+    dtypes after it (a stack casts), while its tensors are in the cache; `PlanUnfit` if one
+    does not fit."""
+    rows = into.view(dtype).view(len(tensors), *shape)
     try:
         with torch.no_grad():  # (a parameter's history is not the file's)
-            torch.stack(tensors, out=into.view(dtype).view(len(tensors), *shape))
-    except (RuntimeError, NotImplementedError):
+            for lo in range(0, len(tensors), CHUNK):
+                part = tensors[lo:lo + CHUNK]
+                if unchecked:
+                    _fit(part[0], None, shape)
+                torch.stack(part, out=rows[lo:lo + len(part)])
+                if unchecked and list(map(_DTYPE, part)).count(dtype) != len(part):
+                    raise PlanUnfit
+    except (RuntimeError, NotImplementedError, TypeError):  # (TypeError: a complex member)
         return False
     return True
 
