@@ -344,7 +344,7 @@ class Persisting:
         self._preemption.close()
         if self._trace is not None:
             self._trace.close()
-        self._worker.stop()
+        self._worker.stop(wait=True)
 
     def __enter__(self) -> Self:
         return self

@@ -253,6 +253,87 @@ def test_a_script_that_ends_without_close_still_commits_its_async_save(tmp_path,
     assert [g.generation for g in gens] == [1] and gens[0].ok
 
 
+# How a script's last saves meet the interpreter's exit (the saves' kept worker thread,
+# `persist.background.Worker`): saves made by a thread after the main thread ended (the exit
+# began: its thread-stopping callbacks ran), a first save made by a daemon thread (whose
+# daemon flag a thread it starts would take), a save made by an atexit handler. Each script
+# ends without close() and must exit, its last generation committed.
+_EXITS = {
+    "after_main": """
+        import threading, time
+        def train():
+            time.sleep(0.5)  # (the main thread has ended: the exit began)
+            for step in (1, 2, 3):
+                ckpt.save(step)
+        threading.Thread(target=train).start()
+        """,
+    "daemon_first": """
+        import threading
+        first = threading.Thread(target=lambda: ckpt.save(1), daemon=True)
+        first.start()
+        first.join()
+        ckpt.wait()
+        ckpt.save(3)
+        """,
+    "atexit": """
+        import atexit
+        ckpt.save(1)
+        ckpt.wait()
+        atexit.register(lambda: ckpt.save(3))
+        """,
+}
+
+
+@pytest.mark.parametrize("mode", [True, "process"])
+@pytest.mark.parametrize("how", sorted(_EXITS))
+def test_the_last_save_of_a_script_commits_however_the_exit_meets_it(tmp_path, mode, how):
+    script = textwrap.dedent(f"""
+        import torch, unbroken
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+        ckpt = unbroken.Checkpointer({str(tmp_path / "run")!r}, model=model,
+                                     async_save={mode!r})
+        """) + textwrap.dedent(_EXITS[how])
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+    gens = GenerationStore(tmp_path / "run").scan()
+    assert gens[-1].generation == 3 and all(g.ok for g in gens), gens
+
+
+def test_a_checkpointers_worker_thread_ends_with_close_and_when_it_is_dropped(tmp_path):
+    """One thread runs a Checkpointer's saves, kept between them: close() ends it (a save
+    after close() starts another), and so does dropping the Checkpointer unclosed; neither
+    leaves a finalizer behind per save."""
+    import gc
+    import weakref
+
+    def workers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "unbroken-save" and t.is_alive()]
+
+    model = torch.nn.Linear(4, 4)
+    before = len(weakref.finalize._registry)  # type: ignore[attr-defined]
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=True)
+    for step in range(1, 6):
+        ckpt.save(step)
+        assert len(workers()) == 1
+        ckpt.close()
+        assert not workers()
+    assert len(weakref.finalize._registry) <= before + 1  # type: ignore[attr-defined]
+    dropped = unbroken.Checkpointer(tmp_path / "other", model=model, async_save=True)
+    dropped.save(1)
+    dropped.wait()
+    assert len(workers()) == 1
+    del dropped
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while workers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not workers()
+    again = unbroken.Checkpointer(tmp_path / "run", model=model)
+    try:
+        assert again.restore() == 5
+    finally:
+        again.close()
+
+
 def test_an_interrupted_wait_leaves_the_save_in_flight_and_owned(tmp_path, monkeypatch):
     import signal
 

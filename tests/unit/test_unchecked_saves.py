@@ -162,3 +162,38 @@ def test_a_tensor_whose_storage_was_freed_is_refused_not_read_from_address_0(
         assert ck.wait().generation == 4
     finally:
         ck.close()
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+@pytest.mark.parametrize("planned", [False, True])
+def test_a_view_into_a_freed_flat_storage_is_refused_not_read_past_address_0(
+        tmp_path, mode, planned):
+    """FSDP's original parameters are views into one flat parameter, whose storage it frees:
+    such a view's address is its offset's bytes, not 0, and it was read there (SIGSEGV) by
+    every save mode. Its save is refused, naming it; the next save of real values goes on."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4, bias=False) for _ in range(12)])
+    # (each weight a view of the flat storage, none at its start: no address is 0)
+    flat = torch.cat([torch.zeros(8), *[m.weight.detach().reshape(-1) for m in model]])
+    for i, m in enumerate(model):
+        m.weight.data = flat[8 + 16 * i:8 + 16 * (i + 1)].view(4, 4)
+    ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
+    try:
+        if planned:
+            ck.save(1)
+            ck.save(2)
+            ck.wait()
+        kept = flat.clone()
+        flat.untyped_storage().resize_(0)
+        with pytest.raises(unbroken.errors.UnsupportedValue,
+                           match=r"\.weight.*holds no memory"):
+            ck.save(3)
+            ck.wait()
+        flat.untyped_storage().resize_(kept.nbytes)
+        with torch.no_grad():
+            flat.copy_(kept)
+        ck.save(4)
+        assert ck.wait().generation == 4
+        assert all(torch.equal(m.weight.detach().reshape(-1),
+                               kept[8 + 16 * i:8 + 16 * (i + 1)]) for i, m in enumerate(model))
+    finally:
+        ck.close()

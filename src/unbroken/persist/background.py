@@ -26,34 +26,46 @@ class Worker:
     not a thread's start, which waits until the new thread runs (0.4 ms, and 2.3 ms while a
     persisting process keeps both cores busy: in the time ``save()`` blocks the loop). It
     stops once it ended the jobs it was given when ``stop`` is called, when its owner drops
-    it, or as the interpreter exits (before it waits for its threads)."""
+    it, or as the interpreter exits (before it waits for its threads); a job given after
+    that runs at once, in the caller's thread (nothing would wait for a thread started
+    then)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Job] | None = None  # the running thread's
         self._thread: threading.Thread | None = None
+        self._stops: weakref.finalize | None = None  # (its thread's, if its owner drops it)
 
     def run(self, job: Callable[[], None]) -> None:
         """Run ``job`` after the ones given before (a thread started if none runs: the
         first job, or after `stop`, or in a forked child)."""
+        if _EXITING.is_set():
+            job()
+            return
         with self._lock:
             if self._jobs is None or self._thread is None or not self._thread.is_alive():
                 jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
-                # (the thread holds its queue, never the worker: a dropped worker stops it)
-                thread = threading.Thread(target=_serve, args=(jobs,), name=self.name)
+                # (the thread holds its queue, never the worker: a dropped worker stops it;
+                # never a daemon, whichever thread starts it: the exit waits for its job)
+                thread = threading.Thread(target=_serve, args=(jobs,), name=self.name,
+                                          daemon=False)
                 thread.start()
                 self._jobs, self._thread = jobs, thread
-                weakref.finalize(self, jobs.put, None)
+                self._stops = weakref.finalize(self, jobs.put, None)
                 _LIVE.add(self)
             self._jobs.put(job)
 
-    def stop(self) -> None:
-        """Let the thread end once the jobs given so far ended (a later job starts another)."""
+    def stop(self, wait: bool = False) -> None:
+        """Let the thread end once the jobs given so far ended (a later job starts another);
+        ``wait``: until it ended (not from a job of its own)."""
         with self._lock:
-            if self._jobs is not None:
-                self._jobs.put(None)
-            self._jobs = self._thread = None
+            thread, stops = self._thread, self._stops
+            self._jobs = self._thread = self._stops = None
+        if stops is not None:
+            stops()  # (puts the thread's end after its jobs, once)
+        if wait and thread is not None and thread is not threading.current_thread():
+            thread.join()
 
 
 def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
@@ -66,9 +78,11 @@ def _serve(jobs: queue.SimpleQueue[_Job]) -> None:
 
 
 _LIVE: weakref.WeakSet[Worker] = weakref.WeakSet()
+_EXITING = threading.Event()  # the interpreter's exit began: jobs run in their caller
 
 
 def _stop_all() -> None:
+    _EXITING.set()
     for worker in list(_LIVE):
         worker.stop()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..state.encodeplans import Inner, inner_of, planned_leaves
+from ..state.freed import LOW_ADDRESS, freed
 from ..state.tensorfile import CHUNK
 
 # A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
@@ -130,11 +131,11 @@ class Planning:
         ``==`` runs no user code), the same number of tensors, each a plain CPU tensor of its
         buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
         address of another. What `fill` checks one tensor at a time, here in whole-list
-        operations, a chunk at a time (`CHUNK`): its addresses read (none null: a stack would
-        read it), its blocks' members stacked, then its dtypes read. A part's shapes are
-        checked by its first tensor's and by ``torch.stack``, which refuses tensors of unequal
-        shapes or on another device than the CPU. False (its buffers maybe written, nothing
-        else done) if not."""
+        operations, a chunk at a time (`CHUNK`): its addresses read (none of a freed
+        storage, which a stack would read), its blocks' members stacked, then its dtypes
+        read. A part's shapes are checked by its first tensor's and by ``torch.stack``,
+        which refuses tensors of unequal shapes or on another device than the CPU. False
+        (its buffers maybe written, nothing else done) if not."""
         tensors = planned_leaves(d, plan.keys, plan.inner)
         if tensors is None:
             return False
@@ -150,7 +151,7 @@ class Planning:
                 for lo, hi, parts in plan.chunks:
                     chunk = tensors[lo:hi]
                     got = list(map(_DATA_PTR, chunk))  # (a sparse tensor has none: it raises)
-                    if not all(got) and any(t.numel() for p, t in zip(got, chunk) if not p):
+                    if min(got) < LOW_ADDRESS and any(map(freed, chunk, got)):
                         return False  # (a storage freed under its tensor: `fill` refuses it)
                     for take, first, shape, out in parts:
                         # (stack resizes an ``out`` of another shape, which it checks the

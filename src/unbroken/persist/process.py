@@ -182,17 +182,7 @@ class ProcessPersister:
         first save). Only while no save is in flight (the persisting process reads the
         segment until it replies)."""
         self._placed, self._room_end = {}, _wire.HEAD
-        shm = self._shm
-
-        def give(n: int) -> memoryview | None:
-            if shm is None or shm is not self._shm or self._room_end + n > len(shm):
-                return None
-            view = memoryview(shm)[self._room_end:self._room_end + n]
-            self._placed[id(view)] = (view, self._room_end)
-            self._room_end += -(-n // 64) * 64  # (each chunk 64-byte aligned)
-            return view
-
-        return give
+        return _Room(self, self._shm)
 
     def announce(self, step: int, job: Mapping[str, Any]) -> None:
         """Tell the persisting process which save of a job (``job``: staging folder, rank,
@@ -234,6 +224,10 @@ class ProcessPersister:
             start, copied = _wire.HEAD, total
             size = -(-(_wire.HEAD + total + 64 * sum(map(len, pieces.values()))) // _SLACK) * _SLACK
             pieces = {n: [(c, None) for c, _ in mine] for n, mine in pieces.items()}
+            # (never the same one, even where all of it would fit: its built chunks, copied
+            # from their places, would be overwritten by the ones copied before them -- a
+            # room that ran out after gifts left unused, by a part encoded again)
+            self._drop_segment()
         try:
             view = memoryview(self._segment(size))
         except OSError as e:
@@ -374,6 +368,32 @@ class ProcessPersister:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+
+
+class _Room:
+    """`ProcessPersister.room`: gifts of the segment ``shm`` one after the other, each 64-byte
+    aligned, while it is the persister's segment and has room; ``rewind`` gives again those
+    from a ``mark`` on (a file refused midway: its chunks are built again)."""
+
+    def __init__(self, persister: ProcessPersister, shm: mmap.mmap | None) -> None:
+        self._persister, self._shm = persister, shm
+
+    def __call__(self, n: int) -> memoryview | None:
+        p, shm = self._persister, self._shm
+        if shm is None or shm is not p._shm or p._room_end + n > len(shm):
+            return None
+        view = memoryview(shm)[p._room_end:p._room_end + n]
+        p._placed[id(view)] = (view, p._room_end)
+        p._room_end += -(-n // 64) * 64
+        return view
+
+    def mark(self) -> int:
+        return self._persister._room_end
+
+    def rewind(self, mark: int) -> None:
+        p = self._persister
+        p._placed = {k: placed for k, placed in p._placed.items() if placed[1] < mark}
+        p._room_end = min(p._room_end, mark)
 
 
 def _forget_in_child(me: weakref.ref[ProcessPersister]) -> None:

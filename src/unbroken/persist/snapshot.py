@@ -16,6 +16,7 @@ import torch
 
 from ..errors import UnsupportedValue
 from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
+from ..state.freed import LOW_ADDRESS, freed
 from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
@@ -132,7 +133,8 @@ class _Taking(Planning):
                 except RuntimeError:  # (a sparse tensor has no storage, a nested no shape)
                     ptr = 0
                 if (ptr and ptr not in views and entry is not None  # (entry: for mypy)
-                        and (not placed or self.met(ptr) is None)):
+                        and (not placed or self.met(ptr) is None)
+                        and (ptr >= LOW_ADDRESS or not freed(v, ptr))):
                     views[ptr], buf = len(src), entry[0]
                     src.append(v)
                     bufs.append(buf)

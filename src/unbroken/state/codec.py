@@ -19,6 +19,7 @@ import torch
 
 from ..errors import UnsupportedValue
 from .encodeplans import Planning, _Plan
+from .freed import freed
 from .tensorfile import ST_DTYPES
 
 TAG = "$t"
@@ -92,16 +93,14 @@ def uninitialized(path: str, t: torch.Tensor) -> Exception:
 def address(t: torch.Tensor, path: str) -> int:
     """``t``'s data address (its storage's plus its offset), or 0 for a tensor without storage
     of its own (a DTensor, an empty or meta tensor). Refuses a lazy module's uninitialized
-    parameter, and a tensor whose storage holds no memory (freed: ``untyped_storage()
-    .resize_(0)``, as FSDP does with a parameter it sharded), whose bytes would be read from
-    address 0: the process crashed (SIGSEGV)."""
+    parameter, and a tensor whose storage holds no memory (`freed`)."""
     try:
         ptr = t.data_ptr()
     except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
         return 0
     except ValueError:  # (what torch raises for a lazy module's parameter)
         raise uninitialized(path, t) from None
-    if not ptr and not t.is_meta and t.numel():
+    if freed(t, ptr):
         raise UnsupportedValue(
             f"{path}: a tensor of shape {list(t.shape)} whose storage holds no memory (freed "
             "or resized to 0 bytes, as FSDP does with a parameter it sharded); save while it "

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from .freed import LOW_ADDRESS, freed
+
 # A mapping holding this many tensors or more is encoded by its `_Plan` when it can be.
 _PLANNED = 16
 _PLAIN_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
@@ -142,12 +144,12 @@ class Planning:
     def planned(self, obj: Mapping[Any, Any], plan: _Plan) -> bool:
         """Take ``obj`` by ``plan`` if it fits (see `_Plan`): its tensors stored, their
         kinds and addresses recorded, as `tensor` would; False (nothing done) if not. With
-        ``defer``, each tensor's dtype, shape, device, lazy bit and contiguity are not read
-        here (~5 ms for 10,000 tensors, in a process-mode save's blocked time): the tensor
-        file's encoder checks each as it copies it (a stack's dtypes after it, while they are
-        in the cache), or the copy (a ``torch.stack``) refuses what does not fit, and then
-        the part is encoded again without plans (``unchecked``: see
-        `codec.encode_tree_for_file`)."""
+        ``defer``, each tensor's dtype, shape, device, lazy bit, contiguity and, once the plan
+        knows them, address are not read here (~7 ms for 10,000 tensors, in a process-mode
+        save's blocked time): the tensor file's encoder checks each as it copies it (a
+        stack's addresses before it, its dtypes after it, while they are in the cache), or
+        the copy (a ``torch.stack``) refuses what does not fit, and then the part is encoded
+        again without plans (``unchecked``: see `codec.encode_tree_for_file`)."""
         tensors = (planned_leaves(obj, plan.keys, plan.inner) if type(obj) is plan.kind
                    else None)
         if tensors is None:
@@ -169,17 +171,22 @@ class Planning:
                             or any(map(_T.is_neg, tensors))  # (no complex dtype: no conj bit)
                             or not all(map(_T.is_contiguous, tensors)))):
                     return False
-                ptrs = list(map(_T.data_ptr, tensors))  # (a sparse tensor has none: raises)
-            except (RuntimeError, NotImplementedError):  # (exotic: `tensor` says what)
-                return False
-            seen = plan.seen
+                seen = plan.seen
+                # (deferred: the last save's addresses, which were unique; the file's encoder
+                # reads each tensor's before it copies it, and refuses the file if one moved)
+                ptrs = seen[0] if self.defer and seen else list(map(_T.data_ptr, tensors))
+            except (RuntimeError, NotImplementedError):  # (a sparse tensor has no address)
+                return False  # (an exotic tensor: `tensor` says what)
             if seen and ptrs == seen[0]:
                 where = seen[1]
             else:
                 seen.clear()
                 where = dict(zip(ptrs, range(len(ptrs))))
-                if 0 in ptrs or len(where) != len(ptrs):
-                    return False  # an empty tensor (a meta one), a tie: `tensor` tells them apart
+                if (0 in ptrs or len(where) != len(ptrs)
+                        or min(ptrs) < LOW_ADDRESS and any(map(freed, tensors, ptrs))):
+                    # an empty tensor (a meta one), a tie, a freed storage: `tensor` tells
+                    # them apart
+                    return False
                 if not self.owned:
                     seen[:] = ptrs, where
             self.unchecked = self.unchecked or self.defer

@@ -22,7 +22,7 @@ from .parts import (
     STATE_SCHEMA,
     Counters,
 )
-from .tensorfile import PlanUnfit, Room, decode_safetensors, encode_safetensors
+from .tensorfile import PlanUnfit, Room, decode_safetensors, encode_safetensors, rewinding
 
 
 def check_part_tree(name: str, tree: Any) -> None:
@@ -45,6 +45,7 @@ def _encoded(name: str, part: str, value: Any, meta: Mapping[str, str],
         encoded = encode_tree_for_file(value, plans, owned, defer)
         if not encoded.tensors or not to_file:
             break
+        rewind = rewinding(room) if encoded.unchecked else None
         try:
             artifacts[name] = encode_safetensors(
                 encoded.tensors, {**meta, "unbroken.part": part}, prepared=True,
@@ -54,6 +55,8 @@ def _encoded(name: str, part: str, value: Any, meta: Mapping[str, str],
         except PlanUnfit:
             assert plans is not None  # (only a plan's tensors go unchecked)
             plans.clear()
+            if rewind is not None:  # (the room's gifts to the refused file, given again)
+                rewind()
     return encoded
 
 

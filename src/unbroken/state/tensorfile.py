@@ -32,7 +32,7 @@ ST_DTYPES: dict[torch.dtype, str] = {
 _ST_BY_NAME = {v: k for k, v in ST_DTYPES.items()}
 _ITEMSIZE = ITEMSIZE
 _ITEMSIZE_OF = {dt: _ITEMSIZE[name] for name, dt in _ST_BY_NAME.items()}
-_DTYPE = operator.attrgetter("dtype")
+_DTYPE, _DATA_PTR = operator.attrgetter("dtype"), torch.Tensor.data_ptr
 # Small tensors of one shape and dtype are stacked this many at a time, each stack checked
 # right after it while its tensors' metadata is in the cache (after an update, 10,000 small
 # tensors' is not: their dtypes read before a stack of all cost ~2 ms more). The async
@@ -56,7 +56,19 @@ _READ_AS = {name: (_ITEMSIZE[name], np.dtype(kind), dt if name in _VIEWED else N
             for name, kind in _AS_NUMPY.items() for dt in (_ST_BY_NAME[name],)}
 # Room for a chunk of ``n`` bytes the encoder builds itself (a run of gathered small tensors):
 # a writable buffer of exactly ``n`` bytes, or None for memory of its own (`encode_safetensors`).
+# One may also have ``mark()`` (where its next gift starts) and ``rewind(mark)`` (the gifts
+# from there on are unused: a file refused midway, `PlanUnfit`), see `rewinding`.
 Room = Callable[[int], memoryview | None]
+
+
+def rewinding(room: Room | None) -> Callable[[], None] | None:
+    """For a room that can rewind: what gives its gifts from now on again (those of a file
+    refused midway, built again); None for any other."""
+    mark = getattr(room, "mark", None)
+    if mark is None:
+        return None
+    at = mark()
+    return lambda: room.rewind(at)  # type: ignore[union-attr]
 _NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
                  torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
 
@@ -90,11 +102,12 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     shapes stay the same (the bytes are those of a call without it); without ``room``, the
     buffers the small tensors are gathered into are kept there too, and the next call
     gathers into them again: the caller is done with the last call's chunks by then.
-    ``unchecked`` (with ``kinds``): the tensors' addresses are as given, but their dtypes,
-    shapes, devices, lazy bits and contiguity may not be (`codec.Encoded`): each is checked
-    as it is copied, a stretch stacked by ``torch.stack`` (which refuses another device and
-    unequal shapes, and copies values, not memory) by its first tensor's shape and, after
-    the stack, its dtypes; `PlanUnfit` if one does not fit."""
+    ``unchecked`` (with ``kinds`` and ``ptrs``): the tensors' addresses, dtypes, shapes,
+    devices, lazy bits and contiguity may not be what they are said to be (`codec.Encoded`):
+    each is checked as it is copied, a stretch stacked by ``torch.stack`` (which refuses
+    another device and unequal shapes, and copies values, not memory) by its addresses and
+    its first tensor's shape before the stack and its dtypes after; `PlanUnfit` if one does
+    not fit."""
     # Tensors of a multiple of 64 bytes first (the data section starts 64-aligned, so each of
     # them stays 64-aligned and loads as a view, see decode_safetensors); then largest element
     # size first, which keeps every tensor aligned to its element size; then by shape (small
@@ -121,7 +134,10 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     if layout is not None and layout.get("sig") == kinds:
         body, chunking = layout["body"], layout["chunking"]
     else:
-        sizes = [t.nbytes for t in values]
+        # (unchecked: the sizes the tensors are said to have, each then checked as it is
+        # copied; a tensor found empty would have no chunk, and be checked by none)
+        sizes = ([math.prod(shape) * _ITEMSIZE_OF[d] for _, d, shape in kinds] if unchecked
+                 else [t.nbytes for t in values])
         rank = [((n % 64 != 0) << 8 | 16 - _ITEMSIZE_OF[d], tuple(shape), k)
                 for (k, d, shape), n in zip(kinds, sizes)]
         order = sorted(range(len(rank)), key=rank.__getitem__)
@@ -132,8 +148,12 @@ def encode_safetensors(tensors: Mapping[str, torch.Tensor],
     # (fresh memory for 300 MB of small tensors costs more to fault in than to fill: a
     # save of them took 2.5x longer than with the buffers reused)
     reused = layout.setdefault("gathered", {}) if layout is not None and room is None else None
-    chunks = [tensor_bytes(_fit(values[c], *kinds[c][1:]) if unchecked else values[c])
-              if type(c) is int else _gather(c, values, ptrs, room, reused, i, unchecked)
+    expected = ptrs if unchecked else None  # the addresses to check (with ``unchecked``)
+    if unchecked and expected is None:
+        raise ValueError("encode_safetensors(unchecked=True) needs the tensors' ptrs")
+    chunks = [tensor_bytes(values[c] if expected is None
+                           else _fit(values[c], *kinds[c][1:], expected[c]))
+              if type(c) is int else _gather(c, values, ptrs, room, reused, i, expected)
               for i, c in enumerate(chunking)]
     meta = dict(metadata or {})
     if data_hash_key:
@@ -179,7 +199,7 @@ def _header_body(items: list[tuple[tuple[str, torch.dtype, torch.Size], int]]) -
 
 
 # (take, indices, dtype, shape, bytes each): see `_Run`
-_Stretch = tuple[Callable[[list[torch.Tensor]], Any] | None, list[int], torch.dtype, torch.Size,
+_Stretch = tuple[Callable[[list[Any]], Any] | None, list[int], torch.dtype, torch.Size,
                  int]
 
 
@@ -227,13 +247,14 @@ def _chunking(order: list[int], kinds: list[tuple[str, torch.dtype, torch.Size]]
 
 def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
             room: Room | None = None, reused: dict[int, torch.Tensor] | None = None,
-            index: int = 0, unchecked: bool = False) -> memoryview:
+            index: int = 0, expected: list[int] | None = None) -> memoryview:
     """The bytes of a run of small contiguous CPU tensors (the caller holds them), one after
     the other, in one buffer (``room``'s, when it gives one; else ``reused[index]``, made
     when missing, if ``reused`` is given): a stretch of one dtype and shape by one
     ``torch.stack`` into its place (~0.3 us a tensor), the others by a ``memmove`` each
     (~1 us; twice as fast as torch's ``flatten_dense_tensors``, which makes a view of
-    each). ``unchecked``: see `encode_safetensors`."""
+    each). ``expected``: the tensors' addresses, each checked with the rest of what
+    `encode_safetensors` with ``unchecked`` checks."""
     given = None if room is None else room(run.nbytes)
     if given is not None:
         out = torch.frombuffer(given, dtype=torch.uint8)
@@ -247,26 +268,28 @@ def _gather(run: _Run, values: list[torch.Tensor], ptrs: list[int] | None,
     at = 0
     for take, stretch, dtype, shape, n in run.parts:
         if take is not None and _stacked(take(values), out[at:at + len(stretch) * n], dtype,
-                                         shape, unchecked):
+                                         shape, None if expected is None else take(expected)):
             at += len(stretch) * n
             continue
         for x in stretch:
-            if unchecked:
-                _fit(values[x], dtype, shape)
+            if expected is not None:
+                _fit(values[x], dtype, shape, expected[x])
             move(base + at, values[x].data_ptr() if ptrs is None else ptrs[x], n)
             at += n
     return tensor_bytes(out) if given is None else given
 
 
-def _fit(t: torch.Tensor, dtype: torch.dtype | None, shape: torch.Size) -> torch.Tensor:
+def _fit(t: torch.Tensor, dtype: torch.dtype | None, shape: torch.Size, ptr: int = 0
+         ) -> torch.Tensor:
     """``t``, checked for what `encode_safetensors` with ``unchecked`` copies it as: of
     ``shape``, and (``dtype`` None: the first of a stack, which copies values, from any
-    device it accepts, its dtypes checked after it) a contiguous CPU tensor of ``dtype``
-    without a lazy bit (complex dtypes are never planned: no conj bit). `PlanUnfit` if
-    not."""
+    device it accepts, its dtypes and addresses checked by `_stacked`) a contiguous CPU
+    tensor of ``dtype`` without a lazy bit (complex dtypes are never planned: no conj bit)
+    whose data is at ``ptr``. `PlanUnfit` if not."""
     try:
         if t.shape == shape and (dtype is None or t.dtype is dtype and t.is_cpu
-                                 and not t.is_neg() and t.is_contiguous()):
+                                 and not t.is_neg() and t.is_contiguous()
+                                 and t.data_ptr() == ptr):
             return t
     except (RuntimeError, NotImplementedError):  # (an exotic tensor: encoded one at a time)
         pass
@@ -274,23 +297,27 @@ def _fit(t: torch.Tensor, dtype: torch.dtype | None, shape: torch.Size) -> torch
 
 
 def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch.Tensor,
-             dtype: torch.dtype, shape: torch.Size, unchecked: bool = False) -> bool:
+             dtype: torch.dtype, shape: torch.Size, ptrs: tuple[int, ...] | None = None
+             ) -> bool:
     """``tensors`` (of ``dtype`` and ``shape``) copied side by side into the bytes ``into``,
     `CHUNK` at a time; False (some maybe copied) for a dtype torch cannot stack on the CPU
-    (a float8), or a stack that fails: the caller copies them one at a time. ``unchecked``
-    (see `encode_safetensors`): each stack's first tensor's shape is checked before it (a
-    stack resizes an ``out`` of another shape, and checks the others by its first), and its
-    dtypes after it (a stack casts), while its tensors are in the cache; `PlanUnfit` if one
-    does not fit."""
+    (a float8), or a stack that fails: the caller copies them one at a time. ``ptrs``: the
+    addresses they are expected at, unchecked otherwise (see `encode_safetensors`): before
+    each stack, its tensors' addresses (a stack reads a freed storage's null address) and
+    its first tensor's shape are checked (a stack resizes an ``out`` of another shape, and
+    checks the others by its first), and after it their dtypes (a stack casts), while its
+    tensors are in the cache; `PlanUnfit` if one does not fit."""
     rows = into.view(dtype).view(len(tensors), *shape)
     try:
         with torch.no_grad():  # (a parameter's history is not the file's)
             for lo in range(0, len(tensors), CHUNK):
                 part = tensors[lo:lo + CHUNK]
-                if unchecked:
+                if ptrs is not None:
+                    if tuple(map(_DATA_PTR, part)) != ptrs[lo:lo + CHUNK]:
+                        raise PlanUnfit
                     _fit(part[0], None, shape)
                 torch.stack(part, out=rows[lo:lo + len(part)])
-                if unchecked and list(map(_DTYPE, part)).count(dtype) != len(part):
+                if ptrs is not None and list(map(_DTYPE, part)).count(dtype) != len(part):
                     raise PlanUnfit
     except (RuntimeError, NotImplementedError, TypeError):  # (TypeError: a complex member)
         return False
