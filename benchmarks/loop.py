@@ -99,22 +99,22 @@ class UnbrokenSaver(Saver):
         # One watcher for all saves, started here: a thread started per save made its
         # save() wait until the new thread ran (``Thread.start``), up to a GIL switch interval
         # (5 ms) behind the save's own background thread, which then counted as blocked.
-        self.watched: queue.SimpleQueue[tuple[int, threading.Thread] | None] = \
+        self.watched: queue.SimpleQueue[tuple[int, threading.Event] | None] = \
             queue.SimpleQueue()
         self.watcher = threading.Thread(target=self.watch, daemon=True)
         self.watcher.start()
 
     def watch(self) -> None:
         while (item := self.watched.get()) is not None:
-            step, worker = item
-            worker.join()
+            step, ended = item
+            ended.wait()
             self.durable(step)
 
     def save(self, step: int) -> None:
         self.ckpt.save(step)
-        in_flight = self.ckpt._in_flight  # the background save; its thread ends when durable
+        in_flight = self.ckpt._in_flight  # the background save; it has ended when durable
         if in_flight is not None:
-            self.watched.put((step, in_flight._thread))
+            self.watched.put((step, in_flight._ended))
 
     def finish(self) -> None:
         self.ckpt.wait()
