@@ -7,6 +7,7 @@ restored bitwise (the restore into a fresh model of the same structure)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -135,6 +136,32 @@ def test_a_save_refused_after_a_planned_tensor_changed_leaves_no_stale_plan(
         assert again.a[k].shape == want.shape and torch.equal(again.a[k], want), k
 
 
+def _freed_then_saved(tmp_path: Any, model: torch.nn.Module, mode: Any, planned: bool,
+                      storage: torch.Tensor, named: str) -> None:
+    """Saves of ``model`` (two first, if ``planned``: its plans made and used) while the
+    storage of ``storage`` is freed (refused, naming ``named``), then once it holds its
+    values again (saved, and its values kept)."""
+    ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
+    try:
+        if planned:
+            ck.save(1)
+            ck.save(2)
+            ck.wait()
+        kept = storage.detach().clone()
+        storage.untyped_storage().resize_(0)
+        with pytest.raises(unbroken.errors.UnsupportedValue, match=f"{named}.*holds no memory"):
+            ck.save(3)
+            ck.wait()
+        storage.untyped_storage().resize_(kept.nbytes)
+        with torch.no_grad():
+            storage.copy_(kept)
+        ck.save(4)
+        assert ck.wait().generation == 4
+        assert torch.equal(storage.detach(), kept)
+    finally:
+        ck.close()
+
+
 @pytest.mark.parametrize("mode", [False, True, "process"])
 @pytest.mark.parametrize("planned", [False, True])
 def test_a_tensor_whose_storage_was_freed_is_refused_not_read_from_address_0(
@@ -143,25 +170,7 @@ def test_a_tensor_whose_storage_was_freed_is_refused_not_read_from_address_0(
     keeps its shape: its bytes were read from address 0 and the process died (SIGSEGV). Its
     save is refused, naming it; the next save of real values goes on."""
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
-    ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
-    try:
-        if planned:
-            ck.save(1)
-            ck.save(2)
-            ck.wait()
-        weight = model[1].weight
-        kept = weight.detach().clone()
-        weight.untyped_storage().resize_(0)
-        with pytest.raises(unbroken.errors.UnsupportedValue, match=r"1\.weight.*holds no memory"):
-            ck.save(3)
-            ck.wait()
-        weight.untyped_storage().resize_(kept.nbytes)
-        with torch.no_grad():
-            weight.copy_(kept)
-        ck.save(4)
-        assert ck.wait().generation == 4
-    finally:
-        ck.close()
+    _freed_then_saved(tmp_path, model, mode, planned, model[1].weight, r"1\.weight")
 
 
 @pytest.mark.parametrize("mode", [False, True, "process"])
@@ -176,24 +185,6 @@ def test_a_view_into_a_freed_flat_storage_is_refused_not_read_past_address_0(
     flat = torch.cat([torch.zeros(8), *[m.weight.detach().reshape(-1) for m in model]])
     for i, m in enumerate(model):
         m.weight.data = flat[8 + 16 * i:8 + 16 * (i + 1)].view(4, 4)
-    ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
-    try:
-        if planned:
-            ck.save(1)
-            ck.save(2)
-            ck.wait()
-        kept = flat.clone()
-        flat.untyped_storage().resize_(0)
-        with pytest.raises(unbroken.errors.UnsupportedValue,
-                           match=r"\.weight.*holds no memory"):
-            ck.save(3)
-            ck.wait()
-        flat.untyped_storage().resize_(kept.nbytes)
-        with torch.no_grad():
-            flat.copy_(kept)
-        ck.save(4)
-        assert ck.wait().generation == 4
-        assert all(torch.equal(m.weight.detach().reshape(-1),
-                               kept[8 + 16 * i:8 + 16 * (i + 1)]) for i, m in enumerate(model))
-    finally:
-        ck.close()
+    _freed_then_saved(tmp_path, model, mode, planned, flat, r"\.weight")
+    assert all(m.weight.data_ptr() == flat.data_ptr() + 4 * (8 + 16 * i)
+               for i, m in enumerate(model))  # (still views of it, with its values)
