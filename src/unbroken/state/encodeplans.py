@@ -177,7 +177,7 @@ class Planning:
                 ptrs = seen[0] if self.defer and seen else list(map(_T.data_ptr, tensors))
             except (RuntimeError, NotImplementedError):  # (a sparse tensor has no address)
                 return False  # (an exotic tensor: `tensor` says what)
-            if seen and ptrs == seen[0]:
+            if seen and (ptrs is seen[0] or ptrs == seen[0]):  # (deferred: the same list)
                 where = seen[1]
             else:
                 seen.clear()
