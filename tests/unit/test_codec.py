@@ -348,10 +348,15 @@ def test_unsupported_tensor_layouts_and_depth():
                                  st.sampled_from([1 << 1024, -(1 << 1024), (1 << 1024) - 1,
                                                   1 - (1 << 1024), 10**400]))))
 def test_lists_of_ints_keep_every_value_and_type(values):
-    """A list of plain ints (an optimizer group's parameter ids) is taken whole, in range;
-    ints past the JSON range, bools among them: each element its own way."""
-    out, _ = full_roundtrip({"ids": values, "nested": [values, (values,)]})
-    assert_same(out, {"ids": values, "nested": [values, (values,)]})
+    """A list or tuple of plain ints (an optimizer group's parameter ids, Python's RNG
+    state) is taken whole, in range; ints past the JSON range, bools among them: each element
+    its own way, and the skeleton is the one element-by-element encoding gives."""
+    tree = {"ids": values, "nested": [values, (values,)], "tuple": tuple(values),
+            "rng": (3, tuple(values), None)}
+    out, _ = full_roundtrip(tree)
+    assert_same(out, tree)
+    skeleton, _ = encode_tree({"t": tuple(values)})
+    assert skeleton["t"] == {TAG: "tuple", "v": [encode_tree(v)[0] for v in values]}
 
 
 def test_int_beyond_str_digit_limit_round_trips_or_is_refused_up_front():

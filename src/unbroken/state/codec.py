@@ -287,20 +287,19 @@ class _Encoder(Planning):
             return out
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
-        if t is list:
-            # (An optimizer group's parameter ids or names; its elements' depth is checked as
-            # theirs would be, one level down: a call each, ~0.5 us, spared.)
-            if depth < MAX_DEPTH and _INT.issuperset(map(type, obj)) and (
-                    not obj or -_BIG_INT < min(obj) and max(obj) < _BIG_INT):
-                return list(obj)
-            if depth < MAX_DEPTH and _STR.issuperset(map(type, obj)):
-                return list(obj)
-            return [self.encode(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+        if t is list or t is tuple:
+            # (An optimizer group's parameter ids or names, Python's RNG state of 625 ints;
+            # its elements' depth is checked as theirs would be, one level down: a call
+            # each, ~0.5 us, spared.)
+            if depth < MAX_DEPTH and (_INT.issuperset(map(type, obj)) and (
+                    not obj or -_BIG_INT < min(obj) and max(obj) < _BIG_INT)
+                    or _STR.issuperset(map(type, obj))):
+                items = list(obj)
+            else:
+                items = [self.encode(v, f"{path}.{i}", depth + 1) for i, v in enumerate(obj)]
+            return items if t is list else {TAG: "tuple", "v": items}
         if t is torch.Size:
             return {TAG: "size", "v": list(obj)}
-        if t is tuple:
-            return {TAG: "tuple", "v": [self.encode(v, f"{path}.{i}", depth + 1)
-                                        for i, v in enumerate(obj)]}
         if t is bytes:
             if len(obj) >= _INLINE_BYTES:
                 return self.raw("bytes", np.frombuffer(obj, dtype=np.uint8), path)
