@@ -136,3 +136,55 @@ def test_a_large_aligned_buffer_asks_for_no_huge_pages():
                          timeout=120, cwd=os.path.dirname(__file__))
     assert out.returncode == 0, out.stderr
     assert "hg" not in out.stdout.split()  # hg: MADV_HUGEPAGE
+
+
+def test_will_read_hints_regular_files_up_to_its_size_and_never_blocks(tmp_path, monkeypatch):
+    """`LocalFS.will_read` asks the kernel to read ahead the regular files it is given up to
+    `_AHEAD` bytes; a FIFO (never opened blocking), a symbolic link (never followed), a
+    missing or larger file gets no hint and no error."""
+    monkeypatch.setattr(local, "_AHEAD", 100)
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_bytes(b"x" * 100)
+    large.write_bytes(b"x" * 101)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    link = tmp_path / "link"
+    link.symlink_to(small)
+    hinted: list[int] = []
+    real = os.posix_fadvise
+
+    def fadvise(fd, offset, length, advice):
+        hinted.append(os.fstat(fd).st_ino)
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
+    LocalFS().will_read([str(p) for p in (fifo, link, tmp_path / "missing", large, small)])
+    assert hinted == [small.stat().st_ino]
+
+
+def test_a_restore_reads_ahead_every_file_it_reads_whole(tmp_path, monkeypatch):
+    """Before a restore reads a generation's files one after the other, it hints every one of
+    them (their reads overlap)."""
+    import torch
+
+    import unbroken
+
+    model = torch.nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.save(0)
+    hinted: list[list[str]] = []
+    real = LocalFS.will_read
+    monkeypatch.setattr(LocalFS, "will_read",
+                        lambda self, paths: hinted.append(list(paths)) or real(self, paths))
+    read: list[str] = []
+    real_read = LocalFS.read_hashed
+
+    def read_hashed(self, path, limit, aligned=False):
+        read.append(path)
+        return real_read(self, path, limit, aligned)
+
+    monkeypatch.setattr(LocalFS, "read_hashed", read_hashed)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt) as ckpt:
+        ckpt.restore()
+    assert read and any(set(read) <= set(paths) for paths in hinted)

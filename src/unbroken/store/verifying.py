@@ -193,6 +193,8 @@ class Verifying:
         ident = self.file_identity(info) if names is None else None
         wanted = set(names) if names is not None else None
         out: dict[str, Any] = {}
+        self.fs.will_read([os.path.join(info.path, a.name) for a in info.manifest.artifacts
+                           if (wanted is None or a.name in wanted) and not map_if(a)])
         for a in info.manifest.artifacts:
             if wanted is not None and a.name not in wanted:
                 continue

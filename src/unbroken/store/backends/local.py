@@ -26,6 +26,7 @@ from .killpoints import MUTATING, READ, io_fault_point
 
 ALIGN = 64  # what torch's CPU allocator gives a fresh tensor
 _PIECE = 8 << 20  # what a read in flight reads (`_readahead`)
+_AHEAD = 64 << 20  # files up to this size are read ahead of their turn (`LocalFS.will_read`)
 
 
 def _write_half(fd: int, view: memoryview) -> None:
@@ -248,6 +249,27 @@ class LocalFS:
             return view if aligned else view.obj
         finally:
             os.close(fd)
+
+    def will_read(self, paths: Iterable[str]) -> None:
+        """A hint that ``paths`` are read next, one after the other: the kernel starts
+        reading each regular file of at most `_AHEAD` bytes now, so a restore of many small
+        tensors reads its files side by side, not one after the other (~4 ms of a 10,000
+        tensor restore's 20 ms of reads). Larger files are read with several reads in flight
+        already (`_readahead`); nothing here fails (a file that is no regular file is
+        refused when read)."""
+        for path in paths:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                if stat.S_ISREG(st.st_mode) and st.st_size <= _AHEAD:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
 
     def map_file(self, path: str, limit: int) -> memoryview:
         """A regular file of at most ``limit`` bytes mapped copy-on-write: a writable view

@@ -217,6 +217,9 @@ class ObjectFS:
         data = self.read_file(path, limit, aligned)
         return data, xxhash.xxh3_128(data).hexdigest()
 
+    def will_read(self, paths: Iterable[str]) -> None:
+        """(`LocalFS.will_read`: an object store is read as it is asked.)"""
+
     def map_file(self, path: str, limit: int) -> memoryview:
         """An object store maps nothing: the object read whole, aligned."""
         return self.read_file(path, limit, aligned=True)  # type: ignore[no-any-return]
