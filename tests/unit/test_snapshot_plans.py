@@ -28,7 +28,7 @@ CHANGES = st.sampled_from([
     "bool_key", "dict_for_tensor", "parameter", "drop", "add", "inner_rename", "inner_shape",
     "noncontiguous", "tensor_for_dict", "custom_key", "inner_custom_key", "meta",
     "negative_view", "path_clash", "odict_for_dict", "all_shapes", "all_values", "swap",
-    "tie_before", "view_before", "tie_after", "reinterpret"])
+    "tie_before", "view_before", "tie_after", "reinterpret", "freed", "shrunk"])
 
 
 class Name(str):
@@ -56,7 +56,8 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
     t, entry = model.get(key), state.get(key)
     if change in ("values", "shape", "dtype", "reinterpret", "rename", "tie_in", "empty",
                   "sparse", "meta", "negative_view", "swap", "tie_before", "view_before",
-                  "tie_after", "dict_for_tensor", "parameter", "drop", "noncontiguous") and not (
+                  "tie_after", "dict_for_tensor", "parameter", "drop", "noncontiguous", "freed",
+                  "shrunk") and not (
                       isinstance(t, torch.Tensor) and not t.is_sparse):
         return  # (an earlier change took this tensor away)
     if change in ("tie_across", "tensor_for_dict", "inner_rename", "inner_shape",
@@ -70,6 +71,8 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
     elif change == "dtype":
         model[key] = model[key].double()
     elif change == "reinterpret":  # its bytes as another dtype: the same address and shape
+        if t.is_neg():
+            return  # (torch views no lazily negated tensor as another dtype)
         model[key] = model[key].view(torch.int32 if t.dtype == torch.float32 else torch.float32)
     elif change == "rename":
         model[f"renamed{i}"] = model.pop(key)
@@ -84,6 +87,20 @@ def _change(tree: dict[str, Any], change: str, i: int, take: Callable[[Any], Any
         with pytest.raises(UnsupportedValue, match="layout torch.sparse_coo"):
             take(tree)
         model[key] = torch.randn(3, 2)
+    elif change in ("freed", "shrunk"):  # its storage resized under it: refused (a copy
+        # would read past its end), then whole again (a tensor that is all of its storage)
+        if not (t.is_contiguous() and t.storage_offset() == 0 and t.nbytes > 8
+                and t.untyped_storage().nbytes() == t.nbytes):
+            return
+        kept = t.detach().clone()
+        t.untyped_storage().resize_(0 if change == "freed" else 8)
+        # (named by the first key met that holds it: a tie's other one may be met first)
+        with pytest.raises(UnsupportedValue, match="weight: a tensor of shape .* (whose "
+                           "storage holds no memory|reaches [0-9]+ bytes of its storage)"):
+            take(tree)
+        t.untyped_storage().resize_(kept.nbytes)
+        with torch.no_grad():
+            t.copy_(kept)
     elif change == "bool_key":  # True == 1: a plan comparing keys by == alone would match
         tree["optimizer"]["state"] = {(True if k == "layer1.weight" else k): v
                                       for k, v in state.items()}
@@ -315,27 +332,33 @@ def test_small_tensors_of_one_shape_share_a_block_copied_by_one_stack():
 
 @pytest.mark.parametrize("chunk", [plans.CHUNK, 4])
 @pytest.mark.parametrize("where", [0, 3, 5 * N // 2, 3 * N - 1])
-def test_a_freed_storage_in_any_chunk_is_refused_before_a_stack_reads_it(where, chunk,
+@pytest.mark.parametrize("size", [0, 8])
+def test_a_freed_storage_in_any_chunk_is_refused_before_a_stack_reads_it(where, chunk, size,
                                                                           monkeypatch):
-    """A stack reading a tensor whose storage was freed (its shape kept) would read freed
-    memory: each chunk's addresses are read before its stack, and the snapshot refuses the
-    tensor as fresh buffers do, naming it."""
+    """A stack reading a tensor whose storage was freed or shrunk (its shape kept) would read
+    past the storage's end: each chunk's addresses are read before its stack, a new one's
+    storage is looked at, and the snapshot refuses the tensor as fresh buffers do, naming
+    it."""
     monkeypatch.setattr(plans, "CHUNK", chunk)
     sd = OrderedDict((f"w{i}", torch.randn(3, 2)) for i in range(3 * N))
     buffers = SnapshotBuffers()
     buffers.take({"m": sd})
     assert buffers._plans
-    sd[f"w{where}"].untyped_storage().resize_(0)
+    buffers.take({"m": sd})  # (the plan has taken them: it knows their addresses)
+    sd[f"w{where}"].untyped_storage().resize_(size)
     stacked = []
     real = torch.stack
 
     def stack(tensors, **k):
-        assert all(t.untyped_storage().nbytes() for t in tensors), "a stack read freed memory"
+        assert all(t.untyped_storage().nbytes() >= t.nbytes for t in tensors), \
+            "a stack read past a storage's end"
         stacked.append(len(tensors))
         return real(tensors, **k)
 
     monkeypatch.setattr(torch, "stack", stack)
-    with pytest.raises(UnsupportedValue, match=f"w{where}: a tensor of shape \\[3, 2\\] whose "
-                       "storage holds no memory"):
+    unheld = "whose storage holds no memory" if size == 0 else "reaches 24 bytes of its " \
+        "storage, which holds 8"
+    with pytest.raises(UnsupportedValue, match=f"w{where}: a tensor of shape \\[3, 2\\] "
+                       f"{unheld}"):
         buffers.take({"m": sd})
     assert stacked or where < chunk  # (the chunks before the freed tensor's were stacked)

@@ -136,11 +136,16 @@ def test_a_save_refused_after_a_planned_tensor_changed_leaves_no_stale_plan(
         assert again.a[k].shape == want.shape and torch.equal(again.a[k], want), k
 
 
+# What a storage resized under its tensor is refused as: freed (0 bytes) or shrunk (fewer).
+_UNHELD = {0: "holds no memory", 8: "reaches .* bytes of its storage, which holds 8"}
+
+
 def _freed_then_saved(tmp_path: Any, model: torch.nn.Module, mode: Any, planned: bool,
-                      storage: torch.Tensor, named: str) -> None:
+                      storage: torch.Tensor, named: str, size: int = 0) -> None:
     """Saves of ``model`` (two first, if ``planned``: its plans made and used) while the
-    storage of ``storage`` is freed (refused, naming ``named``), then once it holds its
-    values again (saved, and its values kept)."""
+    storage of ``storage`` is resized to ``size`` bytes (freed, or shrunk below what its
+    tensors reach: refused, naming ``named``), then once it holds its values again (saved,
+    and its values kept)."""
     ck = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode)
     try:
         if planned:
@@ -148,8 +153,9 @@ def _freed_then_saved(tmp_path: Any, model: torch.nn.Module, mode: Any, planned:
             ck.save(2)
             ck.wait()
         kept = storage.detach().clone()
-        storage.untyped_storage().resize_(0)
-        with pytest.raises(unbroken.errors.UnsupportedValue, match=f"{named}.*holds no memory"):
+        storage.untyped_storage().resize_(size)
+        with pytest.raises(unbroken.errors.UnsupportedValue,
+                           match=f"{named}.*{_UNHELD[size]}"):
             ck.save(3)
             ck.wait()
         storage.untyped_storage().resize_(kept.nbytes)
@@ -164,19 +170,22 @@ def _freed_then_saved(tmp_path: Any, model: torch.nn.Module, mode: Any, planned:
 
 @pytest.mark.parametrize("mode", [False, True, "process"])
 @pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("size", sorted(_UNHELD))
 def test_a_tensor_whose_storage_was_freed_is_refused_not_read_from_address_0(
-        tmp_path, mode, planned):
+        tmp_path, mode, planned, size):
     """A parameter whose storage was freed (``untyped_storage().resize_(0)``, as FSDP does)
-    keeps its shape: its bytes were read from address 0 and the process died (SIGSEGV). Its
-    save is refused, naming it; the next save of real values goes on."""
+    keeps its shape: its bytes were read from address 0 and the process died (SIGSEGV).
+    One whose storage was shrunk (``resize_(8)``) had another allocation's bytes saved as its
+    values. Its save is refused, naming it; the next save of real values goes on."""
     model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
-    _freed_then_saved(tmp_path, model, mode, planned, model[1].weight, r"1\.weight")
+    _freed_then_saved(tmp_path, model, mode, planned, model[1].weight, r"1\.weight", size)
 
 
 @pytest.mark.parametrize("mode", [False, True, "process"])
 @pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("size", sorted(_UNHELD))
 def test_a_view_into_a_freed_flat_storage_is_refused_not_read_past_address_0(
-        tmp_path, mode, planned):
+        tmp_path, mode, planned, size):
     """FSDP's original parameters are views into one flat parameter, whose storage it frees:
     such a view's address is its offset's bytes, not 0, and it was read there (SIGSEGV) by
     every save mode. Its save is refused, naming it; the next save of real values goes on."""
@@ -185,6 +194,6 @@ def test_a_view_into_a_freed_flat_storage_is_refused_not_read_past_address_0(
     flat = torch.cat([torch.zeros(8), *[m.weight.detach().reshape(-1) for m in model]])
     for i, m in enumerate(model):
         m.weight.data = flat[8 + 16 * i:8 + 16 * (i + 1)].view(4, 4)
-    _freed_then_saved(tmp_path, model, mode, planned, flat, r"\.weight")
+    _freed_then_saved(tmp_path, model, mode, planned, flat, r"\.weight", size)
     assert all(m.weight.data_ptr() == flat.data_ptr() + 4 * (8 + 16 * i)
                for i, m in enumerate(model))  # (still views of it, with its values)

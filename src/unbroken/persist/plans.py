@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from ..state.encodeplans import Inner, inner_of, planned_leaves
-from ..state.freed import LOW_ADDRESS, freed
+from ..state.freed import shortfall
 from ..state.tensorfile import CHUNK
 
 # A buffer with the shape, dtype and bytes of the tensors it fits, kept beside it: reading
@@ -131,8 +131,9 @@ class Planning:
         ``==`` runs no user code), the same number of tensors, each a plain CPU tensor of its
         buffer's shape and dtype, none a view met already in this snapshot (a tie) or at the
         address of another. What `fill` checks one tensor at a time, here in whole-list
-        operations, a chunk at a time (`CHUNK`): its addresses read (none of a freed
-        storage, which a stack would read), its blocks' members stacked, then its dtypes
+        operations, a chunk at a time (`CHUNK`): its addresses read (where one is new, none
+        of a storage freed or shrunk under its tensor, which a stack would read past its
+        end: `state.freed`), its blocks' members stacked, then its dtypes
         read. A part's shapes are checked by its first tensor's and by ``torch.stack``,
         which refuses tensors of unequal shapes or on another device than the CPU. False
         (its buffers maybe written, nothing else done) if not."""
@@ -141,6 +142,9 @@ class Planning:
             return False
         ptrs: list[int] = []
         dtypes: list[torch.dtype] = []
+        # (the addresses the plan last took: a tensor met again at its address holds its
+        # bytes as it did, a resize moves a storage's memory; a new one is looked at)
+        last = plan.seen[0] if plan.seen else None
         try:
             if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
                     # (a block's tensors on another device: its stack refuses them)
@@ -151,8 +155,8 @@ class Planning:
                 for lo, hi, parts in plan.chunks:
                     chunk = tensors[lo:hi]
                     got = list(map(_DATA_PTR, chunk))  # (a sparse tensor has none: it raises)
-                    if min(got) < LOW_ADDRESS and any(map(freed, chunk, got)):
-                        return False  # (a storage freed under its tensor: `fill` refuses it)
+                    if (last is None or got != last[lo:hi]) and any(map(shortfall, chunk)):
+                        return False  # (a storage freed or shrunk under it: `fill` refuses it)
                     for take, first, shape, out in parts:
                         # (stack resizes an ``out`` of another shape, which it checks the
                         # others by)

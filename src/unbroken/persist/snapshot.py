@@ -16,7 +16,7 @@ import torch
 
 from ..errors import UnsupportedValue
 from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
-from ..state.freed import LOW_ADDRESS, freed
+from ..state.freed import shortfall
 from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.
@@ -134,7 +134,7 @@ class _Taking(Planning):
                     ptr = 0
                 if (ptr and ptr not in views and entry is not None  # (entry: for mypy)
                         and (not placed or self.met(ptr) is None)
-                        and (ptr >= LOW_ADDRESS or not freed(v, ptr))):
+                        and shortfall(v) is None):
                     views[ptr], buf = len(src), entry[0]
                     src.append(v)
                     bufs.append(buf)

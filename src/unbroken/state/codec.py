@@ -19,7 +19,7 @@ import torch
 
 from ..errors import UnsupportedValue
 from .encodeplans import Planning, _Plan
-from .freed import freed
+from .freed import shortfall, unheld
 from .tensorfile import ST_DTYPES
 
 TAG = "$t"
@@ -93,18 +93,17 @@ def uninitialized(path: str, t: torch.Tensor) -> Exception:
 def address(t: torch.Tensor, path: str) -> int:
     """``t``'s data address (its storage's plus its offset), or 0 for a tensor without storage
     of its own (a DTensor, an empty or meta tensor). Refuses a lazy module's uninitialized
-    parameter, and a tensor whose storage holds no memory (`freed`)."""
+    parameter, and a tensor whose storage holds fewer bytes than it reaches (`shortfall`:
+    freed, or resized smaller under it)."""
     try:
         ptr = t.data_ptr()
     except (RuntimeError, NotImplementedError):  # a DTensor has no storage of its own
         return 0
     except ValueError:  # (what torch raises for a lazy module's parameter)
         raise uninitialized(path, t) from None
-    if freed(t, ptr):
-        raise UnsupportedValue(
-            f"{path}: a tensor of shape {list(t.shape)} whose storage holds no memory (freed "
-            "or resized to 0 bytes, as FSDP does with a parameter it sharded); save while it "
-            "holds its values (FSDP: its state_dict), or keep it out of the saved state")
+    short = shortfall(t)
+    if short is not None:
+        raise UnsupportedValue(unheld(path, t, short))
     return ptr
 
 

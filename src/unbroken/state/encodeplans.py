@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .freed import LOW_ADDRESS, freed
+from .freed import shortfall
 
 # A mapping holding this many tensors or more is encoded by its `_Plan` when it can be.
 _PLANNED = 16
@@ -183,9 +183,10 @@ class Planning:
                 seen.clear()
                 where = dict(zip(ptrs, range(len(ptrs))))
                 if (0 in ptrs or len(where) != len(ptrs)
-                        or min(ptrs) < LOW_ADDRESS and any(map(freed, tensors, ptrs))):
-                    # an empty tensor (a meta one), a tie, a freed storage: `tensor` tells
-                    # them apart
+                        or any(map(shortfall, tensors))):
+                    # an empty tensor (a meta one), a tie, a storage freed or shrunk under
+                    # its tensor (looked at when its address is new): `tensor` tells them
+                    # apart
                     return False
                 if not self.owned:
                     seen[:] = ptrs, where
