@@ -107,6 +107,9 @@ class Checkpointer(Persisting, Restoring):
     fsspec's configuration and the environment, or ``storage_options`` (`store.opening`);
     ``cache_dir`` keeps what a restore downloaded, by content, for the next (`store.cache`).
 
+    In a process forked from the one that made it (which holds its lock and its save in
+    flight), ``save()`` and ``restore()`` raise `StoreLocked`; ``wait()``, ``close()`` do nothing.
+
     The harness (``unbroken check``) steers an unchanged script through the environment:
     ``$UNBROKEN_ROOT`` replaces ``root``, ``$UNBROKEN_SAVE_AT`` (comma-separated steps) adds
     saves, ``$UNBROKEN_KILL_AT`` kills the process at a named point."""
@@ -132,6 +135,7 @@ class Checkpointer(Persisting, Restoring):
         # With torch.distributed initialized (or ``process_group`` given), this Checkpointer is
         # one rank of a job: every rank builds one on the same folder, rank 0 writes.
         self._group = Group(process_group)
+        self._pid = os.getpid()
         later = check_options(async_save, read_back, async_timeout, persist_share, every,
                               trace_hash_every)
         self._persist_share = persist_share
@@ -354,6 +358,7 @@ class Checkpointer(Persisting, Restoring):
         last ``step_done``, it raises `UpdateBoundaryError` (a save from a signal handler lands
         there; use ``signals=`` instead). A ``step`` beyond the last ``step_done`` declares that
         many completed updates (for loops that do not call ``step_done``)."""
+        self._forked("save")
         if step is None or step == self._counters.step:
             self._watch.check_boundary(self._counters.step)
         given = {name: metric(name, v) for name, v in (metrics or {}).items()}

@@ -6,6 +6,7 @@ save in flight first, then what the Checkpointer holds)."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from typing import Any, Self
@@ -23,7 +24,7 @@ from .dist.commit import (
 )
 from .dist.filegroup import FileGroup, stage
 from .dist.group import Group, RankFailed, saving
-from .errors import SaveFailed, UnbrokenWarning
+from .errors import SaveFailed, StoreLocked, UnbrokenWarning
 from .persist.aftermath import settle_died_save
 from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
@@ -74,6 +75,7 @@ class Persisting:
     _persister: ProcessPersister | None
     _read_back_later: bool
     _persist_share: float | None
+    _pid: int  # the process that made this Checkpointer: its lock's, its saves'
     _trace: TraceRecorder | None
     _watch: UpdateWatch
     _preemption: Preemption
@@ -82,12 +84,24 @@ class Persisting:
     def run_id(self) -> str:
         raise NotImplementedError
 
+    def _forked(self, what: str) -> None:
+        """Refuse ``what`` (a save, a restore) in a process forked from the one that made this
+        Checkpointer: the run's writer lock is that process's (a lock is not inherited across
+        a fork), and so is its save in flight, whose thread the fork does not have (waiting
+        for it hung the child)."""
+        if os.getpid() != self._pid:
+            raise StoreLocked(
+                f"{self.store.root}: {what} in process {os.getpid()}, a fork of process "
+                f"{self._pid}, which made this Checkpointer and holds the run's writer lock; "
+                f"{what} from process {self._pid}, or make a Checkpointer in this process once "
+                f"{self._pid}'s is closed")
+
     def wait(self) -> GenerationInfo | None:
         """Block until the async save in flight (if any) is committed and verified; return its
         generation (None: nothing in flight, or nothing changed since the last save). Raises
-        the save's error."""
+        the save's error. (In a forked process: None, the save in flight is its parent's.)"""
         in_flight = self._in_flight
-        if in_flight is None:
+        if in_flight is None or os.getpid() != self._pid:
             return None
         try:
             info: GenerationInfo | None = in_flight.wait()
@@ -319,7 +333,11 @@ class Persisting:
         everything is released). In a job, every rank waits for the others here (the leader
         may still be applying retention), so the job can tear down its process group safely.
         Interrupted (Ctrl-C) while a save is still in flight, it releases nothing: the save
-        keeps the lock it needs, and ``close()`` again finishes it."""
+        keeps the lock it needs, and ``close()`` again finishes it. In a process forked from
+        the one that made it, nothing: what it holds (the lock, a lease, the trace, the save
+        in flight) is that process's."""
+        if os.getpid() != self._pid:
+            return
         try:
             self.wait()
         except BaseException:

@@ -134,6 +134,9 @@ class Restoring:
     def wait(self) -> Any:
         raise NotImplementedError
 
+    def _forked(self, what: str) -> None:
+        raise NotImplementedError
+
     @gc_paused
     def restore(self, intent: str = "continue", *, generation: int | None = None,
                 source: str | os.PathLike[str] | None = None,
@@ -149,6 +152,7 @@ class Restoring:
         live object changes. ``"warm_start"``: model weights only, from another run folder
         ``source``; this run starts at 0 with a lineage naming its parent. Config or tokenizer
         changes must be named in ``allow``."""
+        self._forked("restore")
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
         if generation is not None:

@@ -1,0 +1,88 @@
+"""A process forked from one whose Checkpointer has a save in flight (a DataLoader worker, a
+``ddp_fork`` rank, an evaluation process) made its next save, wait or close wait for that save
+forever: the save's thread is not in the fork. The fork holds none of what the Checkpointer
+holds (the run's writer lock is not inherited across a fork, nor the save in flight): its save
+and restore are refused (`StoreLocked`, naming both processes), its wait has nothing to wait
+for and its close releases nothing; the parent's saves go on and commit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+import unbroken
+from unbroken.errors import StoreLocked
+
+_CHILD_S = 60.0  # for the fork to report (it hung forever before)
+
+
+def _in_child(ckpt: unbroken.Checkpointer) -> int:
+    """What the fork does with its parent's Checkpointer: 0 if each call behaves as above."""
+    try:
+        ckpt.save(2)
+        return 1
+    except StoreLocked as e:
+        if f"a fork of process {os.getppid()}" not in str(e):
+            return 2
+    if ckpt.wait() is not None:
+        return 3
+    try:
+        ckpt.restore()
+        return 4
+    except StoreLocked:
+        pass
+    ckpt.close()
+    return 0
+
+
+def _reaped(pid: int) -> int:
+    deadline = time.monotonic() + _CHILD_S
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the fork did not end within {_CHILD_S:g} s (hung in the Checkpointer)")
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+def test_a_fork_refuses_its_parents_saves_and_leaves_them_going(tmp_path, mode):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(20)])
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, optimizer=opt,
+                                 async_save=mode)
+    try:
+        ckpt.save(0)
+        ckpt.wait()
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        ckpt.save(1)  # (async: in flight as the fork is made; sync: its read-back may be)
+        pid = os.fork()
+        if pid == 0:
+            code = 9
+            try:
+                code = _in_child(ckpt)
+            finally:
+                os._exit(code)
+        assert _reaped(pid) == 0
+        assert ckpt.wait() is None or ckpt.store.scan_one(1).ok
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        ckpt.save(2)
+        assert ckpt.wait() is not None or mode is False
+    finally:
+        ckpt.close()
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    fresh = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(20)])
+    with unbroken.Checkpointer(tmp_path / "run", model=fresh,
+                               optimizer=torch.optim.AdamW(fresh.parameters())) as again:
+        assert again.restore() == 2
+    assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
