@@ -155,7 +155,8 @@ class Planning:
                 for lo, hi, parts in plan.chunks:
                     chunk = tensors[lo:hi]
                     got = list(map(_DATA_PTR, chunk))  # (a sparse tensor has none: it raises)
-                    if (last is None or got != last[lo:hi]) and any(map(shortfall, chunk)):
+                    if (last is None or got != last[lo:hi]) and any(map(shortfall, chunk,
+                                                                          got)):
                         return False  # (a storage freed or shrunk under it: `fill` refuses it)
                     for take, first, shape, out in parts:
                         # (stack resizes an ``out`` of another shape, which it checks the

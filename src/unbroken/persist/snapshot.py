@@ -134,7 +134,7 @@ class _Taking(Planning):
                     ptr = 0
                 if (ptr and ptr not in views and entry is not None  # (entry: for mypy)
                         and (not placed or self.met(ptr) is None)
-                        and shortfall(v) is None):
+                        and shortfall(v, ptr) is None):
                     views[ptr], buf = len(src), entry[0]
                     src.append(v)
                     bufs.append(buf)

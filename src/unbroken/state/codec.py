@@ -101,7 +101,7 @@ def address(t: torch.Tensor, path: str) -> int:
         return 0
     except ValueError:  # (what torch raises for a lazy module's parameter)
         raise uninitialized(path, t) from None
-    short = shortfall(t)
+    short = shortfall(t, ptr)
     if short is not None:
         raise UnsupportedValue(unheld(path, t, short))
     return ptr

@@ -183,7 +183,7 @@ class Planning:
                 seen.clear()
                 where = dict(zip(ptrs, range(len(ptrs))))
                 if (0 in ptrs or len(where) != len(ptrs)
-                        or any(map(shortfall, tensors))):
+                        or any(map(shortfall, tensors, ptrs))):
                     # an empty tensor (a meta one), a tie, a storage freed or shrunk under
                     # its tensor (looked at when its address is new): `tensor` tells them
                     # apart
