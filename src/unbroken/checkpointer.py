@@ -358,7 +358,6 @@ class Checkpointer(Persisting, Restoring):
         last ``step_done``, it raises `UpdateBoundaryError` (a save from a signal handler lands
         there; use ``signals=`` instead). A ``step`` beyond the last ``step_done`` declares that
         many completed updates (for loops that do not call ``step_done``)."""
-        self._forked("save")
         if step is None or step == self._counters.step:
             self._watch.check_boundary(self._counters.step)
         given = {name: metric(name, v) for name, v in (metrics or {}).items()}
@@ -368,6 +367,7 @@ class Checkpointer(Persisting, Restoring):
 
     @gc_paused
     def _save(self, step: int | None, values: dict[str, float]) -> GenerationInfo | None:
+        self._forked("save")  # (a save of step_done's too: every=, a signal, $UNBROKEN_SAVE_AT)
         step = self._counters.step if step is None else step
         if type(step) is not int or step < 0:
             raise ValueError(f"save(step={step!r}): the completed-update count, an int >= 0")

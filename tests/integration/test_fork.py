@@ -86,3 +86,55 @@ def test_a_fork_refuses_its_parents_saves_and_leaves_them_going(tmp_path, mode):
                                optimizer=torch.optim.AdamW(fresh.parameters())) as again:
         assert again.restore() == 2
     assert all(torch.equal(fresh.state_dict()[k], v) for k, v in want.items())
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+def test_a_fork_s_step_done_saves_nothing_into_its_parent_s_run(tmp_path, mode):
+    """``step_done`` saves too (``every=``): in a fork it raised nothing and wrote generations
+    into the parent's run without its lock (sync), or hung in the snapshot (thread)."""
+    model = torch.nn.Linear(8, 8)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode, every=2)
+    try:
+        ckpt.step_done(1)
+        ckpt.step_done(2)
+        pid = os.fork()
+        if pid == 0:
+            code = 9
+            try:
+                with torch.no_grad():
+                    model.weight.fill_(666.0)
+                try:
+                    ckpt.step_done(3)
+                    ckpt.step_done(4)
+                    code = 1
+                except StoreLocked:
+                    code = 0
+            finally:
+                os._exit(code)
+        assert _reaped(pid) == 0
+        ckpt.wait()
+    finally:
+        ckpt.close()
+    assert [g.generation for g in ckpt.store.scan() if g.ok] == [2]
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+def test_a_fork_ends_on_sigterm_as_before_the_checkpointer_took_it(tmp_path, mode):
+    """``signals=[SIGTERM]`` makes the training process save at the next boundary and stop;
+    a fork runs no boundary (a DataLoader worker ended by ``terminate()``): it ignored SIGTERM
+    and kept running. There, the signal does what it did before the Checkpointer took it."""
+    model = torch.nn.Linear(8, 8)
+    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, async_save=mode,
+                                 signals=[signal.SIGTERM])
+    try:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                time.sleep(_CHILD_S)
+            finally:
+                os._exit(3)
+        time.sleep(0.2)
+        os.kill(pid, signal.SIGTERM)
+        assert _reaped(pid) == -signal.SIGTERM
+    finally:
+        ckpt.close()
