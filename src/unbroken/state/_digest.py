@@ -12,18 +12,39 @@ import numpy as np
 import torch
 import xxhash
 
+from .tensorfile import tensor_bytes
+
+
+def _numpy_chars() -> dict[torch.dtype, bytes]:
+    """The NumPy type character of each dtype NumPy has: a tensor's digest ends with it (as
+    when digests read tensors through ``numpy()``, which made their storages non-resizable)."""
+    out = {}
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+                  torch.int16, torch.int8, torch.uint8, torch.uint16, torch.uint32,
+                  torch.uint64, torch.bool, torch.complex64, torch.complex128):
+        try:
+            out[dtype] = torch.empty(0, dtype=dtype).numpy().dtype.char.encode()
+        except TypeError:  # (a torch without NumPy's view of it)
+            pass
+    return out
+
+
+_NUMPY_CHAR = _numpy_chars()
+
 
 def _feed(h: Any, obj: Any) -> None:
     """Hash a canonical, type-tagged byte form of ``obj`` (no repr: stable across versions).
     Tensors come first: a trace digests hundreds of them per update."""
     kind = type(obj)
     if kind is torch.Tensor or kind is torch.nn.Parameter:
-        try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype
-            arr = (obj.detach() if obj.requires_grad else obj).numpy()
-            h.update(arr)
-            h.update(arr.dtype.char.encode())
-            return
-        except (RuntimeError, TypeError, BufferError, ValueError):
+        char = _NUMPY_CHAR.get(obj.dtype)
+        try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype, its bytes and that dtype
+            if (char is not None and obj.is_cpu and obj.layout is torch.strided
+                    and not obj.is_neg() and not obj.is_conj() and obj.is_contiguous()):
+                h.update(tensor_bytes(obj))
+                h.update(char)
+                return
+        except (RuntimeError, TypeError, ValueError):
             pass
         t = obj.detach()
         if t.device.type != "cpu":
@@ -33,7 +54,7 @@ def _feed(h: Any, obj: Any) -> None:
             _feed(h, t.contiguous())
             return
         h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
-        h.update(t.view(-1).view(torch.uint8).numpy())
+        h.update(tensor_bytes(t.view(-1).view(torch.uint8)))
     elif obj is None or kind is bool:
         h.update(b"N" if obj is None else b"T" if obj else b"F")
     elif kind is int:

@@ -69,9 +69,6 @@ def rewinding(room: Room | None) -> Callable[[], None] | None:
         return None
     at = mark()
     return lambda: room.rewind(at)  # type: ignore[union-attr]
-_NUMPY_DTYPES = {torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-                 torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64}
-
 
 
 class PlanUnfit(Exception):
@@ -325,17 +322,16 @@ def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy: a view that keeps it alive, and
-    writable when the tensor is (a restore reads into it)."""
-    if t.requires_grad:  # (a parameter: its bytes, not its autograd history)
-        t = t.detach()
-    if t.dtype in _NUMPY_DTYPES:
-        return t.numpy().data.cast("B")
-    # no NumPy dtype (bfloat16, float8): viewed as bytes, which needs a last stride of 1; a
-    # dimension of size 0 or 1 keeps any stride, so one element is viewed with stride 1 (the
-    # same memory: a restore reads into it)
-    flat = t.reshape(-1) if t.numel() > 1 else t.as_strided((t.numel(),), (1,))
-    return flat.view(torch.uint8).numpy().data
+    """The bytes of a contiguous CPU tensor, without a copy: a writable view (a restore reads
+    into it) that keeps the tensor alive. Viewed through ctypes, not NumPy: ``numpy()`` marks
+    a tensor's storage non-resizable for good, and FSDP's ``untyped_storage().resize_(0)`` of
+    a parameter a save or a restore had read then raised."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    raw._tensor = t  # type: ignore[attr-defined]  # (the view holds the array, it the tensor)
+    return memoryview(raw).cast("B")
 
 
 def decode_safetensors(data: bytes | memoryview, where: str
