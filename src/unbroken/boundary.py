@@ -153,7 +153,6 @@ class Preemption:
         self.requested: signal.Signals | None = None
         self.requested_at = 0.0
         self._previous: dict[signal.Signals, Any] = {}
-        self._pid = os.getpid()  # (the process whose loop saves at a boundary: `install`'s)
         self._timer: threading.Timer | None = None
         # The timer thread and the main thread decide under this lock which came first: the
         # deadline (``_expired``) or the update boundary (``_reached``); never both.
@@ -167,21 +166,11 @@ class Preemption:
 
     def install(self) -> None:
         """Take the signals (once the Checkpointer is otherwise built)."""
-        self._pid = os.getpid()
         for s in self.signals:
             self._previous[s] = signal.signal(s, self._handler)
 
     def _handler(self, signum: int, frame: Any) -> None:
         # (It takes no lock: it runs in the main thread, maybe inside `reached`'s hold.)
-        if os.getpid() != self._pid:
-            # A process forked from the training one (a DataLoader worker asked to end by
-            # SIGTERM) runs no update boundary: the signal does what it did before.
-            before = self._previous.get(signal.Signals(signum))
-            if callable(before):
-                before(signum, frame)
-            elif before != signal.SIG_IGN:
-                _end(signum)
-            return
         if self._expired:  # (main thread) the deadline passed: end as the signal would have
             _end(signum)
             return
