@@ -41,6 +41,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import os
 import signal
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -125,7 +126,6 @@ class ResumableLoader:
             multiprocessing_context=multiprocessing_context,
             generator=self._generator)
         self._source: IterableSource | None = None
-        _LIVE.add(self)
         if self._iterable:
             require_contract(dataset)
             if sampler is not None:
@@ -154,6 +154,7 @@ class ResumableLoader:
                 collate_fn=(_SeededCollate(collate_fn, self._seed)
                             if collate_fn is not None else None),
                 **common)
+        _LIVE.add(self)  # (built: its workers are stopped at exit)
 
     # -- cursor ----------------------------------------------------------------------------
 
@@ -276,13 +277,19 @@ class ResumableLoader:
         """Shut this loader's workers down now (told to stop, and joined): for a loop that
         ends before its pass does (a step limit) and would otherwise leave them running until
         the interpreter exits."""
-        dl = self._dl if self._source is None else self._source._dl
-        for it in (self._pass.iterator if self._pass else None, getattr(dl, "_iterator", None)):
+        for it in self._iterators():
             stop = getattr(it, "_shutdown_workers", None)
             if stop is not None:
                 stop()
+        dl = self._dl if self._source is None else self._source._dl
         if getattr(dl, "_iterator", None) is not None:
             dl._iterator = None  # persistent workers: the next pass starts new ones
+
+    def _iterators(self) -> tuple[Any, Any]:
+        """The torch iterators that may hold this loader's workers (the pass's; a persistent
+        one's, kept by the DataLoader)."""
+        dl = self._dl if self._source is None else self._source._dl
+        return self._pass.iterator if self._pass else None, getattr(dl, "_iterator", None)
 
     def _next(self, p: _Pass) -> Any:
         if self._pass is not p:
@@ -375,9 +382,23 @@ class ResumableLoader:
 # ignores the signal; a SIGTERM held meanwhile reaches the training process afterwards. At
 # interpreter exit multiprocessing ends daemonic workers with SIGTERM and then joins them:
 # before that (atexit runs handlers last-registered first), every loader's workers are told
-# to stop and joined.
+# to stop and joined. A process forked from the one that made them (``os.fork()``, then
+# ``sys.exit``) has them in its copy of this set, and stopping them there stopped the parent's
+# workers (they share the event that tells them to stop), and so did torch's own iterators,
+# collected at the fork's exit: in a fork they are marked shut down and the set is emptied.
 
 _LIVE: weakref.WeakSet[ResumableLoader] = weakref.WeakSet()
+
+
+def _forget_in_fork() -> None:
+    for loader in list(_LIVE):
+        for it in loader._iterators():
+            if hasattr(it, "_shutdown"):
+                it._shutdown = True  # (torch's _shutdown_workers then does nothing here)
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_fork)
 
 
 @atexit.register
