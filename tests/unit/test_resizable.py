@@ -87,3 +87,34 @@ def test_saves_restores_and_traces_leave_the_live_tensors_resizable(tmp_path, mo
     # (the parameters are copied into; the optimizer adopts the state read, which is
     # unbroken's own memory)
     assert _resizable(model.parameters())
+
+
+def test_tensor_bytes_hold_the_storage_and_refuse_what_is_not_contiguous():
+    """A parameter given other data while a view of its bytes lives (``p.data = ...``) leaves
+    its old storage to the view (read from freed memory, it crashed); a tensor whose bytes are
+    not its values in order (transposed, expanded) is refused, not viewed."""
+    import gc
+
+    p = torch.nn.Parameter(torch.full((1 << 18,), 7.0))
+    view = tensor_bytes(p)
+    p.data = torch.zeros(1 << 18)
+    gc.collect()
+    torch.randn(1 << 18)  # (freed memory would be handed out again)
+    assert bytes(view[:4]) == torch.tensor(7.0).numpy().tobytes()
+    for t in (torch.arange(6).reshape(2, 3).t(), torch.zeros(1).expand(8)):
+        with pytest.raises(ValueError, match="not contiguous"):
+            tensor_bytes(t)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [0, 8])
+def test_a_digest_of_a_tensor_whose_storage_is_gone_reads_none_of_it(dtype, size):
+    """A trace digests the live parameters; one whose storage was freed or shrunk (FSDP
+    frees its flat parameter between passes) was read past its storage's end (a crash, or
+    bytes that are not its values): it digests as its dtype and shape alone."""
+    flat = torch.randn(64).to(dtype)
+    view = flat[8:24].view(4, 4)
+    before = digest_tree({"t": view})
+    flat.untyped_storage().resize_(size)
+    gone = digest_tree({"t": view})
+    assert gone != before and gone == digest_tree({"t": view})

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import xxhash
 
+from .freed import shortfall
 from .tensorfile import tensor_bytes
 
 
@@ -39,8 +40,14 @@ def _feed(h: Any, obj: Any) -> None:
     if kind is torch.Tensor or kind is torch.nn.Parameter:
         char = _NUMPY_CHAR.get(obj.dtype)
         try:  # ~1 us: a contiguous CPU tensor of a NumPy dtype, its bytes and that dtype
-            if (char is not None and obj.is_cpu and obj.layout is torch.strided
-                    and not obj.is_neg() and not obj.is_conj() and obj.is_contiguous()):
+            strided = obj.is_cpu and obj.layout is torch.strided
+            if strided and shortfall(obj, obj.data_ptr()) is not None:
+                # (its storage freed or shrunk under it, FSDP's between two passes: its bytes
+                # are not there to read, and reading them crashed the process)
+                h.update(b"U%s%s;" % (str(obj.dtype).encode(), str(tuple(obj.shape)).encode()))
+                return
+            if (char is not None and strided and not obj.is_neg() and not obj.is_conj()
+                    and obj.is_contiguous()):
                 h.update(tensor_bytes(obj))
                 h.update(char)
                 return

@@ -323,14 +323,18 @@ def _stacked(tensors: tuple[torch.Tensor, ...] | list[torch.Tensor], into: torch
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy: a writable view (a restore reads
-    into it) that keeps the tensor alive. Viewed through ctypes, not NumPy: ``numpy()`` marks
-    a tensor's storage non-resizable for good, and FSDP's ``untyped_storage().resize_(0)`` of
-    a parameter a save or a restore had read then raised."""
+    into it) that keeps its storage alive (a parameter given other data meanwhile, ``p.data =
+    ...``, leaves it to the view). Viewed through ctypes, not NumPy: ``numpy()`` marks a
+    storage non-resizable for good, and FSDP's ``untyped_storage().resize_(0)`` of a parameter
+    a save or a restore had read then raised; so a caller keeps no view past a point where
+    user code may resize the storage."""
+    if not t.is_contiguous():  # (its bytes in memory are not its values in order)
+        raise ValueError(f"tensor_bytes of a tensor of strides {t.stride()}: not contiguous")
     n = t.numel() * t.element_size()
     if n == 0:
         return memoryview(bytearray())
     raw = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    raw._tensor = t  # type: ignore[attr-defined]  # (the view holds the array, it the tensor)
+    raw._storage = t.untyped_storage()  # type: ignore[attr-defined]  # (held by the view)
     return memoryview(raw).cast("B")
 
 
