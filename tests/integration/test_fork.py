@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _forks import reaped
 
 import unbroken
 from unbroken.errors import StoreLocked
@@ -47,18 +48,6 @@ def _in_child(ckpt: unbroken.Checkpointer) -> int:
     return 0
 
 
-def _reaped(pid: int) -> int:
-    deadline = time.monotonic() + _CHILD_S
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.05)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the fork did not end within {_CHILD_S:g} s (hung in the Checkpointer)")
-
-
 @pytest.mark.parametrize("mode", [False, True, "process"])
 def test_a_fork_refuses_its_parents_saves_and_leaves_them_going(tmp_path, mode):
     torch.manual_seed(0)
@@ -79,7 +68,7 @@ def test_a_fork_refuses_its_parents_saves_and_leaves_them_going(tmp_path, mode):
                 code = _in_child(ckpt)
             finally:
                 os._exit(code)
-        assert _reaped(pid) == 0
+        assert reaped(pid, _CHILD_S, "the fork (hung in the Checkpointer)") == 0
         assert ckpt.wait() is None or ckpt.store.scan_one(1).ok
         with torch.no_grad():
             for p in model.parameters():
@@ -119,7 +108,7 @@ def test_a_fork_s_step_done_saves_nothing_into_its_parent_s_run(tmp_path, mode):
                     code = 0
             finally:
                 os._exit(code)
-        assert _reaped(pid) == 0
+        assert reaped(pid, _CHILD_S, "the fork (hung in the Checkpointer)") == 0
         ckpt.wait()
     finally:
         ckpt.close()

@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import xxhash
+from _forks import reaped
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,16 +71,6 @@ def _join_all(threads: list[threading.Thread], within: float) -> None:
     assert not alive, f"threads still running after {within}s: {alive}"
 
 
-def _waitpid(pid: int, within: float) -> int:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    pytest.fail(f"forked child still running after {within}s")
 
 
 # -- hash_file / read_ahead: sizes and offsets --------------------------------------------------
@@ -583,7 +574,7 @@ def test_a_child_forked_while_another_thread_reads_ahead_can_hash_and_write(tmp_
                 code = 0 if ok else 2
             finally:
                 os._exit(code)
-        assert _waitpid(pid, 30) == 0
+        assert reaped(pid, 30) == 0
     finally:
         release.set()
         _join_all([t], 20)
