@@ -142,8 +142,9 @@ class Planning:
             return False
         ptrs: list[int] = []
         dtypes: list[torch.dtype] = []
-        # (the addresses the plan last took: a tensor met again at its address holds its
-        # bytes as it did, a resize moves a storage's memory; a new one is looked at)
+        # (the addresses the plan last took: a tensor met again at its address is taken as
+        # it was, a resize moves a storage's memory but for the case `state.freed` names; a
+        # tensor at a new address is looked at)
         last = plan.seen[0] if plan.seen else None
         try:
             if (len(tensors) != len(plan.bufs) or not _PLAIN.issuperset(map(type, tensors))
