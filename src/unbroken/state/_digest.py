@@ -53,15 +53,7 @@ def _feed(h: Any, obj: Any) -> None:
                 return
         except (RuntimeError, TypeError, ValueError):
             pass
-        t = obj.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            # Equal values digest equally whatever the memory layout (channels_last, views).
-            _feed(h, t.contiguous())
-            return
-        h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
-        h.update(tensor_bytes(t.view(-1).view(torch.uint8)))
+        _feed_values(h, obj.detach(), char)
     elif obj is None or kind is bool:
         h.update(b"N" if obj is None else b"T" if obj else b"F")
     elif kind is int:
@@ -103,6 +95,53 @@ def _feed(h: Any, obj: Any) -> None:
         h.update(f"T{obj};".encode())
     else:
         raise TypeError(f"cannot digest a state value of type {type(obj).__qualname__}")
+
+
+def _feed_values(h: Any, t: torch.Tensor, char: bytes | None) -> None:
+    """Hash a tensor the fast path of `_feed` does not take by its values, so that equal
+    values digest equally whatever their form: on the CPU, lazy negation and conjugation
+    applied, contiguous (then as the fast path does, where NumPy has the dtype); a sparse
+    one as its coalesced indices and values, a nested one as its pieces, a quantized one as
+    its integers and quantization, one without data (meta) by its dtype and shape. (A trace
+    digests every batch and every part's state: a form torch cannot view as bytes must not
+    stop the training loop, and a restored tensor, always plain, must digest as the live
+    view it was saved from.)"""
+    if t.is_nested:
+        pieces = t.unbind()
+        h.update(b"J%d;" % len(pieces))
+        for piece in pieces:
+            _feed(h, piece)
+        return
+    if t.layout is not torch.strided:
+        c = t.to_sparse_coo().coalesce()
+        h.update(b"P%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
+        _feed(h, c.indices())
+        _feed(h, c.values())
+        return
+    if t.device.type == "meta":  # (no values: as a tensor whose storage was freed)
+        h.update(b"U%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
+        return
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_quantized:
+        h.update(b"Z%s%s;" % (str(t.dtype).encode(), str(t.qscheme()).encode()))
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            _feed(h, (t.q_scale(), t.q_zero_point()))
+        else:
+            _feed(h, (t.q_per_channel_axis(), t.q_per_channel_scales(),
+                      t.q_per_channel_zero_points()))
+        _feed(h, t.int_repr())
+        return
+    if t.is_conj() or t.is_neg():  # (a view's memory is not its values)
+        t = t.resolve_conj().resolve_neg()
+    if not t.is_contiguous():  # (channels_last, slices: the values in order)
+        t = t.contiguous()
+    if char is not None:  # (as the fast path: a view digests as the tensor it equals)
+        h.update(tensor_bytes(t))
+        h.update(char)
+        return
+    h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
+    h.update(tensor_bytes(t))
 
 
 def digest_tree(obj: Any) -> str:
