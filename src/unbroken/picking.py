@@ -57,7 +57,8 @@ class Pick:
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
                     generation: int | None, intent: str, allow: Iterable[str], adopt: bool, *,
                     parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-                    run: RunRecord, pick: Pick, group: Group | None = None) -> Pick:
+                    run: RunRecord, pick: Pick, group: Group | None = None,
+                    fresh: tuple[str, ...] = ()) -> Pick:
     """Fill ``pick`` with the newest loadable candidate among ``scanned`` (or generation
     ``generation``); raise `CorruptCheckpoint` listing every refusal when none loads.
     ``pick`` is filled in place, so the refusals are known even when this raises.
@@ -65,7 +66,8 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
     In a job (``group``) the leader names the candidates, every rank loads its share of each,
     and the verdict is agreed: a candidate any rank refuses is refused by all, and a mismatch
     with the live run on any rank raises on every rank, so no rank continues from another step
-    than the others."""
+    than the others. ``fresh``: a warm start's model names left as they are
+    (`modelcheck.keep_fresh`)."""
     group = group or Group()
     candidates = [g.generation for g in reversed(scanned)
                   if generation is None or g.generation == generation]
@@ -80,7 +82,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
         pick.layout, pick.mapped = {}, MappedFiles()
         try:
             pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
-                                          identity, run, group, pick)
+                                          identity, run, group, pick, fresh)
         except CorruptCheckpoint as e:
             mine.update(refused=str(e), foreign=isinstance(e, ForeignGeneration))
         except UnbrokenError as e:
@@ -116,7 +118,8 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
 
 def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iterable[str],
           adopt: bool, parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
-          run: RunRecord, group: Group, pick: Pick) -> tuple[dict[str, Any], dict[str, Any]]:
+          run: RunRecord, group: Group, pick: Pick, fresh: tuple[str, ...] = ()
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Verify, decode and validate one candidate; `CorruptCheckpoint` refuses it."""
     if not info.ok or info.manifest is None:  # (one not judged, unreadable: raised at once)
         raise not_loadable(info)
@@ -160,7 +163,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                        where=where)
         check_environment(manifest.environment, environment(), where=where)
         pick.walked = LiveModel(model)
-        ready = S.validate_parts(tree, live, model, info.path, intent, pick.walked)
+        ready = S.validate_parts(tree, live, model, info.path, intent, pick.walked, fresh)
         for name, obj in live.items():
             check = getattr(obj, "validate_state_dict", None)
             if check is not None:

@@ -140,7 +140,8 @@ class Restoring:
     @gc_paused
     def restore(self, intent: str = "continue", *, generation: int | None = None,
                 source: str | os.PathLike[str] | None = None,
-                allow: Iterable[str] = (), adopt: bool = False) -> int:
+                allow: Iterable[str] = (), adopt: bool = False,
+                fresh: Iterable[str] = ()) -> int:
         """Restore by intent and return the completed-update count to continue from.
 
         ``"continue"`` (default): everything, from the newest generation of this run that
@@ -151,7 +152,9 @@ class Restoring:
         run's lineage. Any missing part, identity change or shape mismatch raises before any
         live object changes. ``"warm_start"``: model weights only, from another run folder
         ``source``; this run starts at 0 with a lineage naming its parent. Config or tokenizer
-        changes must be named in ``allow``."""
+        changes must be named in ``allow``. ``fresh`` (warm start only): glob patterns of the
+        model's names that keep their live values (a new head: ``fresh=["head.*"]``); the
+        checkpoint's names they match need not exist live, every other name must match."""
         self._forked("restore")
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")
@@ -165,10 +168,11 @@ class Restoring:
         # error: said before any generation is read, not as a failure of every generation.
         allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
         check_identity({}, {}, intent=intent, allow=allow)
+        fresh = _patterns(fresh, intent)
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":
-            return self._warm_start(source, generation, allow)
+            return self._warm_start(source, generation, allow, fresh)
         if source is not None:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
         scanned = self.store.scan()
@@ -258,14 +262,15 @@ class Restoring:
         return manifest.step
 
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
-              generation: int | None, intent: str, allow: Iterable[str], adopt: bool) -> Pick:
+              generation: int | None, intent: str, allow: Iterable[str], adopt: bool,
+              fresh: tuple[str, ...] = ()) -> Pick:
         """`picking.pick_generation` for this Checkpointer's live objects; ``rejected`` says
         what it refused, even when nothing loads."""
         pick = Pick()
         self.rejected = pick.rejected
         return pick_generation(store, scanned, generation, intent, allow, adopt,
                                parts=self._parts, model=self.model, identity=self.identity,
-                               run=self._run, pick=pick, group=self._group)
+                               run=self._run, pick=pick, group=self._group, fresh=fresh)
 
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
         self._watch.boundary(step, self._counters.epoch)
@@ -274,7 +279,7 @@ class Restoring:
                                  [generation_of(p) for p, _ in self.rejected])
 
     def _warm_start(self, source: str | os.PathLike[str] | None, generation: int | None,
-                    allow: Iterable[str]) -> int:
+                    allow: Iterable[str], fresh: tuple[str, ...]) -> int:
         if source is None or (str(source).rstrip("/") == self.store.root if is_url(source)
                               else os.path.realpath(source) == os.path.realpath(self.store.root)):
             raise UnbrokenError(
@@ -287,7 +292,7 @@ class Restoring:
         scanned = src.scan()
         if not scanned:
             raise NoCheckpoint(f"{src.root}: no generation to warm-start from")
-        pick = self._pick(src, scanned, generation, "warm_start", allow, False)
+        pick = self._pick(src, scanned, generation, "warm_start", allow, False, fresh)
         info = pick.info
         assert info is not None and info.manifest is not None
         try:
@@ -299,6 +304,21 @@ class Restoring:
         self._origin = {"operation": "warm_start", "source": src.root,
                         "run_id": info.manifest.run_id, "generation": info.generation,
                         "incarnation": info.manifest.incarnation, "allowed": sorted(allow)}
+        if fresh:
+            self._origin["fresh"] = list(fresh)
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
 
+
+def _patterns(fresh: Iterable[str], intent: str) -> tuple[str, ...]:
+    """``restore(fresh=...)`` checked before anything is read: glob patterns (strings), for a
+    warm start only (a continuation restores every tensor it saved)."""
+    patterns = (fresh,) if isinstance(fresh, str) else tuple(fresh)
+    if patterns and intent != "warm_start":
+        raise ValueError(f"fresh={list(patterns)!r} is for intent='warm_start': a "
+                         "continuation restores every saved tensor")
+    bad = [p for p in patterns if type(p) is not str or not p]
+    if bad:
+        raise ValueError(f"fresh={bad!r}: each is a glob pattern of model names, a non-empty "
+                         "str (e.g. 'head.*')")
+    return patterns

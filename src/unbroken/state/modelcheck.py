@@ -8,6 +8,7 @@ import re
 import warnings
 from collections import Counter
 from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
@@ -18,21 +19,24 @@ from .livemodel import LiveModel
 
 
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
-                   dtypes: bool = True, live: Mapping[str, Any] | None = None
-                   ) -> Mapping[str, Any]:
+                   dtypes: bool = True, live: Mapping[str, Any] | None = None,
+                   fresh: tuple[str, ...] = ()) -> Mapping[str, Any]:
     """Keys, shapes and (for a continuation) dtypes of a saved model state against the live
     model; returns the state to load. A warm start may change precision (fp32 weights into a
     bf16 model): load_state_dict converts. A name the live model ties to a saved one (one
     tensor under two names, as a language model's output layer shares the input embedding) is
     filled in from it: a checkpoint written elsewhere (``save_pretrained``, an import) keeps
     only one name, and loading that one fills both. ``live``: the model's tensors by name
-    (`LiveModel.live_tensors`), when known already."""
+    (`LiveModel.live_tensors`), when known already. ``fresh``: a warm start's names left as
+    they are (`keep_fresh`)."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     if live is None:
         live = LiveModel(model).live_tensors()
     if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
         saved = _under_live_names(saved, live)
+    if fresh:
+        saved = keep_fresh(saved, live, fresh, where)
     missing = [k for k in live if k not in saved]
     if missing:
         try:
@@ -48,7 +52,10 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
-                            f"{unexpected[:5]}; " + _wrapped(missing, unexpected))
+                            f"{unexpected[:5]}; " + _wrapped(missing, unexpected) + (
+                                "" if dtypes else "; a warm start leaves names as they are "
+                                "live, or skips saved ones, with restore(..., fresh=[pattern, "
+                                "...])"))
     names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]  # (its tensors)
     _check_ties(saved, live, names, where, continuation=dtypes)
     saved = _unwritable(saved, live, names, where)
@@ -80,7 +87,8 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                      else type(s).__name__)
             remedy = ("build the model as in the saved run (its shapes and dtypes), or "
                       "warm_start a new run from the weights" if dtypes else
-                      "a warm start takes weights of the live model's shapes only")
+                      "a warm start takes weights of the live model's shapes only, or "
+                      f"leaves this one as it is live with restore(..., fresh=[{k!r}])")
             raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
                                 f"{t.dtype} (live model), found {found}; {remedy}")
         if s.dtype != t.dtype and (peak := cast_overflow(s, t.dtype)) is not None:
@@ -94,6 +102,58 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def keep_fresh(saved: Mapping[str, Any], live: Mapping[str, Any], fresh: tuple[str, ...],
+               where: str) -> dict[str, Any]:
+    """The saved model state a warm start loads when the names matching ``fresh`` (glob
+    patterns, `fnmatch`: ``"head.*"``) keep their live values: a new head, a layer of
+    another shape or one the checkpoint lacks. Those live tensors are given in their saved
+    ones' place (a copy of a tensor into itself does nothing), and the saved names they
+    match that the live model lacks are dropped. Every other name must still match. A
+    pattern that matches no name on either side is refused (a misspelt name would load what
+    it meant to keep), and so is a kept tensor the live model holds as one with a loaded
+    name (tied weights: loading the other name would overwrite it)."""
+    def matched(key: str) -> bool:
+        return any(fnmatchcase(key, p) for p in fresh)
+
+    unused = [p for p in fresh if not any(fnmatchcase(k, p) for k in (*live, *saved))]
+    if unused:
+        raise StateMismatch(
+            f"{where}: fresh={unused!r} matches no name of the live model or of the "
+            f"checkpoint (live names: {_some(list(live))}; saved: {_some(list(saved))}); "
+            "name the tensors to keep as the model's state_dict() names them")
+    kept = [k for k in live if matched(k)]
+    try:
+        loaded = {_view(t): k for k, t in live.items()
+                  if not matched(k) and isinstance(t, torch.Tensor) and _has_data(t)}
+        ties = [(k, loaded.get(_view(t))) for k in kept
+                if isinstance(t := live[k], torch.Tensor) and _has_data(t)]
+    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
+        ties = []
+    for k, other in ties:
+        if other is not None:
+            raise StateMismatch(
+                f"{where}: fresh keeps {k!r}, which the live model holds as one tensor with "
+                f"{other!r} (tied), which the warm start loads: name both in fresh, or "
+                "neither")
+    out = {k: v for k, v in saved.items() if not matched(k)}
+    out.update((k, live[k]) for k in kept)
+    return out
+
+
+def _has_data(t: torch.Tensor) -> bool:
+    """A tensor with memory of its own to compare by address (not empty, meta or lazy)."""
+    try:
+        return bool(t.numel()) and not t.is_meta and not isinstance(t, UNINITIALIZED)
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _some(names: list[str]) -> str:
+    """The first few of ``names``, for a message."""
+    return ", ".join(map(repr, names[:6])) + (f", ... ({len(names)} in all)"
+                                              if len(names) > 6 else "")
 
 
 def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], names: list[str],

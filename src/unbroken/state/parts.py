@@ -138,11 +138,12 @@ def capture(parts: Mapping[str, Any], model: torch.nn.Module, detach: bool = Tru
 
 
 def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: torch.nn.Module,
-                   where: str, intent: str = "continue", walked: LiveModel | None = None
-                   ) -> dict[str, Any]:
+                   where: str, intent: str = "continue", walked: LiveModel | None = None,
+                   fresh: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check every part the run has against the saved tree; return what ``apply`` needs
     (the optimizer state already mapped to torch's positional form). Reads only.
-    ``walked``: ``model``'s walk, made for this restore (given to ``apply`` too)."""
+    ``walked``: ``model``'s walk, made for this restore (given to ``apply`` too).
+    ``fresh``: a warm start's model names left as they are (`modelcheck.keep_fresh`)."""
     missing = [p for p in parts if p not in saved]
     if missing:
         raise MissingState(
@@ -174,7 +175,8 @@ def validate_parts(saved: Mapping[str, Any], parts: Mapping[str, Any], model: to
         if name == MODEL:
             ready[name] = validate_model(saved[name], obj, f"{where} [{name}]",
                                          dtypes=intent == "continue",
-                                         live=walked.live_tensors() if obj is model else None)
+                                         live=walked.live_tensors() if obj is model else None,
+                                         fresh=fresh)
         elif name == OPTIMIZER:
             ready[name] = optimizer_state_to_torch(saved[name], model, obj, f"{where} [{name}]",
                                                    walked.param_names())

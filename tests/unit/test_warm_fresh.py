@@ -1,0 +1,183 @@
+"""A warm start that leaves some of the model as it is live (``restore(intent="warm_start",
+fresh=[...])``): a new head, a layer of another shape, a layer the checkpoint lacks or one
+the new model dropped. Every other name must still match; what is kept stays bitwise as it
+was, what is loaded is the checkpoint's, and the new run's lineage records the patterns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken
+from unbroken.errors import StateMismatch
+
+
+def _base() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+
+
+def _saved(tmp_path: Path, model: nn.Module | None = None) -> tuple[str, nn.Module]:
+    model = model or _base()
+    src = str(tmp_path / "pre")
+    ck = unbroken.Checkpointer(src, model=model)
+    ck.save(3)
+    ck.close()
+    return src, model
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str]) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in keys)
+
+
+def test_a_new_head_and_an_added_layer_stay_fresh_and_the_rest_loads(tmp_path):
+    src, old = _saved(tmp_path)
+    torch.manual_seed(1)
+    new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5), nn.Linear(5, 3))
+    before = _state(new)
+    ck = unbroken.Checkpointer(str(tmp_path / "ft"), model=new)
+    assert ck.restore(intent="warm_start", source=src, fresh=["2.*", "3.*"]) == 0
+    after = _state(new)
+    assert _same(after, _state(old), ["0.weight", "0.bias"])
+    assert _same(after, before, ["2.weight", "2.bias", "3.weight", "3.bias"])
+    ck.save(1)
+    ck.close()
+    manifest = json.loads(next((tmp_path / "ft").glob("gen-*/MANIFEST.json")).read_text())
+    assert manifest["origin"]["fresh"] == ["2.*", "3.*"]
+    assert manifest["origin"]["operation"] == "warm_start"
+    again = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5), nn.Linear(5, 3))
+    resumed = unbroken.Checkpointer(str(tmp_path / "ft"), model=again)
+    assert resumed.restore() == 1  # (the new run continues as any run does)
+    assert _same(_state(again), after, list(after))
+    resumed.close()
+
+
+def test_a_layer_the_new_model_dropped_is_skipped_by_its_saved_names(tmp_path):
+    torch.manual_seed(0)
+    src, old = _saved(tmp_path, nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4),
+                                              nn.Linear(4, 2)))
+    new = nn.Sequential(nn.Linear(4, 4))
+    unbroken.Checkpointer(str(tmp_path / "ft"), model=new).restore(
+        intent="warm_start", source=src, fresh=["1.*", "2.*"])
+    assert _same(_state(new), _state(old), ["0.weight", "0.bias"])
+
+
+def test_without_fresh_the_refusal_names_the_remedy(tmp_path):
+    src, _ = _saved(tmp_path)
+    new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5))
+    with pytest.raises(StateMismatch, match=r"fresh=\['2.weight'\]"):
+        unbroken.Checkpointer(str(tmp_path / "a"), model=new).restore(
+            intent="warm_start", source=src)
+    more = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
+    with pytest.raises(StateMismatch, match=r"missing \['3.weight', '3.bias'\].*fresh="):
+        unbroken.Checkpointer(str(tmp_path / "b"), model=more).restore(
+            intent="warm_start", source=src)
+
+
+def test_a_pattern_that_matches_nothing_is_refused_and_nothing_changes(tmp_path):
+    src, _ = _saved(tmp_path)
+    new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5))
+    before = _state(new)
+    with pytest.raises(StateMismatch, match=r"fresh=\['hed\.\*'\] matches no name.*'2.weight'"):
+        unbroken.Checkpointer(str(tmp_path / "ft"), model=new).restore(
+            intent="warm_start", source=src, fresh=["2.*", "hed.*"])
+    assert _same(_state(new), before, list(before))
+
+
+def test_fresh_is_checked_before_anything_is_read(tmp_path):
+    ck = unbroken.Checkpointer(str(tmp_path / "run"), model=_base())
+    with pytest.raises(ValueError, match="for intent='warm_start'"):
+        ck.restore(fresh=["2.*"])
+    for bad in ([""], [3], [None]):
+        with pytest.raises(ValueError, match="glob pattern"):
+            ck.restore(intent="warm_start", source=str(tmp_path / "none"), fresh=bad)
+    ck.close()
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 3)
+        self.head = nn.Linear(3, 5, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def test_a_kept_tensor_tied_to_a_loaded_one_is_refused_unless_both_are_kept(tmp_path):
+    src, _ = _saved(tmp_path, _Tied())
+    torch.manual_seed(5)
+    live = _Tied()
+    before = _state(live)
+    with pytest.raises(StateMismatch, match=r"'head.weight'.*one tensor with 'emb.weight'"):
+        unbroken.Checkpointer(str(tmp_path / "a"), model=live).restore(
+            intent="warm_start", source=src, fresh=["head.*"])
+    unbroken.Checkpointer(str(tmp_path / "b"), model=live).restore(
+        intent="warm_start", source=src, fresh=["head.*", "emb.*"])
+    assert _same(_state(live), before, list(before))
+    assert live.head.weight is live.emb.weight
+
+
+class _Hooked(nn.Module):
+    """A model that loads its own way (a load hook): torch's load_state_dict is used."""
+
+    def __init__(self, out: int) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, out)
+        self.loaded: list[list[str]] = []
+        self._register_load_state_dict_pre_hook(self._seen)
+
+    def _seen(self, state, prefix, *args) -> None:  # noqa: ANN001 -- torch's hook signature
+        self.loaded.append(sorted(state))
+
+
+def test_a_model_that_loads_its_own_way_keeps_its_fresh_names_too(tmp_path):
+    src, old = _saved(tmp_path, _Hooked(2))
+    torch.manual_seed(9)
+    new = _Hooked(7)
+    before = _state(new)
+    unbroken.Checkpointer(str(tmp_path / "ft"), model=new).restore(
+        intent="warm_start", source=src, fresh=["head.*"])
+    assert new.loaded  # (its own load_state_dict ran, strict, with every name)
+    assert _same(_state(new), _state(old), ["body.weight", "body.bias"])
+    assert _same(_state(new), before, ["head.weight", "head.bias"])
+
+
+def test_large_tensors_read_from_mapped_files_keep_or_load_alike(tmp_path):
+    big = 9 << 20  # (36 MiB of float32: the files a restore maps, not reads whole)
+    torch.manual_seed(0)
+    old = nn.ParameterDict({"a": nn.Parameter(torch.randn(big)),
+                            "b": nn.Parameter(torch.randn(big))})
+    src, _ = _saved(tmp_path, old)
+    new = nn.ParameterDict({"a": nn.Parameter(torch.zeros(big)),
+                            "b": nn.Parameter(torch.full((big,), 2.0))})
+    unbroken.Checkpointer(str(tmp_path / "ft"), model=new).restore(
+        intent="warm_start", source=src, fresh=["b"])
+    assert torch.equal(new["a"], old["a"])
+    assert torch.equal(new["b"], torch.full((big,), 2.0))
+
+
+class _Compiled(nn.Module):
+    """Names as torch.compile's wrapper gives them (``_orig_mod.``)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = inner
+
+
+def test_patterns_name_the_live_model_s_names_across_torch_compile_s_prefix(tmp_path):
+    src, old = _saved(tmp_path, _Compiled(_base()))
+    new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 9))
+    before = _state(new)
+    unbroken.Checkpointer(str(tmp_path / "ft"), model=new).restore(
+        intent="warm_start", source=src, fresh=["2.*"])
+    saved = {k.removeprefix("_orig_mod."): v for k, v in _state(old).items()}
+    assert _same(_state(new), saved, ["0.weight", "0.bias"])
+    assert _same(_state(new), before, ["2.weight", "2.bias"])
