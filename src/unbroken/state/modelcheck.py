@@ -4,7 +4,6 @@ continuation cannot restore into, and a warm start's cast that would overflow.""
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -16,6 +15,7 @@ import torch
 from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenWarning
 from .codec import UNINITIALIZED
 from .livemodel import LiveModel
+from .names import under_live_names
 
 
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
@@ -34,7 +34,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     if live is None:
         live = LiveModel(model).live_tensors()
     if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
-        saved = _under_live_names(saved, live)
+        saved = under_live_names(saved, live)
     if fresh:
         saved = keep_fresh(saved, live, fresh, where)
     missing = [k for k in live if k not in saved]
@@ -252,26 +252,6 @@ _REDUCIBLE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloa
 # OptimizedModule, DataParallel and DistributedDataParallel.
 _WRAPPERS = {"_orig_mod.": "a torch.compile'd model (torch.compile(model))",
              "module.": "a DataParallel / DistributedDataParallel wrapper"}
-
-
-_COMPILED = re.compile(r"(?:^|(?<=\.))_orig_mod\.")
-
-
-def served_name(name: str) -> str:
-    """A tensor's name in the model as it is served: without the ``_orig_mod.`` segments
-    torch.compile puts in the names of a compiled model (or of compiled submodules)."""
-    return _COMPILED.sub("", name)
-
-
-def _under_live_names(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``saved`` under the live model's names where the two differ only by torch.compile's
-    ``_orig_mod.`` segments (a warm start from a compiled model into an uncompiled one, or
-    back), one to one; else ``saved`` as it is."""
-    by_served = {served_name(k): k for k in live}
-    renamed = {by_served.get(served_name(k), ""): v for k, v in saved.items()}
-    if len(by_served) != len(live) or "" in renamed or len(renamed) != len(saved):
-        return saved
-    return renamed
 
 
 def _wrapped(missing: list[str], unexpected: list[str]) -> str:

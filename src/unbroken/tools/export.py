@@ -42,7 +42,7 @@ from ..errors import (
 from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
 from ..state.livemodel import with_versions
-from ..state.modelcheck import served_name
+from ..state.names import served_name
 from ..state.tensorfile import decode_safetensors, encode_safetensors
 from ..store.backends.local import LocalFS
 from ..store.manifest import CHECKSUM, check_seal, checksum
