@@ -29,6 +29,7 @@ from .errors import (
 from .faults import DROP_ENV, drop_parts
 from .picking import Pick, pick_generation
 from .state import parts as S
+from .state.fresh import check_patterns
 from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
 from .state.settings import param_group_changes, scheduler_changes
@@ -141,7 +142,7 @@ class Restoring:
     def restore(self, intent: str = "continue", *, generation: int | None = None,
                 source: str | os.PathLike[str] | None = None,
                 allow: Iterable[str] = (), adopt: bool = False,
-                fresh: Iterable[str] = ()) -> int:
+                fresh: Iterable[str] | None = ()) -> int:
         """Restore by intent and return the completed-update count to continue from.
 
         ``"continue"`` (default): everything, from the newest generation of this run that
@@ -168,11 +169,11 @@ class Restoring:
         # error: said before any generation is read, not as a failure of every generation.
         allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
         check_identity({}, {}, intent=intent, allow=allow)
-        fresh = _patterns(fresh, intent)
+        patterns = check_patterns(fresh, intent)
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":
-            return self._warm_start(source, generation, allow, fresh)
+            return self._warm_start(source, generation, allow, patterns)
         if source is not None:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
         scanned = self.store.scan()
@@ -295,8 +296,12 @@ class Restoring:
         pick = self._pick(src, scanned, generation, "warm_start", allow, False, fresh)
         info = pick.info
         assert info is not None and info.manifest is not None
+        if fresh and pick.tree.get(S.MODEL) and not pick.ready.get(S.MODEL):
+            warnings.warn(f"{info.path}: fresh={list(fresh)!r} keeps every name of the model: "
+                          "the warm start loads no weight", UnbrokenWarning, stacklevel=4)
         try:
-            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked)
+            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked,
+                    fresh=bool(fresh))
         finally:
             pick.mapped.close()
         self._restored = True
@@ -308,17 +313,3 @@ class Restoring:
             self._origin["fresh"] = list(fresh)
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
-
-
-def _patterns(fresh: Iterable[str], intent: str) -> tuple[str, ...]:
-    """``restore(fresh=...)`` checked before anything is read: glob patterns (strings), for a
-    warm start only (a continuation restores every tensor it saved)."""
-    patterns = (fresh,) if isinstance(fresh, str) else tuple(fresh)
-    if patterns and intent != "warm_start":
-        raise ValueError(f"fresh={list(patterns)!r} is for intent='warm_start': a "
-                         "continuation restores every saved tensor")
-    bad = [p for p in patterns if type(p) is not str or not p]
-    if bad:
-        raise ValueError(f"fresh={bad!r}: each is a glob pattern of model names, a non-empty "
-                         "str (e.g. 'head.*')")
-    return patterns

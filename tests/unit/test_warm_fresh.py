@@ -73,7 +73,8 @@ def test_a_layer_the_new_model_dropped_is_skipped_by_its_saved_names(tmp_path):
 def test_without_fresh_the_refusal_names_the_remedy(tmp_path):
     src, _ = _saved(tmp_path)
     new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5))
-    with pytest.raises(StateMismatch, match=r"fresh=\['2.weight'\]"):
+    with pytest.raises(StateMismatch, match=r"'2.weight': expected \(5, 4\).*'2.bias'.*"
+                                            r"fresh=\['2.\*'\]"):
         unbroken.Checkpointer(str(tmp_path / "a"), model=new).restore(
             intent="warm_start", source=src)
     more = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
@@ -115,7 +116,7 @@ def test_a_kept_tensor_tied_to_a_loaded_one_is_refused_unless_both_are_kept(tmp_
     torch.manual_seed(5)
     live = _Tied()
     before = _state(live)
-    with pytest.raises(StateMismatch, match=r"'head.weight'.*one tensor with 'emb.weight'"):
+    with pytest.raises(StateMismatch, match=r"'head.weight', whose memory .* 'emb.weight'"):
         unbroken.Checkpointer(str(tmp_path / "a"), model=live).restore(
             intent="warm_start", source=src, fresh=["head.*"])
     unbroken.Checkpointer(str(tmp_path / "b"), model=live).restore(
@@ -181,3 +182,161 @@ def test_patterns_name_the_live_model_s_names_across_torch_compile_s_prefix(tmp_
     saved = {k.removeprefix("_orig_mod."): v for k, v in _state(old).items()}
     assert _same(_state(new), saved, ["0.weight", "0.bias"])
     assert _same(_state(new), before, ["2.weight", "2.bias"])
+
+
+def test_lazy_and_meta_tensors_kept_fresh_need_no_data_and_others_are_still_refused(tmp_path):
+    src, old = _saved(tmp_path)
+    lazy_head = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.LazyLinear(3))
+    unbroken.Checkpointer(str(tmp_path / "a"), model=lazy_head).restore(
+        intent="warm_start", source=src, fresh=["2.*"])
+    assert torch.equal(lazy_head[0].weight, old[0].weight)
+    assert isinstance(lazy_head[2].weight, nn.parameter.UninitializedParameter)
+    with torch.device("meta"):
+        meta_head = nn.Linear(4, 9)
+    meta = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), meta_head)
+    unbroken.Checkpointer(str(tmp_path / "b"), model=meta).restore(
+        intent="warm_start", source=src, fresh=["2.*"])
+    assert meta[2].weight.is_meta
+    lazy_body = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 7))
+    with pytest.raises(StateMismatch, match=r"'0.weight' is uninitialized"):
+        unbroken.Checkpointer(str(tmp_path / "c"), model=lazy_body).restore(
+            intent="warm_start", source=src, fresh=["2.*"])
+
+
+def test_a_compiled_save_into_an_uncompiled_model_that_dropped_a_layer(tmp_path):
+    torch.manual_seed(0)
+    src, old = _saved(tmp_path, _Compiled(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4),
+                                                        nn.Linear(4, 2))))
+    for i, pattern in enumerate(("2.*", "_orig_mod.2.*")):
+        new = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        unbroken.Checkpointer(str(tmp_path / f"ft{i}"), model=new).restore(
+            intent="warm_start", source=src, fresh=[pattern])
+        saved = {k.removeprefix("_orig_mod."): v for k, v in _state(old).items()}
+        assert _same(_state(new), saved, ["0.weight", "1.bias"])
+    torch.manual_seed(3)
+    live = _Compiled(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 6)))
+    before = _state(live)
+    plain_src, plain = _saved(tmp_path / "plain")
+    unbroken.Checkpointer(str(tmp_path / "c"), model=live).restore(
+        intent="warm_start", source=plain_src, fresh=["2.*"])  # (the served names)
+    assert torch.equal(live._orig_mod[0].weight, plain[0].weight)
+    assert _same(_state(live), before, ["_orig_mod.2.weight", "_orig_mod.2.bias"])
+
+
+class _Meta(nn.Module):
+    """Extra state set in place (cleared, then filled), as a vocabulary holder may do."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.meta = {"k": k, "vocab": list(range(k))}
+
+    def get_extra_state(self) -> dict:
+        return self.meta
+
+    def set_extra_state(self, state: dict) -> None:
+        self.meta.clear()
+        self.meta.update(state)
+
+
+class _WithMeta(nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.body = nn.Linear(2, 2)
+        self.head = _Meta(k)
+
+
+class _Scaled(nn.Module):
+    """A module whose state_dict holds its weight scaled, and whose load hook unscales it
+    (a round trip through both is not bitwise)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(n, 4))
+        self._register_state_dict_hook(_Scaled._save)
+        self.register_load_state_dict_pre_hook(_Scaled._load)
+
+    @staticmethod
+    def _save(module, state, prefix, local) -> None:  # noqa: ANN001 -- torch's hook
+        state[prefix + "w"] = state[prefix + "w"] * 3.0
+
+    @staticmethod
+    def _load(module, state, prefix, *args) -> None:  # noqa: ANN001 -- torch's hook
+        if prefix + "w" in state:
+            state[prefix + "w"] = state[prefix + "w"] / 3.0
+
+
+class _ScaledHead(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = _Scaled(n)
+
+
+def test_kept_names_are_never_handed_to_a_model_that_loads_its_own_way(tmp_path):
+    src, old = _saved(tmp_path, _WithMeta(3))
+    new = _WithMeta(7)
+    unbroken.Checkpointer(str(tmp_path / "a"), model=new).restore(
+        intent="warm_start", source=src, fresh=["head.*"])
+    assert new.head.meta == {"k": 7, "vocab": list(range(7))}
+    assert torch.equal(new.body.weight, old.body.weight)
+    torch.manual_seed(0)
+    scaled_src, scaled = _saved(tmp_path / "s", _ScaledHead(2))
+    torch.manual_seed(1)
+    live = _ScaledHead(5)
+    before = live.head.w.detach().clone()
+    unbroken.Checkpointer(str(tmp_path / "b"), model=live).restore(
+        intent="warm_start", source=scaled_src, fresh=["head.*"])
+    assert torch.equal(live.head.w.detach(), before)  # (bitwise: no round trip)
+    assert torch.equal(live.body.weight, scaled.body.weight)
+
+
+class _Viewing(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        view = self.body.weight.detach()[:2] if how == "slice" else self.body.weight.detach().t()
+        self.register_buffer("w", view)
+
+
+@pytest.mark.parametrize("how", ["slice", "transpose"])
+def test_a_kept_view_of_a_loaded_weight_is_refused_before_anything_changes(tmp_path, how):
+    src, _ = _saved(tmp_path, _Viewing(how))
+    torch.manual_seed(7)
+    live = _Viewing(how)
+    before = _state(live)
+    with pytest.raises(StateMismatch, match=r"fresh keeps 'w', whose memory .* 'body.weight'"):
+        unbroken.Checkpointer(str(tmp_path / "a"), model=live).restore(
+            intent="warm_start", source=src, fresh=["w"])
+    assert _same(_state(live), before, list(before))
+
+
+def test_a_name_holding_glob_characters_is_matched_literally_when_given_whole(tmp_path):
+    def model() -> nn.Module:
+        return nn.ModuleDict({"h[0]": nn.Linear(2, 2), "h0": nn.Linear(2, 2)})
+
+    torch.manual_seed(0)
+    src, old = _saved(tmp_path, model())
+    torch.manual_seed(1)
+    for i, fresh in enumerate((["h[0].weight", "h[0].bias"], ["h[[]0].*"])):
+        live = model()
+        before = _state(live)
+        unbroken.Checkpointer(str(tmp_path / f"a{i}"), model=live).restore(
+            intent="warm_start", source=src, fresh=fresh)
+        assert _same(_state(live), before, ["h[0].weight", "h[0].bias"])
+        assert _same(_state(live), _state(old), ["h0.weight", "h0.bias"])
+
+
+def test_fresh_none_is_none_and_keeping_everything_is_said(tmp_path):
+    src, old = _saved(tmp_path)
+    live = _base()
+    unbroken.Checkpointer(str(tmp_path / "a"), model=live).restore(
+        intent="warm_start", source=src, fresh=None)
+    assert _same(_state(live), _state(old), list(_state(old)))
+    with pytest.raises(ValueError, match="a list of glob patterns"):
+        unbroken.Checkpointer(str(tmp_path / "b"), model=_base()).restore(
+            intent="warm_start", source=src, fresh=b"2.*")
+    with pytest.warns(unbroken.UnbrokenWarning, match="loads no weight") as said:
+        unbroken.Checkpointer(str(tmp_path / "c"), model=_base()).restore(
+            intent="warm_start", source=src, fresh=["*"])
+    assert said[0].filename == __file__

@@ -7,13 +7,13 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from collections.abc import Mapping
-from fnmatch import fnmatchcase
 from typing import Any
 
 import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenWarning
 from .codec import UNINITIALIZED
+from .fresh import fresh_names, suggested
 from .livemodel import LiveModel
 from .names import under_live_names
 
@@ -33,11 +33,12 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     if live is None:
         live = LiveModel(model).live_tensors()
+    kept: frozenset[str] = frozenset()
     if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
-        saved = under_live_names(saved, live)
-    if fresh:
-        saved = keep_fresh(saved, live, fresh, where)
-    missing = [k for k in live if k not in saved]
+        saved = under_live_names(saved, live, partial=bool(fresh))
+    if fresh:  # (the names kept are left out of the load, and of every check below)
+        saved, kept = fresh_names(saved, live, fresh, where)
+    missing = [k for k in live if k not in saved and k not in kept]
     if missing:
         try:
             held = {_view(t): k for k, t in live.items()
@@ -56,10 +57,14 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                                 "" if dtypes else "; a warm start leaves names as they are "
                                 "live, or skips saved ones, with restore(..., fresh=[pattern, "
                                 "...])"))
-    names = [k for k, t in live.items() if type(t) in _PLAIN_TENSORS]  # (its tensors)
+    names = [k for k, t in live.items()  # (its tensors)
+             if type(t) in _PLAIN_TENSORS and k not in kept]
     _check_ties(saved, live, names, where, continuation=dtypes)
     saved = _unwritable(saved, live, names, where)
+    reshaped: list[tuple[str, str]] = []  # (a warm start's: all named, and what keeps them)
     for k, t in live.items():
+        if k in kept:
+            continue
         s = saved[k]
         if not isinstance(t, torch.Tensor):  # a module's extra state: its set_extra_state's
             continue
@@ -85,12 +90,15 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                 and not _resizes(model, k) or dtypes and s.dtype != t.dtype):
             found = (f"{tuple(s.shape)} {s.dtype}" if isinstance(s, torch.Tensor)
                      else type(s).__name__)
+            said = (f"model tensor {k!r}: expected {tuple(t.shape)} {t.dtype} (live model), "
+                    f"found {found}")
+            if not dtypes and isinstance(s, torch.Tensor):
+                reshaped.append((k, said))
+                continue
             remedy = ("build the model as in the saved run (its shapes and dtypes), or "
                       "warm_start a new run from the weights" if dtypes else
-                      "a warm start takes weights of the live model's shapes only, or "
-                      f"leaves this one as it is live with restore(..., fresh=[{k!r}])")
-            raise StateMismatch(f"{where}: model tensor {k!r}: expected {tuple(t.shape)} "
-                                f"{t.dtype} (live model), found {found}; {remedy}")
+                      "a warm start takes weights of the live model's shapes only")
+            raise StateMismatch(f"{where}: {said}; {remedy}")
         if s.dtype != t.dtype and (peak := cast_overflow(s, t.dtype)) is not None:
             # (a warm start's cast: load_state_dict would make these finite weights inf)
             raise StateMismatch(
@@ -98,62 +106,16 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
                 f"{peak:.6g} in magnitude, beyond the live model's {t.dtype} (largest "
                 f"{torch.finfo(t.dtype).max:.6g}): the cast would make them inf or nan; "
                 "warm start into a model of a wider dtype (e.g. float32), then convert")
+    if reshaped:
+        raise StateMismatch(
+            f"{where}: {len(reshaped)} model tensor(s) of another shape: "
+            f"{'; '.join(said for _, said in reshaped[:5])}{'; ...' if len(reshaped) > 5 else ''}"
+            "; a warm start takes weights of the live model's shapes only, or leaves those as "
+            f"they are live with restore(..., fresh={suggested(k for k, _ in reshaped)!r})")
     return saved
 
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def keep_fresh(saved: Mapping[str, Any], live: Mapping[str, Any], fresh: tuple[str, ...],
-               where: str) -> dict[str, Any]:
-    """The saved model state a warm start loads when the names matching ``fresh`` (glob
-    patterns, `fnmatch`: ``"head.*"``) keep their live values: a new head, a layer of
-    another shape or one the checkpoint lacks. Those live tensors are given in their saved
-    ones' place (a copy of a tensor into itself does nothing), and the saved names they
-    match that the live model lacks are dropped. Every other name must still match. A
-    pattern that matches no name on either side is refused (a misspelt name would load what
-    it meant to keep), and so is a kept tensor the live model holds as one with a loaded
-    name (tied weights: loading the other name would overwrite it)."""
-    def matched(key: str) -> bool:
-        return any(fnmatchcase(key, p) for p in fresh)
-
-    unused = [p for p in fresh if not any(fnmatchcase(k, p) for k in (*live, *saved))]
-    if unused:
-        raise StateMismatch(
-            f"{where}: fresh={unused!r} matches no name of the live model or of the "
-            f"checkpoint (live names: {_some(list(live))}; saved: {_some(list(saved))}); "
-            "name the tensors to keep as the model's state_dict() names them")
-    kept = [k for k in live if matched(k)]
-    try:
-        loaded = {_view(t): k for k, t in live.items()
-                  if not matched(k) and isinstance(t, torch.Tensor) and _has_data(t)}
-        ties = [(k, loaded.get(_view(t))) for k in kept
-                if isinstance(t := live[k], torch.Tensor) and _has_data(t)]
-    except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        ties = []
-    for k, other in ties:
-        if other is not None:
-            raise StateMismatch(
-                f"{where}: fresh keeps {k!r}, which the live model holds as one tensor with "
-                f"{other!r} (tied), which the warm start loads: name both in fresh, or "
-                "neither")
-    out = {k: v for k, v in saved.items() if not matched(k)}
-    out.update((k, live[k]) for k in kept)
-    return out
-
-
-def _has_data(t: torch.Tensor) -> bool:
-    """A tensor with memory of its own to compare by address (not empty, meta or lazy)."""
-    try:
-        return bool(t.numel()) and not t.is_meta and not isinstance(t, UNINITIALIZED)
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def _some(names: list[str]) -> str:
-    """The first few of ``names``, for a message."""
-    return ", ".join(map(repr, names[:6])) + (f", ... ({len(names)} in all)"
-                                              if len(names) > 6 else "")
 
 
 def _unwritable(saved: Mapping[str, Any], live: Mapping[str, Any], names: list[str],

@@ -16,12 +16,18 @@ def served_name(name: str) -> str:
     return _COMPILED.sub("", name)
 
 
-def under_live_names(saved: Mapping[str, Any], live: Mapping[str, Any]) -> Mapping[str, Any]:
+def under_live_names(saved: Mapping[str, Any], live: Mapping[str, Any],
+                     partial: bool = False) -> Mapping[str, Any]:
     """``saved`` under the live model's names where the two differ only by torch.compile's
     ``_orig_mod.`` segments (a warm start from a compiled model into an uncompiled one, or
-    back), one to one; else ``saved`` as it is."""
+    back), one to one; else ``saved`` as it is. ``partial`` (a warm start keeping some names
+    fresh, which either side may lack): every saved name whose served name is one live name
+    alone takes it, the others stay as they are."""
     by_served = {served_name(k): k for k in live}
-    renamed = {by_served.get(served_name(k), ""): v for k, v in saved.items()}
+    if partial:
+        renamed = {by_served.get(served_name(k), k): v for k, v in saved.items()}
+    else:
+        renamed = {by_served.get(served_name(k), ""): v for k, v in saved.items()}
     if len(by_served) != len(live) or "" in renamed or len(renamed) != len(saved):
         return saved
     return renamed

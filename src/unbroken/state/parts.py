@@ -25,6 +25,7 @@ from ..errors import (
     shown,
 )
 from .extraoptim import checked_param_names, with_param_names
+from .fresh import load_but_kept
 from .livemodel import LiveModel, with_versions
 from .modelcheck import validate_model
 from .optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
@@ -276,7 +277,8 @@ class Copier(Protocol):
 
 
 def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
-          mapped: Copier | None = None, walked: LiveModel | None = None) -> None:
+          mapped: Copier | None = None, walked: LiveModel | None = None,
+          fresh: bool = False) -> None:
     """Load validated state into the live objects, all or nothing.
 
     The small parts (extras, scheduler, scaler, data, RNG, counters) go first: their
@@ -285,7 +287,9 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
     too large to copy, go last. With ``mapped``, the model's and optimizer's saved tensors
     are views into mapped files: each is copied into the live tensor (or a new one) by
     ``mapped.copy``; none is kept. ``walked``: the model's walk made for this restore
-    (`validate_parts`), which the model's structure still is."""
+    (`validate_parts`), which the model's structure still is. ``fresh``: a warm start that
+    keeps some of the model as it is (`state.fresh`): the live names the saved model state
+    lacks are left out of the load, untouched."""
     if mapped is not None and not mapped.maps():
         mapped = None  # (no file was mapped: the copies need none of its bookkeeping)
     big = (OPTIMIZER, MODEL)
@@ -308,6 +312,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                 _copy_into(walked, ready[name], mapped)
             elif name == OPTIMIZER:
                 load_optimizer_state(obj, ready[name], mapped)  # type: ignore[arg-type]
+            elif name == MODEL and fresh:
+                load_but_kept(obj, ready[name], walked or LiveModel(obj))
             elif name in big:
                 obj.load_state_dict(with_versions(obj, ready[name]))
                 if name == MODEL and mapped is not None:
@@ -340,10 +346,10 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                 before = " (the optimizer was restored already)" if OPTIMIZER in done else ""
                 raise StateMismatch(
                     f"part {name!r}: {type(obj).__name__}.load_state_dict refused the saved "
-                    f"state ({e}){before}; the {' and '.join(changed)} may be partly restored "
-                    "now: build them anew (restart) before restoring again") from e
+                    f"state ({_said(e)}){before}; the {' and '.join(changed)} may be partly "
+                    "restored now: build them anew (restart) before restoring again") from e
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
-                                f"the saved state ({e}); nothing was changed") from e
+                                f"the saved state ({_said(e)}); nothing was changed") from e
         done.append(name)
     if again and RNG in done:
         # The streams again, last: a load hook of the model (a smoke-test forward) may have
@@ -386,6 +392,8 @@ def _copy_into(walked: LiveModel, saved: Mapping[str, torch.Tensor],
     ``nn.Module.load_state_dict``'s per-child scan of every key, which is quadratic in the
     number of children (2 s for 1,250 layers of a Sequential)."""
     pairs = walked.tensors
+    if len(saved) < len(pairs):  # (a warm start keeping some names as they are: `fresh`)
+        pairs = {k: t for k, t in pairs.items() if k in saved}
     if not pairs:  # (a model without state: nothing to copy, and no list for _foreach_copy_)
         return
     with torch.no_grad():
@@ -399,3 +407,8 @@ def _copy_into(walked: LiveModel, saved: Mapping[str, torch.Tensor],
             return
         for name, live in pairs.items():
             mapped.copy(saved[name], live)
+
+
+def _said(e: BaseException) -> str:
+    """An error of a part's own code, for a message: a KeyError's text alone is its key."""
+    return f"{type(e).__name__}: {e}" if isinstance(e, (KeyError, IndexError)) else str(e)
