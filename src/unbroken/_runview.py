@@ -238,7 +238,9 @@ def newest_summary_lines(n: dict[str, Any]) -> list[str]:
     origin = "fresh run" if not isinstance(o, dict) else (
         f"{_s(o.get('operation', '?'))} from {_s(o.get('source', '?'))}" + (
             f" ({_s(o.get('format'))})" if o.get("operation") == "import" else
-            f" gen {_s(o.get('generation'))} (run {_s(o.get('run_id'))})"))
+            f" gen {_s(o.get('generation'))} (run {_s(o.get('run_id'))})") + (
+            f", kept fresh: {', '.join(map(_s, o['fresh']))}"
+            if isinstance(o.get("fresh"), list) else ""))
     lines.append(f"  origin       {origin}")
     env = _d(n["environment"])
     devices = env.get("cuda_devices")

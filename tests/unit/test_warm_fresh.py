@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import unbroken
+from unbroken.cli import main as cli_main
 from unbroken.errors import StateMismatch
 
 
@@ -38,7 +39,7 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str
     return all(torch.equal(a[k], b[k]) for k in keys)
 
 
-def test_a_new_head_and_an_added_layer_stay_fresh_and_the_rest_loads(tmp_path):
+def test_a_new_head_and_an_added_layer_stay_fresh_and_the_rest_loads(tmp_path, capsys):
     src, old = _saved(tmp_path)
     torch.manual_seed(1)
     new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5), nn.Linear(5, 3))
@@ -53,6 +54,8 @@ def test_a_new_head_and_an_added_layer_stay_fresh_and_the_rest_loads(tmp_path):
     manifest = json.loads(next((tmp_path / "ft").glob("gen-*/MANIFEST.json")).read_text())
     assert manifest["origin"]["fresh"] == ["2.*", "3.*"]
     assert manifest["origin"]["operation"] == "warm_start"
+    assert cli_main(["inspect", str(tmp_path / "ft")]) == 0
+    assert "kept fresh: 2.*, 3.*" in capsys.readouterr().out
     again = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5), nn.Linear(5, 3))
     resumed = unbroken.Checkpointer(str(tmp_path / "ft"), model=again)
     assert resumed.restore() == 1  # (the new run continues as any run does)
