@@ -19,10 +19,13 @@ import uuid
 from typing import Any
 
 from .errors import CorruptCheckpoint
-from .state._digest import digest_tree
+from .state._digest import device_form_1, digest_tree
 
 FIXTURES = "fixtures"
-SCHEMA = "unbroken.fixture/1"
+SCHEMA = "unbroken.fixture/2"
+# Schema 1: recorded before 2026-12-05, its digests of tensors off the CPU in their old form
+# (`_digest.device_form_1`); compared in that form.
+_SCHEMAS = ("unbroken.fixture/1", SCHEMA)
 KEEP = 16
 MAX_FIXTURE_BYTES = 16 << 20
 _NAME = re.compile(r"gen-([0-9]{9,})\.json", re.ASCII)
@@ -32,8 +35,12 @@ def fixture_path(root: str, generation: int) -> str:
     return os.path.join(root, FIXTURES, f"gen-{generation:09d}.json")
 
 
-def state_digests(model: Any, optimizer: Any) -> dict[str, str]:
-    """What the fixture compares: the model's and the optimizer's state, by content."""
+def state_digests(model: Any, optimizer: Any, schema: str = SCHEMA) -> dict[str, str]:
+    """What the fixture compares: the model's and the optimizer's state, by content, as a
+    fixture of ``schema`` holds them."""
+    if schema != SCHEMA:
+        with device_form_1():
+            return state_digests(model, optimizer)
     out = {"model": digest_tree(model.state_dict())}
     if optimizer is not None:
         out["optimizer"] = digest_tree(optimizer.state_dict())
@@ -74,7 +81,7 @@ def read(root: str, generation: int) -> dict[str, Any] | None:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         raise CorruptCheckpoint(f"{path}: unreadable next-step fixture ({e})") from None
-    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA or \
+    if not isinstance(doc, dict) or doc.get("schema") not in _SCHEMAS or \
             doc.get("generation") != generation or type(doc.get("step")) is not int or \
             not isinstance(doc.get("model"), str):
         raise CorruptCheckpoint(f"{path}: not a next-step fixture of generation {generation} "

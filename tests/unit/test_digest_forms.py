@@ -92,3 +92,31 @@ def test_sparse_nested_quantized_and_meta_tensors_digest_by_their_values():
     meta = torch.empty(3, device="meta")
     assert digest_tree(meta) == digest_tree(torch.empty(3, device="meta"))
     assert digest_tree(meta) != digest_tree(torch.empty(4, device="meta"))
+
+
+def test_a_nested_tensor_digests_its_pieces_and_their_splits_in_any_layout():
+    with _quiet():
+        a = torch.nested.nested_tensor([torch.tensor([1.0, 2.0]), torch.tensor([3.0])])
+        b = torch.nested.nested_tensor([torch.tensor([1.0]), torch.tensor([2.0, 3.0])])
+        jagged = torch.nested.nested_tensor([torch.tensor([1.0, 2.0]), torch.tensor([3.0])],
+                                            layout=torch.jagged)
+        rows = torch.nested.nested_tensor([torch.ones(2, 3), torch.zeros(3, 3)])
+        flipped = rows.transpose(1, 2)
+        plain = torch.nested.nested_tensor([torch.ones(3, 2), torch.zeros(3, 3)])
+    assert digest_tree(a) != digest_tree(b)  # (the same values, split otherwise)
+    assert digest_tree(a) != digest_tree(torch.tensor([1.0, 2.0, 3.0]))
+    assert digest_tree(a) == digest_tree(jagged)
+    assert digest_tree({"batch": jagged}) == digest_tree({"batch": a})
+    assert digest_tree(flipped) == digest_tree(plain)  # (a view digests as its values)
+
+
+def test_a_sparse_form_torch_cannot_coalesce_is_a_type_error_naming_it():
+    with _quiet():
+        odd = torch.sparse_coo_tensor(torch.tensor([[0, 0]]), torch.tensor([1, 2]), (3,)
+                                      ).to(torch.uint16)
+    try:
+        digest_tree(odd)
+    except TypeError as e:
+        assert "torch.sparse_coo" in str(e) and "torch.uint16" in str(e)
+    else:  # (a torch that can coalesce it digests it)
+        assert digest_tree(odd) == digest_tree(odd.coalesce())

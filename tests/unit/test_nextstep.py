@@ -111,3 +111,18 @@ def test_factory_needs_deep_and_a_usable_result(run, capsys, tmp_path):
     (tmp_path / "nsnone.py").write_text("def factory():\n    return 3\n")
     assert main(["verify", str(run), "--deep", "--factory", "nsnone:factory"]) == 2
     assert "must return a dict with 'model' and 'step'" in capsys.readouterr().err
+
+
+def test_a_fixture_recorded_before_the_digest_change_still_replays(run, capsys):
+    """Fixtures of schema 1 (before 2026-12-05) hold digests of tensors off the CPU in their
+    old form; they are compared in that form (on the CPU both forms are one)."""
+    for path in (run / "fixtures").iterdir():
+        doc = json.loads(path.read_text())
+        assert doc["schema"] == "unbroken.fixture/2"
+        path.write_text(json.dumps({**doc, "schema": "unbroken.fixture/1"}))
+    assert main(["verify", str(run), "--deep", "--factory", "nsmodel:factory", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [g["status"] for g in out["generations"]] == ["verified", "verified"]
+    for path in (run / "fixtures").iterdir():
+        path.write_text(path.read_text().replace("fixture/1", "fixture/0"))
+    assert main(["verify", str(run), "--deep", "--factory", "nsmodel:factory", "--json"]) != 0

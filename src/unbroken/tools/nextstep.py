@@ -61,7 +61,7 @@ def replay(root: str, info: GenerationInfo, factory: Any, spec: str
             built["step"](batch)
             ckpt.step_done(step + 1)
             ids = getattr(data, "last_update_ids", None)
-            got = fixture.state_digests(model, built.get("optimizer"))
+            got = fixture.state_digests(model, built.get("optimizer"), recorded["schema"])
         finally:
             ckpt.close()
     where = fixture.fixture_path(root, info.generation)
