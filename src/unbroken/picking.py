@@ -45,13 +45,13 @@ class Pick:
     """The outcome of a restore's search: what loads, and what was refused on the way."""
 
     info: GenerationInfo | None = None
-    ready: dict[str, Any] = field(default_factory=dict)  # validated, ready for `parts.apply`
+    ready: dict[str, Any] = field(default_factory=dict)  # validated, ready for `applying.apply`
     tree: dict[str, Any] = field(default_factory=dict)  # the decoded state, as saved
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (path, reason)
     labels: dict[str, str] = field(default_factory=dict)  # path -> corrupt | torn | foreign
     layout: dict[str, list[Any]] = field(default_factory=dict)  # files by part (decode_generation)
-    mapped: MappedFiles = field(default_factory=MappedFiles)  # release after `parts.apply`
-    walked: LiveModel | None = None  # the live model's walk, validated against (`parts.apply`)
+    mapped: MappedFiles = field(default_factory=MappedFiles)  # release after `applying.apply`
+    walked: LiveModel | None = None  # the live model's walk, validated against (`applying.apply`)
 
 
 def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],

@@ -29,6 +29,7 @@ from .errors import (
 from .faults import DROP_ENV, drop_parts
 from .picking import Pick, pick_generation
 from .state import parts as S
+from .state.applying import apply
 from .state.fresh import check_patterns
 from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
@@ -235,7 +236,7 @@ class Restoring:
                               "warm_start a new run)", UnbrokenWarning,
                               stacklevel=2)
         try:
-            S.apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
+            apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
                                self._group.rank), mapped=pick.mapped, walked=pick.walked)
         finally:
             pick.mapped.close()
@@ -300,7 +301,7 @@ class Restoring:
             warnings.warn(f"{info.path}: fresh={list(fresh)!r} keeps every name of the model: "
                           "the warm start loads no weight", UnbrokenWarning, stacklevel=4)
         try:
-            S.apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked,
+            apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked,
                     fresh=bool(fresh))
         finally:
             pick.mapped.close()

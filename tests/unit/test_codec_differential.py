@@ -36,6 +36,7 @@ from hypothesis import strategies as st
 
 from unbroken.state import generation as G
 from unbroken.state import parts as P
+from unbroken.state.applying import apply
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json, loads_json
@@ -570,7 +571,7 @@ def test_restoring_through_the_fast_paths_ends_and_steps_as_load_state_dict(s):
         if fast:
             live = [id(t) for t in model.state_dict(keep_vars=True).values()]
             parts = {P.MODEL: model, P.OPTIMIZER: opt, P.COUNTERS: P.Counters(None)}
-            P.apply(P.validate_parts(saved, parts, model, "gen"), parts)
+            apply(P.validate_parts(saved, parts, model, "gen"), parts)
             assert parts[P.COUNTERS].step == 1
             # loaded into the live tensors, not replacing them
             assert [id(t) for t in model.state_dict(keep_vars=True).values()] == live

@@ -13,6 +13,7 @@ import torch
 
 import unbroken
 from unbroken.state import parts as P
+from unbroken.state.applying import _own
 
 
 def _net() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -224,5 +225,5 @@ def test_extra_leaf_tensor_requiring_grad_keeps_requires_grad() -> None:
     """`_own` (backups and loads of small parts) detaches: a leaf tensor that requires grad
     comes back without requires_grad (deepcopy kept it)."""
     t = torch.ones(2, requires_grad=True)
-    own = P._own({"t": t}, "extra.x")
+    own = _own({"t": t}, "extra.x")
     assert own["t"].requires_grad, "requires_grad dropped by _own"
