@@ -67,9 +67,7 @@ def dry_encode(parts: Mapping[str, Any]) -> None:
             G.check_part_tree(name, tree)
             encode_tree(tree, "")
         except UnsupportedValue as e:
-            raise UnsupportedValue(f"part {name!r}: {e}; make its state_dict() return "
-                                   "tensors, arrays, numbers, strings, bytes, lists, tuples or "
-                                   "dicts") from None
+            raise UnsupportedValue(f"part {name!r}: {e}") from None  # (it says what to do)
 
 
 def same_number(a: float | None, b: float) -> bool:

@@ -259,7 +259,9 @@ class _Encoder(Planning):
     def encode(self, obj: Any, path: str, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
             shown = path if len(path) < 80 else f"{path[:60]}...{path[-16:]}"
-            raise UnsupportedValue(f"{shown}: nested deeper than {MAX_DEPTH} levels")
+            raise UnsupportedValue(f"{shown}: nested deeper than {MAX_DEPTH} levels; return a "
+                                   "flatter state from state_dict() (a list of records, a "
+                                   "tensor)")
         t = type(obj)
         if t in _MAPPINGS:
             # (First: state dicts hold thousands of entries. A plain tensor leaf skips a level
