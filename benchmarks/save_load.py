@@ -688,6 +688,7 @@ class Unbroken(Method):
     def _restore_into(self, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
         import unbroken.state.parts as S
         G = _generation_module(S)
+        import unbroken.restoring as R  # (it calls `apply` by the name it imported)
         r = self._unbroken.Checkpointer(self.base, model=model, optimizer=opt,
                                         keep=self._unbroken.Keep(last=1), **self.options)
         pt = PhaseTimer()
@@ -696,7 +697,8 @@ class Unbroken(Method):
             with contextlib.ExitStack() as es:
                 for obj, name, key in ((st, "scan", "scan"), (st, "read_verified", "read+hash"),
                                        (G, "decode_generation", "decode"),
-                                       (S, "validate_parts", "validate"), (S, "apply", "apply")):
+                                       (S, "validate_parts", "validate"), (S, "apply", "apply"),
+                                       (R, "apply", "apply")):
                     if hasattr(obj, name):
                         es.enter_context(pt.patch(obj, name, key))
                 es.enter_context(pt.patch(os, "readv", "readv()", syscall=True))

@@ -24,7 +24,9 @@ from .state._digest import device_form_1, digest_tree
 FIXTURES = "fixtures"
 SCHEMA = "unbroken.fixture/2"
 # Schema 1: recorded before 2026-12-05, its digests of tensors off the CPU in their old form
-# (`_digest.device_form_1`); compared in that form.
+# (`_digest.device_form_1`); compared in that form. (Quantized and nested tensors digested
+# otherwise then too, without their scales and splits: a schema-1 fixture of a state holding
+# them reads as differing; record it again.)
 _SCHEMAS = ("unbroken.fixture/1", SCHEMA)
 KEEP = 16
 MAX_FIXTURE_BYTES = 16 << 20

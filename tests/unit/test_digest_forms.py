@@ -89,6 +89,10 @@ def test_sparse_nested_quantized_and_meta_tensors_digest_by_their_values():
                                         torch.tensor([0, 1]), 0, torch.qint8)
     assert digest_tree(q) != digest_tree(q2)  # (the same integers, another scale)
     assert digest_tree(qc) == digest_tree(qc.clone())
+    with _quiet():
+        jagged_meta = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)],
+                                                 layout=torch.jagged).to("meta")
+    assert digest_tree(jagged_meta) == digest_tree(jagged_meta)
     meta = torch.empty(3, device="meta")
     assert digest_tree(meta) == digest_tree(torch.empty(3, device="meta"))
     assert digest_tree(meta) != digest_tree(torch.empty(4, device="meta"))
@@ -120,3 +124,16 @@ def test_a_sparse_form_torch_cannot_coalesce_is_a_type_error_naming_it():
         assert "torch.sparse_coo" in str(e) and "torch.uint16" in str(e)
     else:  # (a torch that can coalesce it digests it)
         assert digest_tree(odd) == digest_tree(odd.coalesce())
+
+
+def test_a_wrapper_subclass_without_data_is_a_type_error_not_a_recursion():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.ones(3)
+    try:
+        digest_tree({"w": fake})
+    except TypeError as e:
+        assert "FakeTensor" in str(e)
+    else:
+        raise AssertionError("a FakeTensor has no values to digest")

@@ -604,7 +604,7 @@ class _Swapper:
 
 # DEFECT (fixed in src during the review):
 # the walk `picking._load` makes for validation (`pick.walked`) is reused by
-# `parts.apply`, which restores the extras first. An extra whose load_state_dict replaces a
+# `applying.apply`, which restores the extras first. An extra whose load_state_dict replaces a
 # model parameter or submodule (or registers a load hook on the model) leaves the walk
 # stale: `_copy_into` fills the old, detached tensors and the model keeps the extra's new
 # (unrestored) ones; the hook is never called. model.load_state_dict at that point (the
@@ -643,7 +643,7 @@ class _Filter(nn.Module):
 
 
 # DEFECT (fixed in src during the review):
-# `parts._copy_into` restores a model whose live tensors include a lazy conjugate or
+# `applying._copy_into` restores a model whose live tensors include a lazy conjugate or
 # negative view (a buffer made by ``.conj()``, ``.conj().imag``) with
 # ``torch._foreach_copy_``, which refuses such tensors ("fallback doesn't currently support
 # mutable TensorLists with conjugate inputs"); the restore raises StateMismatch ("load_state_dict
@@ -710,7 +710,7 @@ def test_an_instance_patched_module_is_restored_as_load_state_dict_restores_it(t
 
 
 # DEFECT (fixed in src during the review):
-# `parts._copy_into` calls ``torch._foreach_copy_([], [])`` for a model on the copy
+# `applying._copy_into` calls ``torch._foreach_copy_([], [])`` for a model on the copy
 # path that has no persistent tensor (nn.ReLU(), nn.Identity(), a model whose only buffers
 # are non-persistent), which raises "Tensor list must have at least one tensor."; the restore
 # fails with StateMismatch where model.load_state_dict({}) succeeds.

@@ -118,11 +118,11 @@ def test_an_extra_that_grows_its_state_in_place_keeps_running_after_resume(outco
 def test_a_model_load_hook_that_draws_random_numbers_does_not_shift_the_restored_streams(
         outcomes) -> None:
     """DEFECT. Promise: after restore() every RNG stream is where it was at the save. The
-    restore sets the RNG part before it loads the model and the optimizer (parts.apply), so
+    restore sets the RNG part before it loads the model and the optimizer (applying.apply), so
     a model whose load_state_dict post-hook draws (here a smoke test on torch.randn input)
     leaves the torch stream moved past the saved state when restore() returns: dropout
     differs from update K+1 on. Setting the RNG streams after the model and optimizer
-    makes this case bitwise (checked with a patched parts.apply, outside this suite)."""
+    makes this case bitwise (checked with a patched applying.apply, outside this suite)."""
     check_resume(outcomes, "model_load_hook_draws_rng")
 
 
@@ -160,7 +160,7 @@ def test_restoring_an_earlier_generation_with_a_non_leaf_tensor_in_an_extra(tmp_
     running loss average updated without .detach(), a common slip) saves fine (the encoder
     detaches it) and restores fine in a fresh process, but restore(generation=N) in the same
     process (rolling back after a loss spike) raises torch's RuntimeError "Only Tensors
-    created explicitly by the user (graph leaves) support the deepcopy protocol": parts.apply
+    created explicitly by the user (graph leaves) support the deepcopy protocol": applying.apply
     backs up every small part with copy.deepcopy(part.state_dict()) before loading."""
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)

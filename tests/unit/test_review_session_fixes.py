@@ -222,7 +222,7 @@ def test_memmap_stored_and_matrix_refused_typed(tmp_path) -> None:
 
 
 def test_extra_leaf_tensor_requiring_grad_keeps_requires_grad() -> None:
-    """`_own` (backups and loads of small parts) detaches: a leaf tensor that requires grad
+    """`applying._own` (backups and loads of small parts) detaches: a leaf tensor that requires grad
     comes back without requires_grad (deepcopy kept it)."""
     t = torch.ones(2, requires_grad=True)
     own = _own({"t": t}, "extra.x")

@@ -6,6 +6,7 @@ was, what is loaded is the checkpoint's, and the new run's lineage records the p
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -265,8 +266,7 @@ class _Scaled(nn.Module):
 
     @staticmethod
     def _load(module, state, prefix, *args) -> None:  # noqa: ANN001 -- torch's hook
-        if prefix + "w" in state:
-            state[prefix + "w"] = state[prefix + "w"] / 3.0
+        state[prefix + "w"] = state[prefix + "w"] / 3.0  # (it needs its key)
 
 
 class _ScaledHead(nn.Module):
@@ -276,7 +276,7 @@ class _ScaledHead(nn.Module):
         self.head = _Scaled(n)
 
 
-def test_kept_names_are_never_handed_to_a_model_that_loads_its_own_way(tmp_path):
+def test_a_model_that_loads_its_own_way_gets_its_kept_names_back_bitwise(tmp_path):
     src, old = _saved(tmp_path, _WithMeta(3))
     new = _WithMeta(7)
     unbroken.Checkpointer(str(tmp_path / "a"), model=new).restore(
@@ -343,3 +343,54 @@ def test_fresh_none_is_none_and_keeping_everything_is_said(tmp_path):
         unbroken.Checkpointer(str(tmp_path / "c"), model=_base()).restore(
             intent="warm_start", source=src, fresh=["*"])
     assert said[0].filename == __file__
+
+
+class _Normed(nn.Module):
+    """spectral_norm: its load hook and torch's own load need every name it lists."""
+
+    def __init__(self, out: int) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.utils.spectral_norm(nn.Linear(4, out))
+
+
+def test_spectral_norm_keeps_its_fresh_head_bitwise_and_loads_the_body(tmp_path):
+    torch.manual_seed(0)
+    src, old = _saved(tmp_path, _Normed(2))
+    torch.manual_seed(1)
+    live = _Normed(5)
+    before = _state(live)
+    unbroken.Checkpointer(str(tmp_path / "a"), model=live).restore(
+        intent="warm_start", source=src, fresh=["head.*"])
+    after = _state(live)
+    assert _same(after, before, [k for k in before if k.startswith("head.")])
+    assert _same(after, _state(old), ["body.weight", "body.bias"])
+
+
+def test_the_wrapper_hint_and_raw_compiled_names_hold_with_fresh(tmp_path):
+    src, _ = _saved(tmp_path)
+    wrapped = nn.DataParallel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 5)))
+    with pytest.raises(StateMismatch, match="'module.' before each"):
+        unbroken.Checkpointer(str(tmp_path / "a"), model=wrapped).restore(
+            intent="warm_start", source=src, fresh=["module.2.*"])
+    compiled_src, old = _saved(tmp_path / "c", _Compiled(_base()))
+    new = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 9))
+    before = _state(new)
+    unbroken.Checkpointer(str(tmp_path / "b"), model=new).restore(
+        intent="warm_start", source=compiled_src,
+        fresh=["_orig_mod.2.weight", "_orig_mod.2.bias"])  # (the checkpoint's own names)
+    assert _same(_state(new), before, ["2.weight", "2.bias"])
+    assert torch.equal(new[0].weight, old._orig_mod[0].weight)
+
+
+def test_suggested_patterns_write_a_bracket_as_a_glob_reads_it(tmp_path):
+    def model(out: int) -> nn.Module:
+        return nn.ModuleDict({"h[0]": nn.Linear(2, out), "h0": nn.Linear(2, 2)})
+
+    src, _ = _saved(tmp_path, model(2))
+    with pytest.raises(StateMismatch, match=re.escape("fresh=['h[[]0].*']")):
+        unbroken.Checkpointer(str(tmp_path / "a"), model=model(3)).restore(
+            intent="warm_start", source=src)
+    live = model(3)
+    unbroken.Checkpointer(str(tmp_path / "b"), model=live).restore(
+        intent="warm_start", source=src, fresh=["h[[]0].*"])

@@ -104,7 +104,17 @@ def _feed(h: Any, obj: Any) -> None:
         _feed_values(h, obj.detach(), None)
     elif isinstance(obj, torch.Tensor):  # a Tensor subclass
         local = getattr(obj, "to_local", None)  # a DTensor: this rank's chunk (traces are
-        _feed(h, local() if local is not None else obj.as_subclass(torch.Tensor))  # per rank)
+        if local is not None:  # per rank)
+            _feed(h, local())
+            return
+        try:
+            plain = obj.as_subclass(torch.Tensor)
+        except (RuntimeError, NotImplementedError, TypeError, RecursionError):
+            plain = None
+        if type(plain) is not torch.Tensor:  # (a wrapper of others' data: FakeTensor, NF4)
+            raise TypeError(f"cannot digest a {type(obj).__qualname__}: a tensor subclass "
+                            "without data of its own")
+        _feed(h, plain)
     elif isinstance(obj, (np.ndarray, np.generic)):
         arr = np.ascontiguousarray(obj)
         h.update(f"A{arr.dtype.str}{arr.shape};".encode())
@@ -126,6 +136,10 @@ def _feed_values(h: Any, t: torch.Tensor, char: bytes | None) -> None:
     digests every batch and every part's state: a form torch cannot view as bytes must not
     stop the training loop, and a restored tensor, always plain, must digest as the live
     view it was saved from.)"""
+    if t.device.type == "meta":  # (no values: as a tensor whose storage was freed)
+        h.update(b"U%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()
+                              if not t.is_nested else b"nested"))
+        return
     if t.is_nested:  # (its pieces, each with its shape: the splits are part of its value)
         pieces = t.unbind()
         h.update(b"J%d;" % len(pieces))
@@ -142,9 +156,6 @@ def _feed_values(h: Any, t: torch.Tensor, char: bytes | None) -> None:
         h.update(b"P%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
         _feed(h, c.indices())
         _feed(h, c.values())
-        return
-    if t.device.type == "meta":  # (no values: as a tensor whose storage was freed)
-        h.update(b"U%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
         return
     if t.device.type != "cpu":
         t = t.cpu()

@@ -5,8 +5,10 @@ saved ones dropped, and what makes keeping one unsafe."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatchcase
+from itertools import chain
 from typing import Any
 
 import torch
@@ -36,17 +38,19 @@ def check_patterns(fresh: Iterable[str] | None, intent: str) -> tuple[str, ...]:
 
 
 def _matcher(fresh: tuple[str, ...], names: set[str]) -> Callable[[str], bool]:
-    """Whether a name is one ``fresh`` means: a pattern that is itself a name (raw, or as
-    served without torch.compile's ``_orig_mod.``) means that name alone (a module key may
-    hold ``[``, which a glob reads as a set); any other is a glob (`fnmatchcase`) matched
-    against the raw and the served name."""
-    literal = {p for p in fresh if p in names}
-    globs = [p for p in fresh if p not in literal]
+    """Whether a name is one ``fresh`` means. Names and patterns are compared both as they
+    are and as served (without torch.compile's ``_orig_mod.`` segments: a compiled model
+    saved, warm-started uncompiled, or back). A pattern that is itself a name (``names``,
+    either form) means that name alone: a module key may hold ``[``, which a glob reads as
+    a set; any other is a glob (`fnmatchcase`)."""
+    forms = [(p, served_name(p)) for p in fresh]
+    literal = {f for p, sp in forms if p in names or sp in names for f in (p, sp)}
+    globs = [(p, sp) for p, sp in forms if p not in names and sp not in names]
 
     def matched(name: str) -> bool:
         served = served_name(name)
         return (name in literal or served in literal
-                or any(fnmatchcase(name, p) or fnmatchcase(served, p) for p in globs))
+                or any(fnmatchcase(name, p) or fnmatchcase(served, sp) for p, sp in globs))
     return matched
 
 
@@ -75,18 +79,46 @@ def fresh_names(saved: Mapping[str, Any], live: Mapping[str, Any], fresh: tuple[
 
 def load_but_kept(model: Any, state: Mapping[str, Any], walked: LiveModel) -> None:
     """``model.load_state_dict`` for a warm start that keeps some names as they are, of a
-    model that loads its own way (hooks, its own method: `LiveModel.loads`): not strict,
-    and every name it did not load must be one ``state`` left out (checked with the others
-    before anything changed). Kept names are never handed to the model: a copy onto itself
-    through its hooks is not bitwise, and an extra state set from itself may clear it."""
-    kept = {k for k in walked.live_tensors() if k not in state}
-    result = model.load_state_dict(with_versions(model, state), strict=False)
-    missing = set(getattr(result, "missing_keys", ())) - kept
+    model that loads its own way (hooks, its own method: `LiveModel.loads`). Its own code
+    may need every name it lists (a load hook reading its keys, ``spectral_norm``), so each
+    kept name is given its live value, strict as any load (an extra state a copy of it: a
+    ``set_extra_state`` that clears its state first would clear it); the kept parameters and
+    buffers are then put back from copies taken before, bitwise (hooks may transform what
+    they save and load). A lazy one, which takes no value of its own, is left out of the
+    load instead, which is then not strict: every name it did not load must be one left out."""
+    live = walked.live_tensors()
+    given, lazy = dict(state), set()
+    for k, v in live.items():
+        if k in state:
+            continue
+        if isinstance(v, UNINITIALIZED):
+            lazy.add(k)
+        else:
+            given[k] = v if isinstance(v, torch.Tensor) else _copied(v)
+    kept = set(live) - set(state)
+    named = getattr(model, "named_parameters", None)
+    own = (chain(named(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+           if named is not None else ())
+    backup = [(t, t.detach().clone()) for name, t in own
+              if name in kept and _span(t) is not None]
+    result = model.load_state_dict(with_versions(model, given), strict=not lazy)
+    missing = set(getattr(result, "missing_keys", ())) - lazy
     unexpected = list(getattr(result, "unexpected_keys", ()))
-    if missing or unexpected:  # (its own code disagreed with its state_dict() names)
+    if lazy and (missing or unexpected):  # (its own code disagreed with its names)
         raise StateMismatch(f"the model's load_state_dict did not take {sorted(missing)[:5]} "
-                            f"and refused {unexpected[:5]}, which its state_dict() names "
-                            "(kept fresh: the others)")
+                            f"and refused {unexpected[:5]}, which its state_dict() names")
+    with torch.no_grad():
+        for t, before in backup:
+            t.copy_(before)
+
+
+def _copied(value: Any) -> Any:
+    """A copy of a kept module's extra state, for its ``set_extra_state`` (itself where it
+    cannot be copied)."""
+    try:
+        return copy.deepcopy(value)
+    except Exception:  # noqa: BLE001 -- a lock, a generator: given as it is
+        return value
 
 
 def _refuse_shared(live: Mapping[str, Any], kept: frozenset[str], where: str) -> None:
@@ -137,11 +169,12 @@ def _some(names: list[str]) -> str:
 
 def suggested(keys: Iterable[str]) -> list[str]:
     """The ``fresh`` patterns that would keep ``keys``: each one's module, as ``module.*``
-    (a mismatched weight's bias goes with it), or the name itself at the top level."""
+    (a mismatched weight's bias goes with it; a ``[`` in it written ``[[]``, as a glob reads
+    it), or the name itself at the top level."""
     out: list[str] = []
     for k in keys:
         module, dot, _ = k.rpartition(".")
-        pattern = f"{module}.*" if dot else k
+        pattern = f"{module.replace('[', '[[]')}.*" if dot else k
         if pattern not in out:
             out.append(pattern)
     return out

@@ -34,10 +34,12 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     if live is None:
         live = LiveModel(model).live_tensors()
     kept: frozenset[str] = frozenset()
-    if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
-        saved = under_live_names(saved, live, partial=bool(fresh))
+    # (what the names say of a wrapper, before a warm start's fresh names are left out)
+    hint = _wrapped([k for k in live if k not in saved], [k for k in saved if k not in live])
     if fresh:  # (the names kept are left out of the load, and of every check below)
         saved, kept = fresh_names(saved, live, fresh, where)
+    if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
+        saved = under_live_names(saved, live, partial=bool(fresh))
     missing = [k for k in live if k not in saved and k not in kept]
     if missing:
         try:
@@ -53,7 +55,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
-                            f"{unexpected[:5]}; " + _wrapped(missing, unexpected) + (
+                            f"{unexpected[:5]}; " + hint + (
                                 "" if dtypes else "; a warm start leaves names as they are "
                                 "live, or skips saved ones, with restore(..., fresh=[pattern, "
                                 "...])"))

@@ -274,9 +274,10 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, ready: Mapping[str, A
     instance, hooks, GPU or mixed-dtype state, fused or capturable steps, state under keys
     that are no parameter) goes through ``load_state_dict``.
 
-    With ``mapped`` (`parts.Copier`) saved tensors that view mapped files (see `parts.apply`)
-    are copied into the live state tensor of the same shape and dtype (or a new one), so the
-    optimizer never keeps a view of a file; the others are adopted as they are."""
+    With ``mapped`` (`applying.Copier`) saved tensors that view mapped files (see
+    `applying.apply`) are copied into the live state tensor of the same shape and dtype (or
+    a new one), so the optimizer never keeps a view of a file; the others are adopted as
+    they are."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved_ids = [i for g in ready["param_groups"] for i in g["params"]]
     by_id = dict(zip(saved_ids, params, strict=False))

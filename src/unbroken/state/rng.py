@@ -306,6 +306,6 @@ class RNGStreams:
     def load_streams(self, saved: dict[str, Any]) -> None:
         """`load_state_dict` but for the NumPy generators' spawn counts: a restore sets the
         streams first, where a later part's refusal can still put them back, and everything
-        last (`parts.apply`)."""
+        last (`applying.apply`)."""
         validate_rng(saved, self.generators, "rng state")
         _apply(saved, self.generators, spawn=False)
