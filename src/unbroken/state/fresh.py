@@ -85,7 +85,8 @@ def load_but_kept(model: Any, state: Mapping[str, Any], walked: LiveModel) -> No
     ``set_extra_state`` that clears its state first would clear it); the kept parameters and
     buffers are then put back from copies taken before, bitwise (hooks may transform what
     they save and load). A lazy one, which takes no value of its own, is left out of the
-    load instead, which is then not strict: every name it did not load must be one left out."""
+    load instead, which is then not strict: every name it did not load must be one left
+    out."""
     live = walked.live_tensors()
     given, lazy = dict(state), set()
     for k, v in live.items():
@@ -101,15 +102,17 @@ def load_but_kept(model: Any, state: Mapping[str, Any], walked: LiveModel) -> No
            if named is not None else ())
     backup = [(t, t.detach().clone()) for name, t in own
               if name in kept and _span(t) is not None]
-    result = model.load_state_dict(with_versions(model, given), strict=not lazy)
+    try:
+        result = model.load_state_dict(with_versions(model, given), strict=not lazy)
+    finally:  # (a load that failed midway leaves the kept ones as they were, at least)
+        with torch.no_grad():
+            for t, before in backup:
+                t.copy_(before)
     missing = set(getattr(result, "missing_keys", ())) - lazy
     unexpected = list(getattr(result, "unexpected_keys", ()))
     if lazy and (missing or unexpected):  # (its own code disagreed with its names)
         raise StateMismatch(f"the model's load_state_dict did not take {sorted(missing)[:5]} "
                             f"and refused {unexpected[:5]}, which its state_dict() names")
-    with torch.no_grad():
-        for t, before in backup:
-            t.copy_(before)
 
 
 def _copied(value: Any) -> Any:
