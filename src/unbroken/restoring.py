@@ -34,6 +34,7 @@ from .state.fresh import check_patterns
 from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
 from .state.settings import param_group_changes, scheduler_changes
+from .store.aside import ASIDE_NAME
 from .store.generations import GenerationInfo, GenerationStore
 from .store.opening import is_url, open_store
 from .store.runrecord import RunRecord
@@ -211,6 +212,8 @@ class Restoring:
         pick = self._pick(self.store, scanned, generation, "continue", allow, adopt)
         info, ready, tree = pick.info, pick.ready, pick.tree
         assert info is not None and info.manifest is not None
+        if generation is None:
+            _superseded_uncommitted(self.store, scanned, info.generation)
         manifest = info.manifest
         origin = manifest.origin or {}
         # (the import's own generation, the first of its run: later ones, which an older
@@ -314,3 +317,23 @@ class Restoring:
             self._origin["fresh"] = list(fresh)
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
+
+
+def _superseded_uncommitted(store: GenerationStore, scanned: list[GenerationInfo],
+                            restored: int) -> None:
+    """Say so when the run stopped while a save of the same step replaced a newer generation
+    than the one restored: the earlier save of that step was moved aside as superseded and
+    the new one never committed. The restore is right to take the one before (the superseded
+    state is not one the run continues from: it was replaced, as after an end-of-epoch
+    scheduler step), but never silently."""
+    present = {g.generation for g in scanned}
+    for entry in reversed(store.aside()):
+        m = ASIDE_NAME.fullmatch(entry.name)
+        number = int(m.group(1)[len("gen-"):]) if m else -1
+        if entry.reason == "superseded" and number > restored and number not in present:
+            warnings.warn(f"{store.root}: the run stopped while generation {number} was being "
+                          f"saved again (a save of the same step); its earlier save is in "
+                          f"{entry.path} (superseded, kept for inspection) and the new one was "
+                          f"never committed: continuing from generation {restored}, which "
+                          "replays the updates after it", UnbrokenWarning, stacklevel=4)
+            return

@@ -231,7 +231,9 @@ class ProcessPersister:
         try:
             view = memoryview(self._segment(size))
         except OSError as e:
-            raise self._fail(f"no shared memory for a snapshot of {total} bytes", e) from e
+            raise SaveFailed(f"{self._store.root}: no shared memory in this process for a "
+                             f"snapshot of {total} bytes ({e}); older generations are "
+                             "untouched") from e
         listed: list[dict[str, Any]] = []
         offset = start
         _wire.hurry(view, 0)  # (not hurried: see `hurry`)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedValue
+from ..errors import SaveFailed, UnsupportedValue
 from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
 from ..state.freed import shortfall
 from .plans import Entry, Plan, Planning, unblock
@@ -46,7 +46,16 @@ class SnapshotBuffers:
         # (Buffers made under inference_mode would be inference tensors, which a later
         # snapshot outside it could not write: a save from an evaluation hook.)
         with torch.inference_mode(False):
-            return _Taking(self).tree(tree)
+            try:
+                return _Taking(self).tree(tree)
+            except (MemoryError, RuntimeError) as e:
+                if not isinstance(e, MemoryError) and "allocate" not in str(e):
+                    raise
+                # (no memory for the buffers: the save fails, typed; training may go on, and
+                # the next snapshot makes what is missing)
+                raise SaveFailed(f"no memory for the snapshot of an async save "
+                                 f"({str(e).splitlines()[0][:200]}); older generations are "
+                                 "untouched") from e
 
 
 class _Taking(Planning):

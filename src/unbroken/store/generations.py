@@ -345,6 +345,7 @@ class GenerationStore(AsideFolder, Verifying):
             fault_point("before-rename", generation)
             if supersede and os.path.lexists(final):
                 superseded = self.move_aside(self.scan_one(generation), "superseded")
+                fault_point("superseded-moved", generation)
             self.fs.rename(staging, final)
         except BaseException:
             self._discard(staging)

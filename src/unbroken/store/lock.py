@@ -21,7 +21,7 @@ import stat
 import time
 from collections.abc import Callable
 
-from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked
+from ..errors import CorruptCheckpoint, ReadOnlyRun, StoreLocked, UnbrokenError
 
 LOCK = "LOCK"
 WRITER, PERSISTER = 0, 1  # the bytes of LOCK each holds
@@ -49,6 +49,9 @@ def acquire_writer_lock(root: str) -> int:
     if key in _LOCKED_HERE:
         raise StoreLocked(f"{path}: already held by another Checkpointer in this process; "
                           "close() it before opening the run folder again")
+    if os.path.lexists(root) and not os.path.isdir(root):  # (makedirs says "File exists")
+        raise UnbrokenError(f"{root}: is a file, not a run folder; give the Checkpointer a "
+                            "folder (it is created if missing)")
     try:  # never follow a symlink: a planted LOCK -> ~/.bashrc would be truncated below
         os.makedirs(root, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW |
