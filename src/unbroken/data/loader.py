@@ -39,10 +39,8 @@ Rules (documented contract):
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import os
-import signal
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -57,6 +55,7 @@ from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from ._loader_state import check_iterable, check_settings, settings
 from ._private_rng import refuse_private_collate
+from ._signals import _sigterm_held, _worker_start
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
 from .seeding import _RecordKeys, _SeededCollate, warn_unless_seeded
@@ -405,19 +404,3 @@ os.register_at_fork(after_in_child=_forget_in_fork)
 def _stop_all_workers() -> None:
     for loader in list(_LIVE):
         loader.stop_workers()
-
-
-def _worker_start(user_init: Callable[[int], None] | None, worker_id: int) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    if user_init is not None:
-        user_init(worker_id)
-
-
-@contextlib.contextmanager
-def _sigterm_held() -> Iterator[None]:
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
