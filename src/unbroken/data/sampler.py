@@ -36,6 +36,7 @@ import torch.utils.data
 from ..errors import StateMismatch, UnsupportedSetup, shown
 from ._checks import INT64_MAX, any_int, damaged, flag, integer, located
 from ._keyed import MAX_SAMPLES, TAG_ORDER, KeyedPermutation, mix
+from ._signals import quiet_dataloader_workers
 
 STATE_VERSION = 1
 
@@ -224,6 +225,7 @@ class ResumableSampler(torch.utils.data.Sampler[list[SampleKey]]):
         # Read the cursor now, not lazily at the first next(): the loader moves the cursor
         # while a DataLoader still iterates an earlier pass.
         epoch, first = self._epoch, self._consumed // self.batch_size
+        quiet_dataloader_workers()  # (a plain DataLoader's workers: a SIGTERM to the group)
         return (self.batch(epoch, b) for b in range(first, self.batches_per_epoch))
 
     # -- the cursor ------------------------------------------------------------------------
