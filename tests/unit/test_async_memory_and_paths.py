@@ -60,3 +60,20 @@ def test_a_run_path_that_is_a_file_is_refused_as_such(tmp_path):
     with pytest.raises(UnbrokenError, match="is a file, not a run folder"):
         unbroken.Checkpointer(str(path), model=torch.nn.Linear(2, 2))
     assert path.read_text() == "not a folder"
+
+
+def test_a_live_loader_not_given_as_data_is_said_at_restore(tmp_path):
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    loader = unbroken.ResumableLoader(ds, unbroken.ResumableSampler(8, batch_size=2, seed=0))
+    ck = unbroken.Checkpointer(str(tmp_path / "a"), model=torch.nn.Linear(2, 2))
+    with pytest.warns(unbroken.UnbrokenWarning, match="not given to the Checkpointer") as said:
+        ck.restore()
+    assert said[0].filename == __file__
+    ck.close()
+    given = unbroken.Checkpointer(str(tmp_path / "b"), model=torch.nn.Linear(2, 2),
+                                  data=loader)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        given.restore()
+    given.close()

@@ -389,6 +389,11 @@ class ResumableLoader:
 _LIVE: weakref.WeakSet[ResumableLoader] = weakref.WeakSet()
 
 
+def live_loaders() -> int:
+    """How many ResumableLoaders this process holds now."""
+    return len(_LIVE)
+
+
 def _forget_in_fork() -> None:
     for loader in list(_LIVE):
         for it in loader._iterators():
