@@ -54,6 +54,7 @@ from ._checks import counted, located
 from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from ._loader_state import check_iterable, check_settings, settings
+from ._persistent import dataset_key
 from ._private_rng import refuse_private_collate
 from ._signals import _sigterm_held, _worker_start
 from .iterable import IterableSource, require_contract
@@ -118,6 +119,7 @@ class ResumableLoader:
         self._it_epoch = 0  # the cursor of an iterable dataset (a sampler keeps its own)
         self._it_consumed = 0
         self._handed = 0  # batches handed out since the loader was built (never saved)
+        self._workers_key: Any = None  # the dataset persistent workers copied (`_persistent`)
         common: dict[str, Any] = dict(
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, timeout=timeout,
@@ -258,6 +260,11 @@ class ResumableLoader:
         self._generator.manual_seed(mix(TAG_WORKERS, self._seed, epoch, consumed))
         with _sigterm_held():
             if self.sampler is not None:
+                if self._dl.persistent_workers and self._dl.num_workers:
+                    key = dataset_key(self._dataset)
+                    if key != self._workers_key:  # (started with another dataset: `_persistent`)
+                        self.stop_workers()
+                        self._workers_key = key
                 p.iterator = iter(self._dl)
             else:  # positions the dataset (and persistent workers' copies) at the cursor
                 p.iterator = self._iterable_source().start(epoch, consumed)
