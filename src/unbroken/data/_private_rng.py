@@ -1,4 +1,4 @@
-"""Finding a random generator of its own that a collate function reaches.
+"""Finding a random generator of its own that a collate function or a dataset reaches.
 
 A collate function (or a Hugging Face data collator) that draws from a generator it holds —
 a ``torch.Generator``, a ``numpy.random.Generator``/``RandomState``, a ``random.Random``,
@@ -11,6 +11,9 @@ them, and the loader seeds them for each batch's collate from (seed, epoch, posi
 `private_rng` walks what an object reaches and returns the path to the first such generator;
 `refuse_private_collate` is `ResumableLoader`'s refusal of such a ``collate_fn``, and the
 Transformers adapter refuses such a ``data_collator`` in its own words: each names the path.
+`warn_private_dataset` warns of a map-style dataset holding one (its ``__getitem__`` may draw
+from it, which `seeded` does not key; one kept for other ends, a split made once, is not
+refused for it).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import random
 import sys
 import types
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -31,7 +35,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from ..errors import UnsupportedSetup
+from ..errors import UnbrokenWarning, UnsupportedSetup
 
 # How far `private_rng` looks into what a collator holds: deep enough for a user collator
 # wrapping the Trainer's wrapping a Hugging Face collator, bounded so that a collator holding a
@@ -44,8 +48,9 @@ _PRIVATE = (torch.Generator, np.random.Generator, np.random.RandomState, random.
 _NAMES = ("torch.Generator", "numpy.random.Generator", "numpy.random.RandomState",
           "random.Random", "numpy.random bit generator")
 # Leaves: nothing a random generator could hide in (or too big to walk: a tensor's storage).
+# (A module is looked at for generators it holds itself, not walked: `_children`.)
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), torch.Tensor,
-           np.ndarray, types.ModuleType, type, torch.dtype, torch.device)
+           np.ndarray, type, torch.dtype, torch.device)
 # Not searched: what a collate function reaching a global model, optimizer or dataset would
 # drag in is not the collator's own randomness (the sampler's, the model's, the dataset's
 # streams are other parts' business), and searching it would name them falsely; nor the
@@ -168,10 +173,17 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         for name, value in (obj.__kwdefaults__ or {}).items():
             yield f" (default {name})", value
         return
+    if isinstance(obj, types.ModuleType):  # (a module's own generator: helpers.RNG)
+        for key, value in list(vars(obj).items()):
+            if isinstance(value, _PRIVATE):
+                yield f".{key}", value
+        return
     values = getattr(obj, "__dict__", None)
     if isinstance(values, dict):
         for key, value in list(itertools.islice(values.items(), _MAX_ITEMS)):
             yield f".{key}", value
+    kind: Any = type(obj)  # (its class's own generators: ``rng = ...`` in the class)
+    yield from _class_generators(kind)
     for kind in type(obj).__mro__:  # (a class with __slots__ holds no __dict__ for them)
         slots = kind.__dict__.get("__slots__", ())
         for slot in (slots,) if isinstance(slots, str) else slots:
@@ -180,6 +192,14 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
     call = getattr(type(obj), "__call__", None)
     if isinstance(call, types.FunctionType):  # a collator class's own code (its globals)
         yield f" ({type(obj).__name__}.__call__)", call
+
+
+@functools.lru_cache(maxsize=1024)
+def _class_generators(kind: Any) -> tuple[tuple[str, Any], ...]:
+    """The random generators ``kind`` and its bases hold as class attributes (looked up
+    once per class: a tokenizer's class has hundreds of attributes)."""
+    return tuple((f" ({k.__name__}.{key})", value) for k in kind.__mro__[:-1]
+                 for key, value in list(vars(k).items()) if isinstance(value, _PRIVATE))
 
 
 def private_rng(root: Any, name: str) -> str | None:
@@ -200,7 +220,8 @@ def private_rng(root: Any, name: str) -> str | None:
             continue
         seen.add(id(obj))
         try:
-            if isinstance(obj, skipped) or str(type(obj).__module__).startswith("unbroken."):
+            if (depth and isinstance(obj, skipped)  # (the root itself is looked into)
+                    or str(type(obj).__module__).startswith("unbroken.")):
                 continue
             if isinstance(obj, _PRIVATE):
                 kind = next(n for k, n in zip(_PRIVATE, _NAMES, strict=True)
@@ -241,3 +262,21 @@ def refuse_private_collate(collate_fn: Callable[[list[Any]], Any]) -> None:
             "torch.randint...; NumPy's np.random.*; Python's random.*): ResumableLoader seeds "
             "those three for each batch's collate_fn call from (its seed, the epoch, the "
             "position of the batch's first sample), the same with any number of workers")
+
+
+def warn_private_dataset(dataset: Any) -> None:
+    """Warn when a map-style dataset (inside `seeded`'s wrapper too) holds a random generator
+    of its own: draws from it in ``__getitem__`` continue its stream from where it was made,
+    in each process and worker, which no generation saves and `seeded` does not key, so a
+    resumed run's items differ."""
+    inner = getattr(dataset, "dataset", None) if str(type(dataset).__module__).startswith(
+        "unbroken.") else dataset
+    found = private_rng(inner, "dataset") if inner is not None else None
+    if found is not None:
+        warnings.warn(
+            f"ResumableLoader: the dataset holds a random generator of its own ({found}): "
+            "draws from it in __getitem__ continue its stream from where it was made, in each "
+            "process and worker, which no generation saves, so a resumed run's items differ; "
+            "draw from the global RNGs (torch.rand, np.random.*, random.*), which seeded() "
+            "keys by sample, or make a generator from the sample's key", UnbrokenWarning,
+            stacklevel=4)

@@ -55,7 +55,7 @@ from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
 from ._loader_state import check_iterable, check_settings, settings
 from ._persistent import dataset_key
-from ._private_rng import refuse_private_collate
+from ._private_rng import refuse_private_collate, warn_private_dataset
 from ._signals import _sigterm_held, _worker_start
 from .iterable import IterableSource, require_contract
 from .sampler import STATE_VERSION, ResumableSampler
@@ -147,6 +147,7 @@ class ResumableLoader:
                                  f"orders num_samples={sampler.num_samples}")
             self._batch_size = sampler.batch_size
             warn_unless_seeded(dataset, num_workers)
+            warn_private_dataset(dataset)
             # Only a user collate_fn can draw random numbers; the default collate needs no
             # seeding, and skipping it saves an RNG save/restore per batch.
             wrapped = collate_fn is not None
