@@ -17,7 +17,7 @@ import torch
 
 from ._pacing import paced
 from .boundary import UpdateWatch
-from .data.loader import live_loaders
+from .data.loader import unsaved_loaders
 from .dist.group import Group
 from .errors import (
     CorruptCheckpoint,
@@ -179,9 +179,9 @@ class Restoring:
             return self._warm_start(source, generation, allow, patterns)
         if source is not None:
             raise ValueError("source= is for warm_start; a continuation reads its own run folder")
-        if S.DATA not in self._parts and live_loaders():
+        if S.DATA not in self._parts and unsaved_loaders():
             warnings.warn(f"{self.store.root}: a ResumableLoader is live in this process but "
-                          "was not given to the Checkpointer (data=...): its position is "
+                          "was given to no Checkpointer (data=...): its position is "
                           "neither saved nor restored, and a resumed run starts its epoch "
                           "over; pass the training loader as data=", UnbrokenWarning,
                           stacklevel=3)

@@ -66,7 +66,7 @@ def test_a_live_loader_not_given_as_data_is_said_at_restore(tmp_path):
     ds = torch.utils.data.TensorDataset(torch.arange(8.0))
     loader = unbroken.ResumableLoader(ds, unbroken.ResumableSampler(8, batch_size=2, seed=0))
     ck = unbroken.Checkpointer(str(tmp_path / "a"), model=torch.nn.Linear(2, 2))
-    with pytest.warns(unbroken.UnbrokenWarning, match="not given to the Checkpointer") as said:
+    with pytest.warns(unbroken.UnbrokenWarning, match="given to no Checkpointer") as said:
         ck.restore()
     assert said[0].filename == __file__
     ck.close()
@@ -77,3 +77,20 @@ def test_a_live_loader_not_given_as_data_is_said_at_restore(tmp_path):
         warnings.simplefilter("error")
         given.restore()
     given.close()
+
+
+def test_a_second_checkpointer_without_data_does_not_warn_of_the_first_one_s_loader(tmp_path):
+    import gc
+    gc.collect()  # (loaders of earlier tests, given to none)
+    ds = torch.utils.data.TensorDataset(torch.arange(8.0))
+    loader = unbroken.ResumableLoader(ds, unbroken.ResumableSampler(8, batch_size=2, seed=0))
+    main = unbroken.Checkpointer(str(tmp_path / "main"), model=torch.nn.Linear(2, 2),
+                                 data=loader)
+    ema = unbroken.Checkpointer(str(tmp_path / "ema"), model=torch.nn.Linear(2, 2))
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        main.restore()
+        ema.restore()
+    main.close()
+    ema.close()

@@ -68,3 +68,44 @@ def test_the_key_sees_attributes_set_not_contents_changed():
     key = dataset_key(wrapped)
     items.append(3)  # (in place: not seen, as documented)
     assert dataset_key(wrapped) == key
+
+
+class _Aug:
+    def __init__(self) -> None:
+        self.level = 0
+
+
+class _Held(torch.utils.data.Dataset):
+    """The level in an object the dataset holds, or in a small dict; the worker's pid too."""
+
+    def __init__(self) -> None:
+        self.aug, self.cfg = _Aug(), {"level": 0}
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import os
+        return torch.tensor([float(i + 100 * self.aug.level + 1000 * self.cfg["level"]),
+                             float(os.getpid())])
+
+
+def test_levels_held_in_objects_and_dicts_restart_the_workers_and_nothing_else_does():
+    ds = _Held()
+    loader = unbroken.ResumableLoader(unbroken.seeded(ds, seed=1),
+                                      unbroken.ResumableSampler(8, batch_size=2, seed=3),
+                                      num_workers=2, persistent_workers=True)
+    seen = []
+    for epoch in range(4):
+        if epoch == 1:
+            ds.aug.level = 1
+        if epoch == 3:
+            ds.cfg["level"] = 1
+        items = torch.cat(list(loader))
+        seen.append((items[:, 0].min().item(), set(items[:, 1].tolist())))
+        loader.sampler.set_position(epoch + 1, 0)
+    loader.stop_workers()
+    assert [low for low, _ in seen] == [0.0, 100.0, 100.0, 1100.0]
+    pids = [p for _, p in seen]
+    assert pids[1] != pids[0] and pids[2] == pids[1] and pids[3] != pids[2]  # (no restart at 2)
+    assert dataset_key(float("nan")) == dataset_key(float("nan"))

@@ -76,3 +76,11 @@ def test_a_dataset_holding_a_generator_of_its_own_is_warned_about(wrap):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _loader(dataset=unbroken.seeded(_Plain(), seed=1))
+
+
+def test_the_os_entropy_a_module_holds_is_not_taken_for_a_stream():
+    import secrets
+    space = {"secrets": secrets, "torch": torch}
+    exec("def collate(batch):\n    secrets.token_hex(2)\n"
+         "    return torch.stack([x[0] for x in batch])\n", space)
+    _loader(space["collate"])

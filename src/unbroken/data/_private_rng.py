@@ -173,9 +173,9 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         for name, value in (obj.__kwdefaults__ or {}).items():
             yield f" (default {name})", value
         return
-    if isinstance(obj, types.ModuleType):  # (a module's own generator: helpers.RNG)
-        for key, value in list(vars(obj).items()):
-            if isinstance(value, _PRIVATE):
+    if isinstance(obj, types.ModuleType):  # (a module's own generator: helpers.RNG; not
+        for key, value in list(vars(obj).items()):  # the OS's entropy, secrets._sysrand)
+            if isinstance(value, _PRIVATE) and not isinstance(value, random.SystemRandom):
                 yield f".{key}", value
         return
     values = getattr(obj, "__dict__", None)

@@ -120,6 +120,7 @@ class ResumableLoader:
         self._it_consumed = 0
         self._handed = 0  # batches handed out since the loader was built (never saved)
         self._workers_key: Any = None  # the dataset persistent workers copied (`_persistent`)
+        self._asked = False  # state_dict() called (a Checkpointer holds it: `unsaved_loaders`)
         common: dict[str, Any] = dict(
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
             persistent_workers=persistent_workers, timeout=timeout,
@@ -335,6 +336,7 @@ class ResumableLoader:
 
         Raises `UpdateBoundaryError` between the micro-batches of an update window.
         """
+        self._asked = True
         p = self._pass
         if p is not None and p.yielded != p.completed():
             taken, size = p.window()
@@ -397,9 +399,10 @@ class ResumableLoader:
 _LIVE: weakref.WeakSet[ResumableLoader] = weakref.WeakSet()
 
 
-def live_loaders() -> int:
-    """How many ResumableLoaders this process holds now."""
-    return len(_LIVE)
+def unsaved_loaders() -> int:
+    """How many ResumableLoaders this process holds whose state nothing has asked for (a
+    Checkpointer given one as ``data=`` reads its state when it is built)."""
+    return sum(not loader._asked for loader in list(_LIVE))
 
 
 def _forget_in_fork() -> None:
