@@ -247,7 +247,7 @@ class Restoring:
                               stacklevel=2)
         try:
             apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                               self._group.rank), mapped=pick.mapped, walked=pick.walked)
+                                    self._group.rank), mapped=pick.mapped, walked=pick.walked)
         finally:
             pick.mapped.close()
         self._restored = True
@@ -312,7 +312,7 @@ class Restoring:
                           "the warm start loads no weight", UnbrokenWarning, stacklevel=4)
         try:
             apply(pick.ready, {S.MODEL: self.model}, mapped=pick.mapped, walked=pick.walked,
-                    fresh=bool(fresh))
+                  fresh=bool(fresh))
         finally:
             pick.mapped.close()
         self._restored = True
@@ -334,7 +334,11 @@ def _superseded_uncommitted(store: GenerationStore, scanned: list[GenerationInfo
     state is not one the run continues from: it was replaced, as after an end-of-epoch
     scheduler step), but never silently."""
     present = {g.generation for g in scanned}
-    for entry in reversed(store.aside()):
+    try:
+        entries = store.aside()
+    except (OSError, UnbrokenError):  # (what aside/ holds is for a message only)
+        return
+    for entry in reversed(entries):
         m = ASIDE_NAME.fullmatch(entry.name)
         number = int(m.group(1)[len("gen-"):]) if m else -1
         if entry.reason == "superseded" and number > restored and number not in present:

@@ -68,10 +68,11 @@ class _Plain(torch.utils.data.Dataset):
         return float(i)
 
 
-@pytest.mark.parametrize("wrap", [False, True])
+@pytest.mark.parametrize("wrap", ["none", "seeded", "subset"])
 def test_a_dataset_holding_a_generator_of_its_own_is_warned_about(wrap):
-    ds = unbroken.seeded(_OwnRng(), seed=1) if wrap else _OwnRng()
-    with pytest.warns(unbroken.UnbrokenWarning, match=r"dataset\.rng: a numpy"):
+    ds = {"none": _OwnRng, "seeded": lambda: unbroken.seeded(_OwnRng(), seed=1),
+          "subset": lambda: torch.utils.data.Subset(_OwnRng(), range(N))}[wrap]()
+    with pytest.warns(unbroken.UnbrokenWarning, match=r"dataset(\.dataset)?\.rng: a numpy"):
         _loader(dataset=ds)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

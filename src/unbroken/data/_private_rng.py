@@ -202,16 +202,19 @@ def _class_generators(kind: Any) -> tuple[tuple[str, Any], ...]:
                  for key, value in list(vars(k).items()) if isinstance(value, _PRIVATE))
 
 
-def private_rng(root: Any, name: str) -> str | None:
+def private_rng(root: Any, name: str, datasets: bool = False) -> str | None:
     """The path to a random generator of its own that ``root`` reaches, or None.
 
     The path starts with ``name`` (what the caller calls ``root``: ``collate_fn``,
     ``data_collator``) and ends with what was found: ``"collate_fn.rng: a torch.Generator"``.
     The global streams (saved, and seeded per batch by the loader) are not reported, however
     reached; nor what unbroken's own objects hold (their streams are saved or keyed).
+    ``datasets``: the datasets ``root`` reaches are searched too (a dataset's own search).
     """
     shared = {id(s) for s in _global_streams()}
     skipped = _skipped()
+    if datasets:  # (a dataset's search: the datasets it wraps are its own)
+        skipped = tuple(t for t in skipped if t is not torch.utils.data.Dataset)
     seen: set[int] = set()
     stack: list[tuple[str, Any, int]] = [(name, root, 0)]
     while stack and len(seen) < _MAX_OBJECTS:
@@ -271,7 +274,7 @@ def warn_private_dataset(dataset: Any) -> None:
     resumed run's items differ."""
     inner = getattr(dataset, "dataset", None) if str(type(dataset).__module__).startswith(
         "unbroken.") else dataset
-    found = private_rng(inner, "dataset") if inner is not None else None
+    found = private_rng(inner, "dataset", datasets=True) if inner is not None else None
     if found is not None:
         warnings.warn(
             f"ResumableLoader: the dataset holds a random generator of its own ({found}): "
