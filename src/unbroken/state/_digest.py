@@ -160,8 +160,7 @@ def _feed_values(h: Any, t: torch.Tensor, char: bytes | None) -> None:
     if t.device.type != "cpu":
         t = t.cpu()
         if _DEVICE_FORM_1.get() and t.is_contiguous():
-            h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
-            h.update(tensor_bytes(t))
+            _feed_x(h, t)
             return
     if t.is_quantized:
         h.update(b"Z%s%s;" % (str(t.dtype).encode(), str(t.qscheme()).encode()))
@@ -180,6 +179,12 @@ def _feed_values(h: Any, t: torch.Tensor, char: bytes | None) -> None:
         h.update(tensor_bytes(t))
         h.update(char)
         return
+    _feed_x(h, t)
+
+
+def _feed_x(h: Any, t: torch.Tensor) -> None:
+    """A contiguous CPU tensor of a dtype NumPy has not (bfloat16, float8): its dtype, shape
+    and bytes."""
     h.update(b"X%s%s;" % (str(t.dtype).encode(), str(tuple(t.shape)).encode()))
     h.update(tensor_bytes(t))
 

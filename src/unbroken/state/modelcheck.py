@@ -28,15 +28,16 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     filled in from it: a checkpoint written elsewhere (``save_pretrained``, an import) keeps
     only one name, and loading that one fills both. ``live``: the model's tensors by name
     (`LiveModel.live_tensors`), when known already. ``fresh``: a warm start's names left as
-    they are (`keep_fresh`)."""
+    they are (`fresh.fresh_names`)."""
     if not isinstance(saved, Mapping):
         raise CorruptCheckpoint(f"{where}: the model state is not a mapping of tensors")
     if live is None:
         live = LiveModel(model).live_tensors()
     kept: frozenset[str] = frozenset()
-    # (what the names say of a wrapper, before a warm start's fresh names are left out)
-    hint = _wrapped([k for k in live if k not in saved], [k for k in saved if k not in live])
+    hint = None
     if fresh:  # (the names kept are left out of the load, and of every check below)
+        # (what the names say of a wrapper, before the fresh ones are left out)
+        hint = _wrapped([k for k in live if k not in saved], [k for k in saved if k not in live])
         saved, kept = fresh_names(saved, live, fresh, where)
     if not dtypes and saved.keys() != live.keys():  # a warm start: a new run, whatever it wraps
         saved = under_live_names(saved, live, partial=bool(fresh))
@@ -55,7 +56,7 @@ def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
     unexpected = [k for k in saved if k not in live]
     if missing or unexpected:
         raise StateMismatch(f"{where}: model keys differ: missing {missing[:5]}, unexpected "
-                            f"{unexpected[:5]}; " + hint + (
+                            f"{unexpected[:5]}; " + (hint or _wrapped(missing, unexpected)) + (
                                 "" if dtypes else "; a warm start leaves names as they are "
                                 "live, or skips saved ones, with restore(..., fresh=[pattern, "
                                 "...])"))
