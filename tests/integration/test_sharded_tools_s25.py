@@ -23,7 +23,8 @@ import torch
 from _launch import torchrun
 
 from unbroken.cli import main
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 from unbroken.store.manifest import MANIFEST
 from unbroken.torture._case import Case
 

@@ -20,11 +20,8 @@ from unbroken.errors import CorruptCheckpoint, UnsupportedValue
 from unbroken.state.codec import MAX_DEPTH, TAG, encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json, loads_json
-from unbroken.state.tensorfile import (
-    decode_safetensors,
-    encode_safetensors,
-    read_safetensors_header,
-)
+from unbroken.state.tensorfile import encode_safetensors, read_safetensors_header
+from unbroken.state.tensorread import decode_safetensors
 
 # ---------------------------------------------------------------------------------------------
 # helpers

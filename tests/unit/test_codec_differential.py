@@ -40,7 +40,8 @@ from unbroken.state.applying import apply
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.jsontext import dumps_json, loads_json
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 
 # No "explain" phase: its line tracing makes shrinking a failure several times slower.
 PROPS = settings(deadline=None, database=None,
@@ -269,7 +270,7 @@ def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
 
 
 def check_decoded(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """What every tensor the reader returns must be (see ``tensorfile._views``), and the ties
+    """What every tensor the reader returns must be (see ``tensorread._views``), and the ties
     of the originals kept exactly."""
     originals = [(o.untyped_storage().data_ptr(), o.untyped_storage().nbytes())
                  for o, _ in pairs]

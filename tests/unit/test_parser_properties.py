@@ -61,7 +61,8 @@ from unbroken.state.decoding import decode_tree
 from unbroken.state.generation import check_stamps, decode_generation
 from unbroken.state.jsontext import loads_json
 from unbroken.state.parts import STATE_FILE
-from unbroken.state.tensorfile import decode_safetensors, read_safetensors_header
+from unbroken.state.tensorfile import read_safetensors_header
+from unbroken.state.tensorread import decode_safetensors
 from unbroken.store.manifest import MANIFEST, parse_manifest, seal
 
 pytestmark = pytest.mark.filterwarnings(

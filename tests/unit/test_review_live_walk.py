@@ -32,7 +32,8 @@ from unbroken.state import parts as S
 from unbroken.state.codec import encode_tree, encode_tree_for_file
 from unbroken.state.decoding import decode_tree
 from unbroken.state.livemodel import LiveModel, param_names
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 # UNBROKEN_PROPERTY_SCALE=10 runs ten times as many examples (a deeper search, minutes).

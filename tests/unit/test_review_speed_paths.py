@@ -22,7 +22,8 @@ from unbroken.errors import UnbrokenError
 from unbroken.picking import _MAP_MIN
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 from unbroken.store.backends import _mapped
 
 # A float32 tensor over the mapping threshold, a multiple of 64 bytes (so it sits aligned in

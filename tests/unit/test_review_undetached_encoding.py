@@ -24,6 +24,7 @@ from unbroken.state import tensorfile as TF
 from unbroken.state._digest import digest_tree
 from unbroken.state.codec import encode_tree_for_file
 from unbroken.state.generation import decode_generation, encode_generation
+from unbroken.state.tensorread import decode_safetensors
 
 META = {"unbroken.run_id": "r", "unbroken.generation": "3", "unbroken.incarnation": "0"}
 FLOATS = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64,
@@ -256,7 +257,7 @@ def test_encoding_a_parameter_needs_no_grad_mode_and_leaves_no_graph():
     assert (p._version, q._version, r._version) == version
     chunks = TF.encode_safetensors(enc.tensors, META, prepared=True, kinds=enc.kinds,
                                    ptrs=enc.ptrs)
-    found, _ = TF.decode_safetensors(b"".join(bytes(c) for c in chunks), "x")
+    found, _ = decode_safetensors(b"".join(bytes(c) for c in chunks), "x")
     assert raw(found["p"]) == raw(p) and raw(found["r"]) == raw(r)
     assert raw(found["n"]) == raw(-p.detach())
 
@@ -316,7 +317,7 @@ def test_a_cached_chunking_writes_the_bytes_of_a_fresh_one(groups, big, seed, ro
         assert fresh == b"".join(bytes(c) for c in TF.encode_safetensors(
             {k: v.detach() for k, v in tensors.items()}, META, layout={}))
         for data in (cached, memoryview(bytearray(cached))):
-            found, meta = TF.decode_safetensors(data, "x")
+            found, meta = decode_safetensors(data, "x")
             assert meta == META
             assert {k: raw(v) for k, v in found.items()} == want
             assert {k: (v.dtype, tuple(v.shape)) for k, v in found.items()} == {
@@ -342,7 +343,7 @@ def test_runs_at_the_stacked_boundary_keep_every_tensor_in_its_place(n, dtype):
         assert len(runs) == 1
         stacked = [p for p in runs[0].parts if p[0] is not None]
         assert len(stacked) == (3 if n >= TF._STACKED else 0)
-        found, _ = TF.decode_safetensors(data, "x")
+        found, _ = decode_safetensors(data, "x")
         assert {k: raw(v) for k, v in found.items()} == {k: raw(v) for k, v in tensors.items()}
 
 

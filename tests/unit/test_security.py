@@ -27,11 +27,8 @@ import unbroken
 from unbroken.cli import main as cli_main
 from unbroken.errors import CorruptCheckpoint, UnbrokenError, UnbrokenWarning
 from unbroken.state.jsontext import loads_json
-from unbroken.state.tensorfile import (
-    MAX_HEADER_BYTES,
-    decode_safetensors,
-    read_safetensors_header,
-)
+from unbroken.state.tensorfile import MAX_HEADER_BYTES, read_safetensors_header
+from unbroken.state.tensorread import decode_safetensors
 from unbroken.store.generations import GenerationStore
 from unbroken.store.manifest import MANIFEST, MAX_MANIFEST_BYTES, parse_manifest, seal
 

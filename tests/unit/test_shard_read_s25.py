@@ -16,7 +16,8 @@ import torch
 from unbroken.dist._shard_index import read_index
 from unbroken.dist._shard_read import ShardReader, generation_stamps
 from unbroken.errors import CorruptCheckpoint
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 from unbroken.store.manifest import Artifact, Manifest
 from unbroken.tools.deep import deep_problems
 from unbroken.tools.diff import Sharded, tensor_diff

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import unbroken
 from unbroken.errors import CorruptCheckpoint, UnsupportedValue
 from unbroken.state.stheader import BITS, ITEMSIZE, read_safetensors_header
-from unbroken.state.tensorfile import decode_safetensors, encode_safetensors
+from unbroken.state.tensorfile import encode_safetensors
+from unbroken.state.tensorread import decode_safetensors
 
 
 def _file(entries: dict) -> bytes:

@@ -22,7 +22,8 @@ from ..state.jsontext import dumps_json, loads_json
 from ..state.livemodel import with_versions
 from ..state.modelcheck import validate_model
 from ..state.optim import load_optimizer_state, optimizer_state, optimizer_state_to_torch
-from ..state.tensorfile import decode_safetensors, encode_safetensors
+from ..state.tensorfile import encode_safetensors
+from ..state.tensorread import decode_safetensors
 
 _FORMAT = "unbroken.cs336/1"
 

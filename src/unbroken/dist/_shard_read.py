@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint
-from ..state.tensorfile import decode_safetensors
+from ..state.tensorread import decode_safetensors
 from ..store.manifest import Manifest
 from ._shard_index import _DTYPE_BY_NAME, _SHARD_FILE, SHARDS_FILE, _name
 

@@ -22,7 +22,8 @@ from .parts import (
     STATE_SCHEMA,
     Counters,
 )
-from .tensorfile import PlanUnfit, Room, decode_safetensors, encode_safetensors, rewinding
+from .tensorfile import PlanUnfit, Room, encode_safetensors, rewinding
+from .tensorread import decode_safetensors
 
 
 def check_part_tree(name: str, tree: Any) -> None:

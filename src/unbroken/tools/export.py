@@ -43,7 +43,8 @@ from ..state.identity import Identity
 from ..state.jsontext import dumps_json, loads_json
 from ..state.livemodel import with_versions
 from ..state.names import served_name
-from ..state.tensorfile import decode_safetensors, encode_safetensors
+from ..state.tensorfile import encode_safetensors
+from ..state.tensorread import decode_safetensors
 from ..store.backends.local import LocalFS
 from ..store.manifest import CHECKSUM, check_seal, checksum
 from . import _export_io as io
