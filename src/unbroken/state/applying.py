@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import StateMismatch, UnbrokenError, UnsupportedValue
+from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenError, UnsupportedValue
 from .fresh import load_but_kept
 from .livemodel import LiveModel, with_versions
 from .optim import load_optimizer_state
@@ -91,18 +91,26 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
                         parts[prev].load_state_dict(backup[prev])
                     except Exception:  # noqa: BLE001 - best effort; the error below says why
                         pass
-            changed = [p for p in big if p in [*done, name]]  # (too large to have copies)
+            # (too large to have copies)
+            changed = " and ".join(p for p in big if p in [*done, name])
+            are, them = ("are", "them") if " and " in changed else ("is", "it")
+            if name in big and isinstance(e, CorruptCheckpoint):  # (a mapped file changed)
+                raise CorruptCheckpoint(
+                    f"part {name!r}: {e}; the {changed} {are} partly restored now: "
+                    f"build {them} anew (restart) before restoring again, which refuses the "
+                    "file by its hash if it changed and uses the previous verified "
+                    "generation") from e
             if name in big and isinstance(e, OSError):  # reading the verified file failed
                 raise UnbrokenError(
                     f"part {name!r}: reading the saved state into the live objects failed "
-                    f"({e}); the {' and '.join(changed)} are partly restored now: build them "
+                    f"({e}); the {changed} {are} partly restored now: build {them} "
                     "anew (restart) before restoring again") from e
             if name in big:  # (its own load_state_dict may have copied some tensors)
                 before = " (the optimizer was restored already)" if OPTIMIZER in done else ""
                 raise StateMismatch(
                     f"part {name!r}: {type(obj).__name__}.load_state_dict refused the saved "
-                    f"state ({_said(e)}){before}; the {' and '.join(changed)} may be partly "
-                    "restored now: build them anew (restart) before restoring again") from e
+                    f"state ({_said(e)}){before}; the {changed} may be partly "
+                    f"restored now: build {them} anew (restart) before restoring again") from e
             raise StateMismatch(f"part {name!r}: {type(obj).__name__}.load_state_dict refused "
                                 f"the saved state ({_said(e)}); nothing was changed") from e
         done.append(name)

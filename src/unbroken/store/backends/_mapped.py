@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -34,12 +34,27 @@ _PIECE = 8 << 20
 _READERS = max(1, min(4, os.cpu_count() or 1))
 
 
-def _read_into(fd: int, into: memoryview, offset: int) -> None:
+class _Span(NamedTuple):
+    """A mapped file: its first address and size in memory, the mapping, a descriptor of the
+    file as its hash was checked, its path, and that file's identity then (`_ident`)."""
+
+    start: int
+    size: int
+    mm: Any
+    fd: int
+    path: str
+    ident: tuple[int, ...]
+
+
+def _read_into(span: _Span, into: memoryview, offset: int) -> None:
     done = 0
     while done < into.nbytes:
-        n = os.preadv(fd, [into[done:]], offset + done)
+        n = os.preadv(span.fd, [into[done:]], offset + done)
         if n <= 0:
-            raise OSError(f"file shrank while being read ({done} of {into.nbytes} bytes)")
+            raise CorruptCheckpoint(
+                f"{span.path}: shrank while being restored (bytes {offset}-"
+                f"{offset + into.nbytes} of the {span.size} its hash was checked over came back "
+                f"as {done})")
         done += n
 
 
@@ -47,7 +62,7 @@ class MappedFiles:
     """The mapped files of one restore, by address range, and page release after a copy."""
 
     def __init__(self) -> None:
-        self._spans: list[tuple[int, int, Any, int]] = []  # (first address, size, mmap, fd)
+        self._spans: list[_Span] = []
         self._faulted = 0  # bytes of small tensors copied from the mappings since a release
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
@@ -63,14 +78,14 @@ class MappedFiles:
                 os.close(fd)
                 raise CorruptCheckpoint(f"{path}: changed while being restored (replaced or "
                                         "written after its hash was checked)")
-            self._spans.append((np.frombuffer(view, dtype=np.uint8).ctypes.data, view.nbytes,
-                                view.obj, fd))
+            self._spans.append(_Span(np.frombuffer(view, dtype=np.uint8).ctypes.data,
+                                     view.nbytes, view.obj, fd, path, _ident(st)))
         return view
 
-    def _span(self, t: torch.Tensor) -> tuple[int, int, Any, int] | None:
+    def _span(self, t: torch.Tensor) -> _Span | None:
         start = t.data_ptr()
         for span in self._spans:
-            if span[0] <= start < span[0] + span[1]:
+            if span.start <= start < span.start + span.size:
                 return span
         return None
 
@@ -106,25 +121,27 @@ class MappedFiles:
         # Even a small tensor is read, not copied from the mapping: touching one page of a
         # cached file maps its whole folio (2 MiB on ext4 with large folios), so 61 biases
         # of 8 KiB once mapped 120 MiB into this process.
-        base, _, _, fd = span
         into = tensor_bytes(dst)
-        offset = src.data_ptr() - base
+        offset = src.data_ptr() - span.start
         if into.nbytes < _PIECE or _READERS == 1:
-            _read_into(fd, into, offset)
+            _read_into(span, into, offset)
             return dst
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="unbroken-restore")
         for at in range(0, into.nbytes, _PIECE):
             try:
                 self._pending.append(self._pool.submit(
-                    _read_into, fd, into[at:at + _PIECE], offset + at))
+                    _read_into, span, into[at:at + _PIECE], offset + at))
             except RuntimeError:  # (the pool refuses work once the main thread has ended: a
-                _read_into(fd, into[at:at + _PIECE], offset + at)  # restore in a thread then)
+                _read_into(span, into[at:at + _PIECE], offset + at)  # restore in a thread then)
         return dst
 
     def finish(self) -> None:
         """Wait for every background read `copy` started; the first failure is raised (after
-        all ended: none still writes into a live tensor)."""
+        all ended: none still writes into a live tensor). Then every mapped file must still
+        be the file whose hash was checked: the copies read it a second time, and bytes
+        written into it meanwhile (in place, same size) were never verified
+        (`CorruptCheckpoint`)."""
         pending, self._pending = self._pending, []
         error: BaseException | None = None
         for f in pending:
@@ -132,6 +149,16 @@ class MappedFiles:
             error = error or e
         if error is not None:
             raise error
+        for span in self._spans:
+            now = os.fstat(span.fd)
+            if now.st_size != span.size:
+                raise CorruptCheckpoint(f"{span.path}: {now.st_size} bytes while being restored, "
+                                        f"{span.size} when its hash was checked: the bytes "
+                                        "copied from it are unverified")
+            if _ident(now) != span.ident:
+                raise CorruptCheckpoint(f"{span.path}: written while being restored (after its "
+                                        "hash was checked): the bytes copied from it are "
+                                        "unverified")
 
     def release(self, t: torch.Tensor) -> None:
         """Drop from this process the whole pages of a mapped file that ``t`` (a view into
@@ -139,20 +166,20 @@ class MappedFiles:
         span = self._span(t) if self._spans and t.numel() else None
         if span is None:
             return
-        base, size, mm, _ = span
+        base = span.start
         start = t.data_ptr()
         end = start + t.numel() * t.element_size()
         first = -(-(start - base) // mmap.PAGESIZE) * mmap.PAGESIZE
-        last = (min(end, base + size) - base) // mmap.PAGESIZE * mmap.PAGESIZE
+        last = (min(end, base + span.size) - base) // mmap.PAGESIZE * mmap.PAGESIZE
         if last > first:
-            mm.madvise(mmap.MADV_DONTNEED, first, last - first)
+            span.mm.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def _release_all(self) -> None:
         """Drop every page of every mapping from this process (those of tensors not copied
         yet are read again when touched: the mappings are private and never written)."""
-        for _, size, mm, _ in self._spans:
+        for span in self._spans:
             try:
-                mm.madvise(mmap.MADV_DONTNEED, 0, size)
+                span.mm.madvise(mmap.MADV_DONTNEED, 0, span.size)
             except (ValueError, OSError):
                 pass  # closed already
         self._faulted = 0
@@ -162,12 +189,12 @@ class MappedFiles:
         descriptors; the mappings themselves go with the last tensor that views them."""
         try:
             self.finish()
-        except OSError:
+        except (OSError, CorruptCheckpoint):
             pass  # (reported by the `finish` of the restore; this one only must not leak)
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
         self._release_all()
-        for _, _, _, fd in self._spans:
-            os.close(fd)
+        for span in self._spans:
+            os.close(span.fd)
         self._spans.clear()
