@@ -358,9 +358,13 @@ def _gone(rec: dict[str, Any], info: GenerationInfo) -> None:
 
 def recheck_torn(store: GenerationStore, infos: list[GenerationInfo],
                  records: list[dict[str, Any]], pause: float = 0.2) -> None:
-    """After `verify_one` of every generation: one listed torn that is gone by now was being
-    deleted by a live writer's retention (which removes the manifest first, then the folder),
-    not torn. One still there gets ``pause`` seconds to go (once, for all of them)."""
+    """After `verify_one` or `record` of every generation: one listed torn or corrupt that is
+    gone by now was being deleted by a live writer's retention (which removes the manifest
+    first, then the folder), not torn. One torn still there gets ``pause`` seconds to go
+    (once, for all of them)."""
+    for info, rec in zip(infos, records):
+        if rec["status"] == "corrupt" and not store.present(info):
+            _gone(rec, info)
     torn = [(info, rec) for info, rec in zip(infos, records) if rec["status"] == "torn"]
     if torn and all(store.present(info) for info, _ in torn):
         time.sleep(pause)

@@ -169,11 +169,13 @@ def _inspect(args: argparse.Namespace) -> int:
     scanned = store.scan()
     run, run_problem = folder_run_record(store, scanned)
     records = [record(store, g, run) for g in scanned]
+    recheck_torn(store, scanned, records)  # (a live writer's retention deleting one)
     complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
+    gone = sum(r["status"] == GONE for r in records)
     newest = newest_summary(complete[-1]) if complete else None
     best = mark_best(records, newest["retention"]) if newest else None
     debris, aside = list_debris(store), aside_entries(store)
-    ok = len(complete) == len(scanned)
+    ok = len(complete) + gone == len(scanned) and (not records or gone < len(records))
     payload = {"run": store.root, "run_id": run.run_id if run else None,
                "lineage": run.lineage if run else [], "generations": records,
                "newest_complete": newest, "best": best, "debris": debris, "aside": aside,
@@ -188,10 +190,12 @@ def _inspect(args: argparse.Namespace) -> int:
         elif not holds_a_run(store):
             lines.append("(nothing a Checkpointer writes is there: check the path)")
     else:
-        bad = len(scanned) - len(complete)
+        bad = len(scanned) - len(complete) - gone
         lines += [f"{len(scanned)} generation{'s' * (len(scanned) != 1)}: "
                   f"{len(complete)} complete"
-                  + (f", {bad} torn, corrupt or foreign" if bad else ""), "",
+                  + (f", {bad} torn, corrupt or foreign" if bad else "")
+                  + (f", {gone} {GONE} (a writer's retention)" if gone else ""),
+                  "",
                   rows(store.root, records), ""]
         if best is not None:
             lines += [f"best by {best['metric']} ({best['mode']}): " + (
