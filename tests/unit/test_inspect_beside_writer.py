@@ -1,7 +1,8 @@
 """``unbroken inspect`` beside a live writer: its retention deletes a generation (manifest
 first, then the folder) while inspect lists the run. Such a generation is "deleted while
 checked", as ``verify`` says, never "torn" with exit 1 (a false alarm for anything that gates
-on inspect). A real writer beside a loop of inspects: tests/integration/test_inspect_live_writer.py."""
+on inspect). A real writer beside a loop of inspects:
+tests/integration/test_inspect_live_writer.py."""
 
 from __future__ import annotations
 
