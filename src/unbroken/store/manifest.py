@@ -28,6 +28,10 @@ from ..state.jsontext import dumps_json, loads_json
 SCHEMA = "unbroken.manifest/1"
 MANIFEST = "MANIFEST.json"
 MAX_MANIFEST_BYTES = 16 * 1024 * 1024
+# How deeply a manifest's JSON may nest: what unbroken writes nests a few levels around the
+# identity values (themselves at most 100 deep, `_identity_json.MAX_DEPTH`); deeper is no
+# manifest of ours, and tools that print one (``inspect --json``) recurse through it.
+MAX_MANIFEST_DEPTH = 128
 TO_COMMIT = "to_commit_seconds"  # timings: a save's start to its manifest
 CHECKSUM = "checksum"  # the manifest's own field: xxh3-128 hex of every other field
 # Plain file names only: no separators, no "..", no leading dot, nothing a shell or a
@@ -137,12 +141,28 @@ def valid_artifact_name(name: object) -> bool:
     return isinstance(name, str) and bool(_NAME.fullmatch(name)) and name != MANIFEST
 
 
+def _refuse_deep(raw: Any, where: str) -> None:
+    """`CorruptCheckpoint` if ``raw`` nests deeper than `MAX_MANIFEST_DEPTH` (walked without
+    recursion)."""
+    stack: list[tuple[Any, int]] = [(raw, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_MANIFEST_DEPTH:
+            raise CorruptCheckpoint(f"{where}: JSON nested deeper than {MAX_MANIFEST_DEPTH} "
+                                    "levels; unbroken writes far fewer (not a manifest of ours)")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate manifest bytes read from ``where``."""
     raw = loads_json(data, where, MAX_MANIFEST_BYTES)
     if not isinstance(raw, dict):
         raise CorruptCheckpoint(f"{where}: expected a JSON object, found {type(raw).__name__}")
     check_seal(raw, where)  # first: an edited field must read as corruption, not as data
+    _refuse_deep(raw, where)
     schema = raw.get("schema")
     if schema != SCHEMA:
         raise CorruptCheckpoint(f"{where}: schema {schema!r}, this version of unbroken reads "
