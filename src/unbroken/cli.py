@@ -340,6 +340,9 @@ def _check(args: argparse.Namespace) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("no command: unbroken check [options] -- python train.py ...")
+    if args.exact_steps is not None and not (args.rtol or args.atol):
+        raise UsageError("--exact-steps N: only with --rtol or --atol (without a tolerance "
+                         "every update is compared exactly)")
     _check_inputs_first(args)
     temporary = args.workdir is None and not args.keep
     workdir = args.workdir or tempfile.mkdtemp(prefix="unbroken-check-")

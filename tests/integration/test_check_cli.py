@@ -108,7 +108,8 @@ def test_an_unwritable_plot_path_fails_before_any_training(capsys, tmp_path):
 
 @pytest.mark.parametrize("bad", [["--random", "-1"], ["--rtol", "-1"], ["--rtol", "nan"],
                                  ["--atol", "inf"], ["--at", "0"], ["--timeout", "0"],
-                                 ["--exact-steps", "-2"], ["--reference", "/nonexistent"]])
+                                 ["--exact-steps", "-2"], ["--reference", "/nonexistent"],
+                                 ["--exact-steps", "3"]])  # (without a tolerance)
 def test_invalid_check_options_are_usage_errors(capsys, tmp_path, bad):
     work = tmp_path / "work"
     code, out, err = run(capsys, "check", *bad, "--workdir", str(work), "--", sys.executable,

@@ -322,6 +322,9 @@ def import_checkpoint(src: str, run: str) -> dict[str, Any]:
     module doc); returns what was imported."""
     from ..checkpointer import Checkpointer  # the tools sit above the checkpointer
 
+    if os.path.exists(src) and not (os.path.isdir(src) or os.path.isfile(src)):
+        raise UsageError(f"{src}: not a regular file or folder (a FIFO, socket or device); "
+                         "import reads a checkpoint file or folder")
     where, into = os.path.realpath(src), os.path.realpath(run)
     if into == where or into.startswith(where.rstrip(os.sep) + os.sep):
         what = "the source itself" if into == where else "inside the source"
