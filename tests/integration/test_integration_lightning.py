@@ -265,8 +265,22 @@ def test_setups_that_cannot_resume_exactly_are_refused(tmp_path, forks):
         "max_steps raised in the last epoch": ("StateMismatch", "the epoch ended early"),
         "GradientAccumulationScheduler": ("UnsupportedSetup", "GradientAccumulationScheduler("),
         "metric not storable": ("UnsupportedSetup", "trainer.callback_metrics['note'] is a "),
+        # change the model or optimizer during fit: a later generation fits no rebuilt run
+        "StochasticWeightAveraging": ("UnsupportedSetup", "StochasticWeightAveraging changes"),
+        "BackboneFinetuning": ("UnsupportedSetup", "BackboneFinetuning changes"),
+        "ModelPruning": ("UnsupportedSetup", "ModelPruning changes"),
+        # keep state in Lightning's checkpoint dict, which generations do not hold
+        "EMAWeightAveraging": ("UnsupportedSetup", "EMAWeightAveraging defines "
+                                                   "on_save_checkpoint and on_load_checkpoint"),
+        "a callback's checkpoint hook": ("UnsupportedSetup", "Counter defines "
+                                                             "on_save_checkpoint:"),
     }.items():
         assert got[case][0] == kind and words in got[case][1], (case, got[case])
+    for case in ("StochasticWeightAveraging", "BackboneFinetuning", "ModelPruning",
+                 "EMAWeightAveraging", "a callback's checkpoint hook"):
+        assert got["saved"][case] == [], case  # refused before anything was trained
+    assert got["module hook"] == [4, ["HookedModule defines on_save_checkpoint: the "
+                                      "UnbrokenCallback calls neither"]], got["module hook"]
     assert got["from train_dataloader()"] == 4  # the module's hook may return the loader
     assert got["scheduled accumulation saved"] == []  # refused before anything was trained
     # A GradScaler of the precision plugin is a part of every generation, and comes back.
@@ -277,9 +291,17 @@ def _refusals(tmp: str) -> dict[str, Any]:
     """(In a process of the fork server.) What each setup raises, as [type, message]; and for
     a 16-bit mixed-precision run with a GradScaler, [which of its parts are the scaler's, the
     step resumed from, the step reached]."""
+    import warnings
+
     import lightning as L
     import torch
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+    from lightning.pytorch.callbacks import (
+        BackboneFinetuning,
+        EMAWeightAveraging,
+        GradientAccumulationScheduler,
+        ModelPruning,
+        StochasticWeightAveraging,
+    )
     from lightning.pytorch.plugins import MixedPrecision
 
     import unbroken
@@ -331,6 +353,24 @@ def _refusals(tmp: str) -> dict[str, Any]:
         def on_train_batch_end(self, trainer, *args):
             trainer.callback_metrics["note"] = object()
 
+    class Counter(L.Callback):  # state kept in Lightning's checkpoint dict
+        seen = 0
+
+        def on_train_batch_end(self, *args):
+            self.seen += 1
+
+        def on_save_checkpoint(self, trainer, module, checkpoint):
+            checkpoint["seen"] = self.seen
+
+    class Backbone(Net):  # (BackboneFinetuning needs a `backbone`)
+        def __init__(self) -> None:
+            super().__init__()
+            self.backbone = self.a
+
+    class HookedModule(Net):  # metadata for an export: warned, trained as usual
+        def on_save_checkpoint(self, checkpoint):
+            checkpoint["exported_by"] = "me"
+
     cases = {
         "plain DataLoader": lambda: fit("a", torch.utils.data.DataLoader(ds, batch_size=8)),
         "two loaders": lambda: fit("b", [loader(), loader()]),
@@ -347,6 +387,13 @@ def _refusals(tmp: str) -> dict[str, Any]:
         "GradientAccumulationScheduler": lambda: fit(
             "i", loader(), more=(GradientAccumulationScheduler({0: 1, 1: 2}),)),
         "metric not storable": lambda: fit("j", loader(), more=(Note(),)),
+        "StochasticWeightAveraging": lambda: fit(
+            "swa", loader(), more=(StochasticWeightAveraging(swa_lrs=0.01),)),
+        "BackboneFinetuning": lambda: fit("bb", loader(), Backbone(),
+                                          more=(BackboneFinetuning(unfreeze_backbone_at_epoch=1),)),
+        "ModelPruning": lambda: fit("prune", loader(), more=(ModelPruning("l1_unstructured"),)),
+        "EMAWeightAveraging": lambda: fit("ema", loader(), more=(EMAWeightAveraging(),)),
+        "a callback's checkpoint hook": lambda: fit("count", loader(), more=(Counter(),)),
     }
     out: dict[str, Any] = {}
     for case, call in cases.items():
@@ -355,6 +402,17 @@ def _refusals(tmp: str) -> dict[str, Any]:
             out[case] = ["nothing", ""]
         except Exception as e:  # noqa: BLE001 - reported to the test
             out[case] = [type(e).__name__, str(e)]
+    out["saved"] = {case: sorted(p.name for p in Path(tmp, name).glob("gen-*"))
+                    for case, name in [("StochasticWeightAveraging", "swa"),
+                                       ("BackboneFinetuning", "bb"), ("ModelPruning", "prune"),
+                                       ("EMAWeightAveraging", "ema"),
+                                       ("a callback's checkpoint hook", "count")]}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        step = fit("hooked", loader(), HookedModule()).step
+    out["module hook"] = [step, [str(w.message)[:len("HookedModule defines on_save_checkpoint: "
+                                                     "the UnbrokenCallback calls neither")]
+                                 for w in said if "HookedModule" in str(w.message)]]
     out["from train_dataloader()"] = fit("g", None, Hooked()).step
     out["scheduled accumulation saved"] = sorted(p.name for p in Path(tmp, "i").glob("gen-*"))
     amp = {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]}

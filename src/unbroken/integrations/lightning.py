@@ -55,8 +55,11 @@ train dataloaders, several optimizers or LR schedulers, manual optimization, a l
 logs it, a training metric whose running epoch aggregate cannot be saved: a
 ``torchmetrics.Metric`` logged with ``on_epoch=True``, any ``on_epoch=True`` training metric in
 a job of several processes (each holds its own share; ``sync_dist`` syncs only at the epoch's
-end) or a ``sync_dist_group``. Not saved (as with Lightning's own checkpoints): what
-``on_save_checkpoint`` hooks would add to Lightning's checkpoint dict.
+end) or a ``sync_dist_group``. Callbacks that change the model or the optimizer during fit
+(SWA, fine-tuning that adds parameter groups, pruning) and callbacks with checkpoint hooks
+(``on_save_checkpoint``: what they add to Lightning's checkpoint dict, such as
+``EMAWeightAveraging``'s averaged model, is not in the generations) are refused too; a
+LightningModule's own checkpoint hooks are warned about (`._lightning_checks`).
 """
 
 from __future__ import annotations
