@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     )
     from .state.identity import Identity
     from .state.parts import Stateful
+    from .state.rng import fork_rng
     from .store.retention import Keep
     from .tools.export import verify_export
 
@@ -50,6 +51,7 @@ _WHERE = {
                      "UnsupportedValue", "UpdateBoundaryError"), ".errors"),
     "Identity": ".state.identity",
     "Stateful": ".state.parts",
+    "fork_rng": ".state.rng",
     "Keep": ".store.retention",
     "verify_export": ".tools.export",
 }
@@ -75,6 +77,7 @@ __all__ = [
     "UnsupportedSetup",
     "UnsupportedValue",
     "UpdateBoundaryError",
+    "fork_rng",
     "seeded",
     "verify_export",
     "__version__",

@@ -381,13 +381,22 @@ def test_accelerate_data_none_with_a_prepared_dataloader_is_refused(tmp_path,
                              r"\(#0, DataLoaderShard\).*ResumableLoader.*data="):
         ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt, data=None)
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("gen-*"))
-    # With the training data given as data=, a prepared loader is an evaluation loader.
+    # With the training data given as data=, a loader prepared before the checkpointer is a
+    # second stream of training batches (an auxiliary loss's, session 34's review): refused.
     data = ua.prepare_loader(accelerator, unbroken.ResumableLoader(
         unbroken.seeded(ds, seed=0), unbroken.ResumableSampler(64, batch_size=4, seed=0),
         accumulation=2))
+    with pytest.raises(ua.UnsupportedSetup,
+                       match=r"data= is the loop's ResumableLoader, and besides it "
+                             r"accelerator.prepare returned a DataLoader \(#0"):
+        ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt, data=data)
+    assert len(loader) == 16
+    # An evaluation loader prepared after the checkpointer (the README's order) is its own.
+    accelerator._dataloaders.clear()  # (as in a fresh script that prepared none before)
     ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
                     data=data).close()
-    assert len(loader) == 16
+    evaluation = accelerator.prepare(torch.utils.data.DataLoader(ds, batch_size=8))
+    assert len(evaluation) == 8
     # The prepared loader tells the batches it handed out (an empty epoch's rollover is a
     # boundary, `boundary._empty_rollover`), as the loader it wraps counts them.
     next(iter(data))

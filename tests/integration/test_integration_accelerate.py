@@ -240,11 +240,10 @@ def test_refuses_setups_it_cannot_resume_exactly(tmp_path):
     raw = unbroken.ResumableLoader(ds, sampler, accumulation=2)
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, shard = accelerator.prepare(model, opt, torch.utils.data.DataLoader(ds))
+    model, opt = accelerator.prepare(model, opt)
     loader = ua.prepare_loader(accelerator, raw)
-    for data, why in ((raw, "was not prepared"), (shard, "found DataLoaderShard")):
-        with pytest.raises(ua.UnsupportedSetup, match=why):
-            ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=data)
+    with pytest.raises(ua.UnsupportedSetup, match="was not prepared"):
+        ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=raw)
     with pytest.raises(ua.UnsupportedSetup, match="scaler= is taken"):
         ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=loader,
                         scaler=torch.amp.GradScaler("cpu"))
@@ -263,6 +262,13 @@ def test_refuses_setups_it_cannot_resume_exactly(tmp_path):
     ckpt = ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=loader,
                            extras={"counter": counter, "teacher": teacher})
     ckpt.close()
+    shard = accelerator.prepare(torch.utils.data.DataLoader(ds))
+    with pytest.raises(ua.UnsupportedSetup, match="found DataLoaderShard"):
+        ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=shard,
+                        extras={"counter": counter, "teacher": teacher})
+    with pytest.raises(ua.UnsupportedSetup, match="besides it accelerator.prepare returned"):
+        ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=loader,
+                        extras={"counter": counter, "teacher": teacher})
     accelerator.prepare(torch.optim.SGD(teacher.parameters(), lr=0.1))
     with pytest.raises(ua.UnsupportedSetup, match="2 optimizers were prepared"):
         ua.checkpointer(accelerator, tmp_path / "a", model=model, optimizer=opt, data=loader)

@@ -13,7 +13,7 @@ from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.rng import (
     capture_rng,
-    fork_rng_streams,
+    fork_rng,
     restore_rng,
     rng_digests,
     validate_rng,
@@ -208,9 +208,9 @@ def test_digest_speed() -> None:
     assert per_call < 300e-6  # target is <100 µs; slack for slow/loaded CI machines
 
 
-def test_fork_rng_streams() -> None:
+def test_fork_rng() -> None:
     outside = capture_rng()
-    with fork_rng_streams():
+    with fork_rng():
         random.seed(0)
         np.random.seed(0)
         torch.manual_seed(0)
@@ -221,9 +221,9 @@ def test_fork_rng_streams() -> None:
     assert [random.random(), np.random.rand(), torch.rand(1).item()] == after != inside
 
 
-def test_fork_rng_streams_restores_on_error() -> None:
+def test_fork_rng_restores_on_error() -> None:
     before = rng_digests(capture_rng())
-    with pytest.raises(RuntimeError), fork_rng_streams():
+    with pytest.raises(RuntimeError), fork_rng():
         random.random()
         torch.rand(3)
         raise RuntimeError("boom")

@@ -27,7 +27,7 @@ from lightning.pytorch.loops.loop import _Loop
 from lightning.pytorch.loops.progress import _BaseProgress
 
 from ..errors import StateMismatch, UnsupportedSetup
-from ..state.rng import fork_rng_streams
+from ..state.rng import fork_rng
 from ._lightning_results import check_saved, load_results, save_results
 
 # 2: with the callbacks' and datamodule's state; 3: the callback metrics; 4: the running epoch
@@ -250,7 +250,7 @@ class _QuietValidation:
     def __call__(self) -> Any:
         _stop_persistent_workers(self._loop)
         try:
-            with fork_rng_streams():
+            with fork_rng():
                 return self._run()
         finally:
             _stop_persistent_workers(self._loop)

@@ -119,8 +119,7 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
     parts = [module, optimizer, inner_optimizer, scheduler, inner_scheduler, data, loader,
              accelerator.scaler]
     held = _check_captured(accelerator, parts, dict(extras or {}))
-    if data is None:
-        _check_no_prepared_loader(accelerator)
+    _check_no_prepared_loader(accelerator, data is None)
     return Checkpointer(
         root, model=module, optimizer=inner_optimizer, scheduler=inner_scheduler,
         scaler=accelerator.scaler, data=loader, extras=held, **options)
@@ -128,19 +127,24 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
 
 # -- checks ------------------------------------------------------------------------------------
 
-def _check_no_prepared_loader(accelerator: Accelerator) -> None:
-    """``data=None`` declares a loop without a data position, but a DataLoader that
-    ``accelerator.prepare`` returned is what such a loop iterates: its position is not in the
-    generation, so a resume would start its epoch over and train the samples of the updates
-    it saved again. (With ``data=`` given, other prepared loaders are evaluation loaders.)"""
+def _check_no_prepared_loader(accelerator: Accelerator, without_data: bool) -> None:
+    """A DataLoader that ``accelerator.prepare`` returned before the checkpointer is built is
+    one the loop trains on (``without_data``: the loop declared no data position, and this is
+    what it iterates; else a second stream of batches beside ``data``, an auxiliary loss's
+    say): its position is not in the generation, so a resume would start its epoch over and
+    train on other batches than the uninterrupted run. Evaluation-only loaders are prepared
+    after the checkpointer is built (the README's order), which this never sees."""
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        said = ("data=None, but" if without_data else
+                "data= is the loop's ResumableLoader, and besides it")
         raise UnsupportedSetup(
-            f"checkpointer: data=None, but accelerator.prepare returned a DataLoader "
-            f"(#{i}, {type(dl).__name__}): its position is not saved, so a resumed run would "
-            "start the epoch over and train the samples of completed updates again; build "
+            f"checkpointer: {said} accelerator.prepare returned a DataLoader (#{i}, "
+            f"{type(dl).__name__}): its position is not saved, so a resumed run would start "
+            "its epoch over and train on other batches than the uninterrupted run; build "
             "an unbroken.ResumableLoader(dataset, sampler, accumulation=N), prepare it with "
-            "ua.prepare(accelerator, ...) and pass it as data= (an evaluation-only loader: "
-            "prepare it after the checkpointer is built)")
+            "ua.prepare(accelerator, ...) and pass it as data= (one stream of batches: "
+            "combine the datasets in it; an evaluation-only loader: prepare it after the "
+            "checkpointer is built)")
 
 def _check_engine(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type

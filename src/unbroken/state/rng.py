@@ -278,9 +278,22 @@ def rng_digests(state: Mapping[str, Any]) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def fork_rng_streams() -> Iterator[None]:
-    """Run a block with its own draws from the global streams (python, numpy, torch CPU and
-    initialized CUDA), then put those streams back as they were on entry."""
+def fork_rng() -> Iterator[None]:
+    """Run a block with its own draws from the global streams (Python, NumPy, torch CPU and
+    each initialized CUDA device), then put those streams back as they were on entry.
+
+    For work between updates that must not shift training's randomness: an evaluation after
+    ``step_done`` (a shuffled loader, a worker's base seed, sampling) draws from the streams
+    a generation saved at that boundary holds, and a resumed run, which never ran that
+    evaluation, would continue from other draws than the uninterrupted one::
+
+        ckpt.step_done(step)
+        if step % 1000 == 0:
+            with unbroken.fork_rng():
+                evaluate(model, eval_loader)
+
+    (`torch.random.fork_rng` forks torch's streams alone; generators registered with
+    ``generators=`` are your own to leave alone.)"""
     saved = capture_rng()
     try:
         yield
