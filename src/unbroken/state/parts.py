@@ -215,6 +215,23 @@ def _same_kinds(saved: Mapping[str, Any], live: Mapping[str, Any], where: str) -
                                 "saved run")
 
 
+def _param_shapes(ready: Mapping[str, Any], parts: Mapping[str, Any]
+                  ) -> dict[str, Any] | None:
+    """What each parameter's optimizer state must fit: the live parameter, by name; else the
+    shape of the saved model tensor of that name (a layout: a module that saves its own way
+    may store a parameter transposed or flattened, `optimizer_state_problems` with
+    ``saved_layout``); None without a model part."""
+    saved = ready.get(MODEL) if MODEL in parts else None
+    if not isinstance(saved, Mapping):
+        return None
+    shapes: dict[str, Any] = {k: tuple(v.shape) for k, v in saved.items()
+                              if isinstance(v, torch.Tensor)}
+    live = parts[MODEL]
+    if isinstance(live, torch.nn.Module):
+        shapes.update(live.named_parameters(remove_duplicate=False))
+    return shapes
+
+
 def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
                       parts: Mapping[str, Any], where: str) -> None:
     """Refuse, as corrupt, a torch optimizer, LR scheduler or GradScaler state that torch's
@@ -228,13 +245,12 @@ def _refuse_malformed(saved: Mapping[str, Any], ready: Mapping[str, Any],
             and isinstance(opt.get("param_groups"), list)
             and all(isinstance(g, Mapping) for g in opt["param_groups"])):
         # (another layout: optimizer_state_to_torch refuses it, naming what it found)
-        model = ready.get(MODEL) if MODEL in parts else None  # (its tensors: their shapes)
         cls, at = opt.get("class"), f"{where} [{OPTIMIZER}]"
         groups = len(opt["param_groups"])
         json_at = f"{state_json} [{OPTIMIZER}]"  # (its values other than tensors)
         problems += optimizer_state_problems(
-            cls, opt["state"], opt["param_groups"],
-            model if isinstance(model, Mapping) else None, at, json_at)
+            cls, opt["state"], opt["param_groups"], _param_shapes(ready, parts), at, json_at,
+            saved_layout=True)
         if isinstance(cls, str) and cls.startswith(TORCH_OPTIM):  # (others: their business)
             for gi, group in enumerate(opt["param_groups"]):  # (a negative lr: see SCHEDULED)
                 group_problems(cls, group, gi, at, json_at, problems, scheduled=False)

@@ -96,12 +96,16 @@ def _kind(cls: object) -> str:
 
 def optimizer_state_problems(cls: object, state: Mapping[str, Any], groups: Sequence[Any],
                              shapes: Mapping[str, Any] | None, tensor_at: str,
-                             json_at: str, complete: bool = True) -> list[str]:
+                             json_at: str, complete: bool = True,
+                             saved_layout: bool = False) -> list[str]:
     """What a name-keyed per-parameter ``state`` (`unbroken.state.optim`) of torch optimizer
     class ``cls`` holds that its class never does: a value that is neither a tensor nor a
     number (nor None: old SGD states), a state tensor of another shape than torch gives it
     for its parameter (``shapes``: each parameter's shape, or the parameter itself, when
-    known), a parameter's state that
+    known; ``saved_layout``: the shapes given as tuples are those the model's tensors were
+    saved in, which a module that saves its own way, `_save_to_state_dict`, may have
+    transposed or flattened: a tensor that mirrors its parameter then only needs as many
+    elements, and factored ones are not judged), a parameter's state that
     lacks a key the others of its group hold. Any other class: nothing is judged.
     ``tensor_at`` and ``json_at`` begin the messages of tensors and of the other values;
     ``complete``: ``state`` holds every value (not so where sharded tensors are left out:
@@ -124,14 +128,19 @@ def optimizer_state_problems(cls: object, state: Mapping[str, Any], groups: Sequ
         if type(entry) is not dict and not isinstance(entry, Mapping) or not entry:
             continue  # (not a mapping: told apart by the callers; empty: no state yet)
         got = shapes.get(name) if shapes is not None else None
-        param = (got.shape if type(got) is plain or isinstance(got, plain)
-                 else got if isinstance(got, (tuple, list)) else None)
+        param: Sequence[int] | None = None
+        layout = False  # (only the number of elements is known)
+        if type(got) is plain or isinstance(got, plain):
+            param = got.shape
+        elif isinstance(got, (tuple, list)):
+            param, layout = got, saved_layout
         for key, v in entry.items():
             if type(v) is plain or isinstance(v, plain):
                 if param is not None and (key in MIRRORS and v.shape != param
-                                          or key in _FACTORED and key not in MIRRORS):
+                                          or key in _FACTORED and not layout):
                     want = expected_shape(key, param)
-                    if want is not None and tuple(v.shape) != want:
+                    if want is not None and tuple(v.shape) != want and not (
+                            layout and v.numel() == math.prod(want)):
                         out.append(f"{tensor_at}: optimizer state[{name!r}][{key!r}] has "
                                    f"shape {list(v.shape)}; expected {list(want)}, as {cls} "
                                    f"keeps it for parameter {name!r} of shape {list(param)}")

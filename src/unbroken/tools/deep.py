@@ -71,14 +71,16 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
     names = {a.name for a in manifest.artifacts}
     state_json = f"{where}/{STATE_FILE}"
     sharded = _sharded_shapes(shards)
-    shapes: dict[str, tuple[int, ...]] | None = None  # the model's tensors; None: unknown
+    shapes: dict[str, Any] | None = None  # the model's tensors; None: unknown
     model = tree.get(MODEL)
     if MODEL in tree and not isinstance(model, Mapping):
         out.append(f"{state_json}: the model part is a {type(model).__name__}; expected a "
                    "mapping of tensor names to tensors")
     elif isinstance(model, Mapping) and (SHARDS_FILE not in names or shards is not None):
         shapes = {k: tuple(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
-        shapes.update({p[1]: s for p, s in sharded.items() if len(p) == 2 and p[0] == MODEL})
+        # (a sharded parameter's global shape is its own, not a saved layout: exact)
+        shapes.update({p[1]: torch.empty(s, device="meta") for p, s in sharded.items()
+                       if len(p) == 2 and p[0] == MODEL})
     trained: set[str] = set()  # the parameters the optimizer's groups list
     groups = None
     later: list[str] = []  # the optimizer's problems, reported after the model's
@@ -114,7 +116,7 @@ def deep_problems(tree: Mapping[str, Any], manifest: Manifest, where: str,
 # -- the optimizer ------------------------------------------------------------------------------
 
 
-def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
+def _optimizer(opt: Any, shapes: Mapping[str, Any] | None,
                sharded: Mapping[tuple[Any, ...], tuple[int, ...]], files: _Files, state_json: str,
                trained: set[str], out: list[str], complete: bool) -> int | None:
     """Check the optimizer part (name-keyed, see `unbroken.state.optim`); fill ``trained``
@@ -138,8 +140,9 @@ def _optimizer(opt: Any, shapes: Mapping[str, tuple[int, ...]] | None,
             if isinstance(entry, Mapping):
                 held[at[2]] = {**entry, at[3]: torch.empty(shape, device="meta")}
     file = files.name
+    # (the shapes the model's tensors were saved in: `saved_layout`; sharded ones exact)
     out.extend(optimizer_state_problems(cls, held, groups, shapes, file, state_json,
-                                        complete))
+                                        complete, saved_layout=True))
     for gi, g in enumerate(groups):
         params = g.get("params")
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
