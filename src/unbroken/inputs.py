@@ -58,16 +58,35 @@ def steps_from_env(name: str) -> frozenset[int]:
 
 
 def dry_encode(parts: Mapping[str, Any]) -> None:
-    """Encode every part but the model and optimizer (tensors only, checked at save) once, so
-    that a value the format cannot store (a deque, a set) is named with its part and key when
-    the Checkpointer is built."""
-    small = {name: obj for name, obj in parts.items() if name not in (S.MODEL, S.OPTIMIZER)}
-    for name, tree in S.capture(small, torch.nn.Module()).items():
+    """Capture and encode every part once, so that a value the format cannot store (a deque,
+    a set) is named with its part and key when the Checkpointer is built, not at the first
+    save. The model's and optimizer's tensors are left out (a tensor is always storable, and
+    copying a large model's would cost its size): what else they hold is encoded (a module's
+    extra state, a parameter group's settings), and the optimizer's state is captured as a
+    save captures it (a ``state_dict()`` of another layout is refused here)."""
+    model = parts.get(S.MODEL)
+    for name, tree in S.capture(parts, model if isinstance(model, torch.nn.Module)
+                                else torch.nn.Module()).items():
+        if name in (S.MODEL, S.OPTIMIZER):
+            tree = _without_tensors(tree)
         try:
             G.check_part_tree(name, tree)
             encode_tree(tree, "")
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {name!r}: {e}") from None  # (it says what to do)
+
+
+def _without_tensors(tree: Any) -> Any:
+    """A model's state (name -> tensor, or a module's extra state) or an optimizer's (its
+    ``state``: name -> key -> tensor or value) with those tensors as 0; anything else as it
+    is, for the encoder to judge (an extra state is encoded whole: it is small)."""
+    if not isinstance(tree, Mapping):
+        return tree
+    if isinstance(tree.get("state"), Mapping):  # (an optimizer's, as `optim` names it)
+        return {**tree, "state": {
+            k: {n: 0 if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
+            if isinstance(entry, Mapping) else entry for k, entry in tree["state"].items()}}
+    return {k: 0 if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
 
 
 def same_number(a: float | None, b: float) -> bool:
