@@ -33,7 +33,10 @@ def _kind(gen: object, name: str) -> str:
     if isinstance(gen, np.random.Generator):
         return "numpy"
     raise TypeError(f"generator {name!r} is a {type(gen).__qualname__}; register only "
-                    "torch.Generator or numpy.random.Generator objects")
+                    "torch.Generator or numpy.random.Generator objects (a random.Random, a "
+                    "NumPy RandomState or bit generator: pass it in extras= inside an object "
+                    "whose state_dict() returns its getstate(), get_state() or .state, and "
+                    "whose load_state_dict() sets it)")
 
 
 def capture_rng(generators: Generators | None = None) -> dict[str, Any]:
