@@ -391,10 +391,10 @@ def test_accelerate_data_none_with_a_prepared_dataloader_is_refused(tmp_path,
                              r"accelerator.prepare returned a DataLoader \(#0"):
         ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt, data=data)
     assert len(loader) == 16
-    # An evaluation loader prepared after the checkpointer (the README's order) is its own.
-    accelerator._dataloaders.clear()  # (as in a fresh script that prepared none before)
+    # Declared evaluation-only, it is accepted; one prepared after the checkpointer (the
+    # README's order) is never seen.
     ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
-                    data=data).close()
+                    data=data, evaluation=[loader]).close()
     evaluation = accelerator.prepare(torch.utils.data.DataLoader(ds, batch_size=8))
     assert len(evaluation) == 8
     # The prepared loader tells the batches it handed out (an empty epoch's rollover is a

@@ -89,6 +89,8 @@ def test_a_file_changed_between_its_hash_and_its_copy_is_never_loaded_as_verifie
         assert ("shrank while being restored" in said
                 or "bytes while being restored" in said), said
     assert "partly restored now" in said
+    # (named under the part copied from it: the model's file is checked after its copies)
+    assert said.startswith(f"part '{victim.split('.')[0]}': "), said
 
     # The next restore (a process built anew) refuses the damaged file by its hash and
     # continues from the generation before it, bitwise.
@@ -99,3 +101,35 @@ def test_a_file_changed_between_its_hash_and_its_copy_is_never_loaded_as_verifie
             assert ckpt.restore() == 1
     assert f"rejected {run / 'gen-000000002'}: {run / 'gen-000000002' / victim}" in caplog.text
     assert _bits(again) == first
+
+
+@pytest.mark.parametrize("how", ["link", "link and unlink", "chmod"])
+def test_a_link_or_chmod_while_restoring_changes_no_byte_and_is_no_refusal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
+    """A hard link (an incremental save links a stable file at every save; retention unlinks
+    them) or a chmod changes a file's ctime, not a byte: a restore beside them restores."""
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    model, opt = _state(0)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        _train(model, opt)
+        ckpt.step_done(1)
+        ckpt.save()
+    add = _mapped.MappedFiles.add
+
+    def touching(self, view, path, hashed):  # type: ignore[no-untyped-def]
+        got = add(self, view, path, hashed)
+        if how == "chmod":
+            os.chmod(path, 0o444)
+        else:
+            os.link(path, tmp_path / os.path.basename(path))
+            if how == "link and unlink":
+                os.unlink(tmp_path / os.path.basename(path))
+        return got
+
+    monkeypatch.setattr(_mapped.MappedFiles, "add", touching)
+    other, other_opt = _state(1)
+    _train(other, other_opt)
+    with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+        assert ckpt.restore() == 1
+    assert _bits(other) == _bits(model)

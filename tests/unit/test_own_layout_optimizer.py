@@ -110,4 +110,33 @@ def test_a_moment_that_fits_no_live_parameter_is_still_refused(
     with caplog.at_level(logging.WARNING, logger="unbroken"):
         with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
             assert ckpt.restore() == 1  # generation 2 refused, the one before used
-    assert "has shape [4, 3]; expected [3, 4]" in caplog.text, caplog.text
+    shape = list(tensors[key].shape)
+    assert f"has shape {shape}; expected {shape[::-1]}" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("live", ["wider", "lazy"])
+def test_a_model_built_otherwise_is_a_state_mismatch_not_corruption(
+        tmp_path: Path, live: str) -> None:
+    """The optimizer state is judged against a live parameter only where it has as many
+    elements as the saved tensor: a model built wider (the commonest resume mistake) or
+    lazy and not yet run is the model's mismatch, named as such; the generations are not
+    called corrupt."""
+    run = tmp_path / "run"
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(3, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step_done(step)
+            ckpt.save()
+    other = torch.nn.Sequential(torch.nn.Linear(4, 16) if live == "wider"
+                                else torch.nn.LazyLinear(8))
+    other_opt = torch.optim.Adam(other.parameters(), lr=1e-2)
+    with pytest.raises(unbroken.StateMismatch) as caught:
+        with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+            ckpt.restore()
+    said = str(caught.value)
+    assert "gen-000000002 [model]" in said, said
+    assert ("expected (16, 4)" if live == "wider" else "is uninitialized") in said

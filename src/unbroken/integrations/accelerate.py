@@ -42,7 +42,7 @@ Generations never pickle: ``accelerator.save_state`` is not used.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -91,12 +91,14 @@ def prepare(accelerator: Accelerator, *objects: Any) -> Any:
 def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
                  model: torch.nn.Module, optimizer: Any, data: PreparedLoader | None,
                  scheduler: Any = None, extras: Mapping[str, Any] | None = None,
-                 **options: Any) -> Checkpointer:
+                 evaluation: Iterable[Any] = (), **options: Any) -> Checkpointer:
     """An `unbroken.Checkpointer` for an Accelerate loop, from what ``accelerator.prepare``
     returned: ``model``, ``optimizer`` and ``scheduler`` are unwrapped, the accelerator's
     GradScaler (fp16) is captured as ``scaler``, and ``data`` (a `PreparedLoader`; ``None``
     only for a loop without a data position: refused when the accelerator prepared a
     DataLoader, which such a loop would iterate from its start again) gives the data part.
+    ``evaluation``: DataLoaders ``accelerator.prepare`` returned before this call that only
+    evaluate (any other one prepared by then is refused: its position would not be saved).
     ``extras`` and ``options`` (``identity``, ``every``, ``keep``, ``signals``, ``trace``,
     ...) are the Checkpointer's.
 
@@ -119,7 +121,7 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
     parts = [module, optimizer, inner_optimizer, scheduler, inner_scheduler, data, loader,
              accelerator.scaler]
     held = _check_captured(accelerator, parts, dict(extras or {}))
-    _check_no_prepared_loader(accelerator, data is None)
+    _check_no_prepared_loader(accelerator, data is None, evaluation)
     return Checkpointer(
         root, model=module, optimizer=inner_optimizer, scheduler=inner_scheduler,
         scaler=accelerator.scaler, data=loader, extras=held, **options)
@@ -127,14 +129,18 @@ def checkpointer(accelerator: Accelerator, root: str | os.PathLike[str], *,
 
 # -- checks ------------------------------------------------------------------------------------
 
-def _check_no_prepared_loader(accelerator: Accelerator, without_data: bool) -> None:
+def _check_no_prepared_loader(accelerator: Accelerator, without_data: bool,
+                              evaluation: Iterable[Any]) -> None:
     """A DataLoader that ``accelerator.prepare`` returned before the checkpointer is built is
     one the loop trains on (``without_data``: the loop declared no data position, and this is
     what it iterates; else a second stream of batches beside ``data``, an auxiliary loss's
     say): its position is not in the generation, so a resume would start its epoch over and
-    train on other batches than the uninterrupted run. Evaluation-only loaders are prepared
-    after the checkpointer is built (the README's order), which this never sees."""
+    train on other batches than the uninterrupted run. Evaluation-only loaders are declared
+    (``evaluation``) or prepared after the checkpointer is built, which this never sees."""
+    declared = {id(dl) for dl in evaluation}
     for i, dl in enumerate(getattr(accelerator, "_dataloaders", [])):
+        if id(dl) in declared:
+            continue
         said = ("data=None, but" if without_data else
                 "data= is the loop's ResumableLoader, and besides it")
         raise UnsupportedSetup(
@@ -143,8 +149,8 @@ def _check_no_prepared_loader(accelerator: Accelerator, without_data: bool) -> N
             "its epoch over and train on other batches than the uninterrupted run; build "
             "an unbroken.ResumableLoader(dataset, sampler, accumulation=N), prepare it with "
             "ua.prepare(accelerator, ...) and pass it as data= (one stream of batches: "
-            "combine the datasets in it; an evaluation-only loader: prepare it after the "
-            "checkpointer is built)")
+            "combine the datasets in it; an evaluation-only loader: pass it in "
+            "evaluation=[...], or prepare it after the checkpointer is built)")
 
 def _check_engine(accelerator: Accelerator) -> None:
     kind = accelerator.distributed_type

@@ -9,11 +9,13 @@ generation has been checked. The tree's files are `generation`'s."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from torch.nn.parameter import is_lazy
 
 from ..errors import (
     CorruptCheckpoint,
@@ -217,10 +219,12 @@ def _same_kinds(saved: Mapping[str, Any], live: Mapping[str, Any], where: str) -
 
 def _param_shapes(ready: Mapping[str, Any], parts: Mapping[str, Any]
                   ) -> dict[str, Any] | None:
-    """What each parameter's optimizer state must fit: the live parameter, by name; else the
-    shape of the saved model tensor of that name (a layout: a module that saves its own way
-    may store a parameter transposed or flattened, `optimizer_state_problems` with
-    ``saved_layout``); None without a model part."""
+    """What each parameter's optimizer state must fit: the shape of the saved model tensor
+    of that name, as a layout (a module that saves its own way may store a parameter
+    transposed or flattened: `optimizer_state_problems` with ``saved_layout``), or the live
+    parameter itself where it holds as many elements (then the state must mirror it
+    exactly); None without a model part. (A live parameter of another size is the model's
+    mismatch, which the model's check names; an uninitialized lazy one has no shape yet.)"""
     saved = ready.get(MODEL) if MODEL in parts else None
     if not isinstance(saved, Mapping):
         return None
@@ -228,7 +232,11 @@ def _param_shapes(ready: Mapping[str, Any], parts: Mapping[str, Any]
                               if isinstance(v, torch.Tensor)}
     live = parts[MODEL]
     if isinstance(live, torch.nn.Module):
-        shapes.update(live.named_parameters(remove_duplicate=False))
+        for name, p in live.named_parameters(remove_duplicate=False):
+            layout = shapes.get(name)
+            if (layout is not None and not is_lazy(p)
+                    and math.prod(layout) == p.numel()):
+                shapes[name] = p
     return shapes
 
 

@@ -296,7 +296,8 @@ def fork_rng() -> Iterator[None]:
                 evaluate(model, eval_loader)
 
     (`torch.random.fork_rng` forks torch's streams alone; generators registered with
-    ``generators=`` are your own to leave alone.)"""
+    ``generators=`` are your own to leave alone; a CUDA device is forked when it is
+    initialized on entry: initialize CUDA before the block if the block would.)"""
     saved = capture_rng()
     try:
         yield

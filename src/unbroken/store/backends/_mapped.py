@@ -23,7 +23,9 @@ from ...state.tensorfile import tensor_bytes
 
 
 def _ident(st: os.stat_result) -> tuple[int, ...]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    # (not the ctime: a hard link to the file, which an incremental save makes to a stable
+    # file at every save, or a chmod, changes it and not a byte; a write changes the mtime)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 _FAULTED_MAX = 32 << 20  # bytes copied from the mappings (odd layouts) before a release
@@ -36,7 +38,8 @@ _READERS = max(1, min(4, os.cpu_count() or 1))
 
 class _Span(NamedTuple):
     """A mapped file: its first address and size in memory, the mapping, a descriptor of the
-    file as its hash was checked, its path, and that file's identity then (`_ident`)."""
+    file as its hash was checked, its path, that file's identity then (`_ident`), and
+    whether bytes were copied from it (``used``: one item, set by `copy`)."""
 
     start: int
     size: int
@@ -44,6 +47,7 @@ class _Span(NamedTuple):
     fd: int
     path: str
     ident: tuple[int, ...]
+    used: list[bool]
 
 
 def _read_into(span: _Span, into: memoryview, offset: int) -> None:
@@ -79,7 +83,7 @@ class MappedFiles:
                 raise CorruptCheckpoint(f"{path}: changed while being restored (replaced or "
                                         "written after its hash was checked)")
             self._spans.append(_Span(np.frombuffer(view, dtype=np.uint8).ctypes.data,
-                                     view.nbytes, view.obj, fd, path, _ident(st)))
+                                     view.nbytes, view.obj, fd, path, _ident(st), [False]))
         return view
 
     def _span(self, t: torch.Tensor) -> _Span | None:
@@ -108,6 +112,7 @@ class MappedFiles:
                 return src
             dst.copy_(src)
             return dst
+        span.used[0] = True
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype)
         if (not src.is_contiguous() or not dst.is_contiguous() or not dst.is_cpu
@@ -138,10 +143,10 @@ class MappedFiles:
 
     def finish(self) -> None:
         """Wait for every background read `copy` started; the first failure is raised (after
-        all ended: none still writes into a live tensor). Then every mapped file must still
-        be the file whose hash was checked: the copies read it a second time, and bytes
-        written into it meanwhile (in place, same size) were never verified
-        (`CorruptCheckpoint`)."""
+        all ended: none still writes into a live tensor). Then every mapped file copied from
+        must still be the file whose hash was checked: the copies read it a second time, and
+        bytes written into it meanwhile (in place, same size) were never verified
+        (`CorruptCheckpoint`; a file not copied from yet is checked after its own copies)."""
         pending, self._pending = self._pending, []
         error: BaseException | None = None
         for f in pending:
@@ -150,6 +155,8 @@ class MappedFiles:
         if error is not None:
             raise error
         for span in self._spans:
+            if not span.used[0]:
+                continue
             now = os.fstat(span.fd)
             if now.st_size != span.size:
                 raise CorruptCheckpoint(f"{span.path}: {now.st_size} bytes while being restored, "
