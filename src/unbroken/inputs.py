@@ -60,33 +60,27 @@ def steps_from_env(name: str) -> frozenset[int]:
 def dry_encode(parts: Mapping[str, Any]) -> None:
     """Capture and encode every part once, so that a value the format cannot store (a deque,
     a set) is named with its part and key when the Checkpointer is built, not at the first
-    save. The model's and optimizer's tensors are left out (a tensor is always storable, and
-    copying a large model's would cost its size): what else they hold is encoded (a module's
-    extra state, a parameter group's settings), and the optimizer's state is captured as a
-    save captures it (a ``state_dict()`` of another layout is refused here)."""
-    model = parts.get(S.MODEL)
-    for name, tree in S.capture(parts, model if isinstance(model, torch.nn.Module)
-                                else torch.nn.Module()).items():
-        if name in (S.MODEL, S.OPTIMIZER):
-            tree = _without_tensors(tree)
+    save. Of the model and the optimizer, only what else than tensors they hold is encoded,
+    read without calling their ``state_dict()`` (whose hooks may change the live state, as
+    a hook narrowing an optimizer's moments does): each module's extra state, each parameter
+    group's settings."""
+    small = {name: obj for name, obj in parts.items() if name not in (S.MODEL, S.OPTIMIZER)}
+    trees = S.capture(small, torch.nn.Module())
+    model, optimizer = parts.get(S.MODEL), parts.get(S.OPTIMIZER)
+    if isinstance(model, torch.nn.Module):
+        trees[S.MODEL] = {f"{prefix}{'.' if prefix else ''}_extra_state": m.get_extra_state()
+                          for prefix, m in model.named_modules()
+                          if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
+    if isinstance(optimizer, torch.optim.Optimizer):
+        trees[S.OPTIMIZER] = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                               for g in optimizer.param_groups]}
+    for name, tree in trees.items():
         try:
-            G.check_part_tree(name, tree)
+            if name not in (S.MODEL, S.OPTIMIZER):  # (those two: parts of their trees)
+                G.check_part_tree(name, tree)
             encode_tree(tree, "")
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {name!r}: {e}") from None  # (it says what to do)
-
-
-def _without_tensors(tree: Any) -> Any:
-    """A model's state (name -> tensor, or a module's extra state) or an optimizer's (its
-    ``state``: name -> key -> tensor or value) with those tensors as 0; anything else as it
-    is, for the encoder to judge (an extra state is encoded whole: it is small)."""
-    if not isinstance(tree, Mapping):
-        return tree
-    if isinstance(tree.get("state"), Mapping):  # (an optimizer's, as `optim` names it)
-        return {**tree, "state": {
-            k: {n: 0 if isinstance(v, torch.Tensor) else v for n, v in entry.items()}
-            if isinstance(entry, Mapping) else entry for k, entry in tree["state"].items()}}
-    return {k: 0 if isinstance(v, torch.Tensor) else v for k, v in tree.items()}
 
 
 def same_number(a: float | None, b: float) -> bool:
