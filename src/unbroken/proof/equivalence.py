@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from dataclasses import field as dataclass_field
 from typing import Any
 
@@ -51,6 +51,10 @@ _PRIORITY = ("optimizer", "scheduler", "scaler", "data position", "rng", "extra"
 DRIFT_THRESHOLD = 1e-6
 # What numerical nondeterminism moves; a difference anywhere else is different state.
 _DRIFTS = frozenset({"loss", "grad_norm", "params", "state.optimizer", "state.scaler"})
+# Digests a tolerance leaves alone once the numerics drift (a plateau scheduler keeps the best
+# loss, an EMA the weights), compared bitwise while they have not: a scheduler stepped at
+# another time, an extra's counter, differ there without any number moving.
+_SETTLED_ONLY = ("state.scheduler", "state.extra.")
 
 
 @dataclass
@@ -155,12 +159,21 @@ def _changed_after_restore(diff: list[str], got: Mapping[str, Any],
             and got["params"] != before.get("params")):
         return ("optimizer (the registered optimizer took no step but the weights changed: "
                 "another optimizer, built after restore(), trains the model)")
-    if "lr" in names or "state.scheduler" in names:
-        return ("scheduler" if _registered(got, "scheduler") else
-                "scheduler (not registered: pass scheduler= to the Checkpointer)")
-    if "opt_steps" in names or "state.scaler" in names:
-        return ("scaler" if _registered(got, "scaler") else
-                "scaler (a GradScaler that is not registered: pass scaler=)")
+    if "state.scheduler" in names:
+        return "scheduler"
+    if "lr" in names:
+        return ("optimizer (its learning rate was set after restore(); the scheduler came "
+                "back equal)" if _registered(got, "scheduler") else
+                "scheduler (not registered: pass a torch LR scheduler as scheduler=; a rate "
+                f"set by hand, after restore() or from a global, is {NOT_CAPTURED})")
+    if "state.scaler" in names:
+        return "scaler"
+    if "opt_steps" in names:
+        return ("optimizer steps (the registered GradScaler came back equal: a guard "
+                f"deciding from {NOT_CAPTURED} skipped or ran optimizer.step())"
+                if _registered(got, "scaler") else
+                "scaler (a GradScaler that is not registered: pass scaler=; or a guard "
+                f"deciding from {NOT_CAPTURED} skipped or ran optimizer.step())")
     if "state.optimizer-meta" in names:
         return "optimizer (recreated, or its hyperparameters changed after restore())"
     if "mode" in names:
@@ -197,13 +210,19 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
 
 
 def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: float,
-             atol: float) -> list[str]:
+             atol: float, settled: bool = False) -> list[str]:
+    """The fields of one update that differ (``exact``, or within ``rtol``/``atol``; with a
+    tolerance, ``settled``: the parameters and loss are still bitwise the reference's here
+    and the state before this update was, so digests that only numerics would move must be
+    equal too)."""
     a, b = _flat(ref), _flat(got)
-    # A field absent on one side (hash cadence, an older trace) is skipped.
+    # A field absent on one side (hash cadence, an older trace) is skipped; but a metric is
+    # what the script gave step_done, at this update, on one side only: a difference.
     names = [n for n in a if n in b and n not in _INFO]
+    once = sorted(n for n in a.keys() ^ b.keys() if n.startswith("metrics."))
     if exact:
-        return [n for n in names if a[n] != b[n]]
-    out = []
+        return [n for n in names if a[n] != b[n]] + once
+    out = once
     for n in names:
         # (the optimizer's settings digest is not compared: it holds floats that move with
         # the numerics too, LBFGS's prev_loss, an adaptive optimizer's own step sizes)
@@ -213,7 +232,10 @@ def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: 
         elif n in _NUMERIC or n == "lr" or n.startswith("metrics."):
             if not _close(a[n], b[n], rtol, atol):
                 out.append(n)
-        # parameter, optimizer and scaler digests drift with the numerics: not compared
+        elif n.startswith(_SETTLED_ONLY) and a[n] != b[n] and settled:
+            out.append(n)
+        # parameter, optimizer and scaler digests drift with the numerics: not compared;
+        # a scheduler's or extra's, only while nothing numeric has moved (`_SETTLED_ONLY`)
     return out
 
 
@@ -298,7 +320,9 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
         resumed_from = resume.step if resume else None
         exact = not tolerant or (exact_steps is not None and resumed_from is not None
                                  and resumed_from < step <= resumed_from + exact_steps)
-        diff = _differs(ref, got, exact, rtol, atol)
+        settled = _state_equal(ref_updates.get(step - 1), got_updates.get(step - 1))
+        diff = _differs(ref, got, exact, rtol, atol, settled and all(
+            ref.get(n) == got.get(n) for n in ("params", "loss")))
         if resume is not None and step == resume.step + 1 and not exact:
             # What the restore did not bring back bit for bit is lost state under any
             # tolerance: the restore copies what was saved, no numerics between (a tolerance
@@ -320,7 +344,12 @@ def compare(reference: list[dict[str, Any]], segments: list[list[dict[str, Any]]
             continue
         diff = [n for n in diff if n not in unseeded] or diff
         if diff:
-            settled = _state_equal(ref_updates.get(step - 1), got_updates.get(step - 1))
+            if resume is not None and len(resume.differs) > 1:
+                # (streams found unseeded before any resume differ at every restore: one that
+                # matters comes first)
+                noise = {part_of_state(n) for n in unseeded}
+                resume = replace(resume, differs=sorted(
+                    resume.differs, key=lambda p: (_rank(p)[0], p in noise, p)))
             first = _divergence(step, diff, ref, got, got_updates.get(step - 1), resume, exact,
                                 settled, steps[-1])
     extra = [s for s in sorted(got_updates) if s > max(steps, default=0)]
@@ -385,9 +414,11 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
         # leave that update's loss equal and move only the weights. Later on, compared
         # bitwise after an update whose state was bitwise equal, nothing tiny was there to
         # grow: the difference is made by the process itself (a global that restarts with it).
+        # (Under a tolerance, a large difference right after a bitwise-equal update did not
+        # grow either: tiny values do not become a 1e-3 difference in one update.)
         jump = bool(restore_differs) or any(n not in _DRIFTS for n in diff) or (
             exact and (at_resume or settled)) or (
-            at_resume and rel is not None and rel > DRIFT_THRESHOLD)
+            (at_resume or settled) and rel is not None and rel > DRIFT_THRESHOLD)
         kind = "jump" if jump else "drift"
     if restore_differs:
         part = restore_differs[0]
@@ -396,7 +427,10 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
     elif kind == "drift":
         part = "numerics"
     else:
-        named = _changed_after_restore(diff, got, before)
+        # (after a bitwise-equal update, every field of this one tells what changed, the
+        # digests a tolerance leaves alone too: a hyperparameter set after restore())
+        named = _changed_after_restore(
+            _differs(ref, got, True, 0, 0) if settled and not exact else diff, got, before)
         if named is None and resume is not None and resume.buffers_lost:
             named = (f"{NOT_CAPTURED}: non-persistent buffers, never saved, differ after the "
                      "restore (register_buffer(..., persistent=True) if they are state)")
