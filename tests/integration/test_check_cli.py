@@ -123,3 +123,26 @@ def test_a_failing_check_removes_its_temporary_folder(capsys, tmp_path, monkeypa
     code, out, err = run(capsys, "check", "--", sys.executable, script)
     assert code == 1 and "no data" in out and "rerun with --keep" in out
     assert not glob.glob(str(tmp_path / "unbroken-check-*"))
+
+
+def test_a_drop_of_a_part_the_script_lacks_is_a_usage_error_after_the_reference(
+        capsys, tmp_path):
+    """(Session 34's attack: every life ran, then each failed at its restore: exit 1.)"""
+    script = write(tmp_path, "plain.py", CRASHES_ON_RESUME.replace(
+        'raise RuntimeError("cannot open the shard index after a resume")', "pass"))
+    work = tmp_path / "work"
+    for drop in ("scaler", "rng.nosuch", "optimizer,scheduler@1"):
+        code, out, err = run(capsys, "check", "--drop", drop, "--workdir", str(work),
+                             "--json", "--", sys.executable, script)
+        doc = json.loads(out)
+        assert code == 2 and "the script registers no" in doc["error"], (drop, doc)
+        assert not list(work.glob("case-*")), drop  # (nothing was interrupted)
+
+
+def test_a_failed_case_gives_its_reason_as_the_reports_error(capsys, tmp_path):
+    script = write(tmp_path, "crash.py", CRASHES_ON_RESUME)
+    code, out, err = run(capsys, "check", "--at", "3", "--json", "--workdir",
+                         str(tmp_path / "w"), "--", sys.executable, script)
+    doc = json.loads(out)
+    assert code == 1 and doc["verdict"] == "error"
+    assert doc["error"] and "cannot open the shard index" in doc["error"], doc["error"]

@@ -129,4 +129,3 @@ def test_a_stream_the_restore_lost_is_named_before_an_unseeded_one() -> None:
                 loss=lambda r: (float.fromhex(r["loss"]) * 2).hex())
     d = compare(ref, segments(got, restore={"rng": lost})).first_divergence
     assert d is not None and d.state_part == "rng (torch_cpu)", d
-

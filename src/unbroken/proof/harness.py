@@ -175,6 +175,7 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
                 "nothing of the state could be compared; give the trace of an uninterrupted "
                 "run as unbroken wrote it")
     reference = references[min(references, key=lambda r: -1 if r is None else r)]
+    _check_drop(drop, references)
     steps = max((r["step"] for r in reference if r["event"] == "update"), default=0)
     report = CheckReport(list(cmd), steps)
     report.reference_loss = [(r["step"], as_float(r.get("loss")) or float("nan"))
@@ -189,6 +190,23 @@ def run_check(cmd: Sequence[str], workdir: str, *, at: Sequence[int] = (), rando
         case.log = _relative(case.log, workdir) if case.log else ""
         report.cases.append(case)
     return report
+
+
+def _check_drop(drop: str | None, references: dict[int | None, list[dict[str, Any]]]
+                ) -> None:
+    """Refuse, before anything is interrupted, a ``drop`` naming a part or stream the script
+    does not register (its reference trace digests every one): each life would fail at its
+    restore, after the runs before it ran for nothing."""
+    parts: set[str] = {"weights_only", "rng"}
+    for records in references.values():
+        for r in records:
+            parts.update(r.get("state") or {})
+            parts.update(f"rng.{k}" for k in r.get("rng") or {})
+    for entry in (drop or "").split(","):
+        name = entry.partition("@")[0].strip()
+        if name and name not in parts:
+            raise UsageError(f"--drop {entry!r}: the script registers no {name!r}; it has "
+                             f"{', '.join(sorted(parts - {'optimizer-meta'}))}")
 
 
 def _check_command(cmd: Sequence[str]) -> None:

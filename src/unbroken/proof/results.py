@@ -94,6 +94,8 @@ class CheckReport:
                 for k in c.kills if k.covered]
 
     def to_json(self) -> dict[str, Any]:
+        # (a case whose process failed says why in its note: the first such is the error)
+        failed = next((c.note for c in self.cases if c.verdict == "error" and c.note), None)
         return {"verdict": self.verdict, "command": self.command, "steps": self.steps,
-                "error": self.error or None, "covered": self.covered,
+                "error": self.error or failed, "covered": self.covered,
                 "cases": [c.to_json() for c in self.cases]}
