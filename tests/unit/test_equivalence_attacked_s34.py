@@ -129,3 +129,12 @@ def test_a_stream_the_restore_lost_is_named_before_an_unseeded_one() -> None:
                 loss=lambda r: (float.fromhex(r["loss"]) * 2).hex())
     d = compare(ref, segments(got, restore={"rng": lost})).first_divergence
     assert d is not None and d.state_part == "rng (torch_cpu)", d
+
+
+def test_the_report_shows_a_traced_float_as_a_decimal_beside_its_hex() -> None:
+    from unbroken.proof.report import _shown
+
+    assert _shown((2.0).hex()) == "2.0 (0x1.0000000000000p+1)"
+    assert _shown([(0.5).hex()]) == "[0.5 (0x1.0000000000000p-1)]"
+    assert _shown("abc123") == "'abc123'"  # (a digest, though it parses as hex)
+    assert _shown(None) == "None"

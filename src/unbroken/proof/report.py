@@ -10,7 +10,7 @@ import os
 import textwrap
 from typing import TYPE_CHECKING
 
-from .equivalence import Divergence
+from .equivalence import Divergence, as_float
 
 if TYPE_CHECKING:
     from .results import CaseResult, CheckReport
@@ -74,7 +74,7 @@ def format_report(report: CheckReport, workdir: str | None) -> str:
             f" on rank {c.rank}" if c.rank is not None and c.verdict == "diverged" else "")
         if d is not None:
             lines.append(f"{head}: first differs at update {d.step} in {d.field!r}: expected "
-                         f"{d.expected!r}, found {d.found!r}")
+                         f"{_shown(d.expected)}, found {_shown(d.found)}")
             lines += _divergence_lines(d, c)
         else:
             lines.append(head + (f": {c.note}" if c.note else ""))
@@ -88,3 +88,18 @@ def format_report(report: CheckReport, workdir: str | None) -> str:
         lines.append("(the working folder was removed with its logs; rerun with --keep or "
                      "--workdir DIR to keep them)")
     return "\n".join(lines)
+
+
+def _shown(value: object) -> str:
+    """A traced value as the report prints it: a float (traced as its exact hex) with its
+    decimal beside it, a list of them likewise; anything else as it is."""
+    if isinstance(value, list) and value and all(map(_hex_float, value)):
+        return "[" + ", ".join(_shown(v) for v in value) + "]"
+    number = as_float(value) if _hex_float(value) else None
+    return repr(value) if number is None else f"{number!r} ({value})"
+
+
+def _hex_float(value: object) -> bool:
+    """Whether ``value`` is a float as the trace writes it (``float.hex``), not a digest."""
+    return isinstance(value, str) and (value.lstrip("-")[:2] == "0x"
+                                       or value.lstrip("-") in ("inf", "nan"))
