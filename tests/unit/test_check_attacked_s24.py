@@ -19,8 +19,9 @@ import pytest
 
 from unbroken.cli import main
 from unbroken.proof import harness
+from unbroken.proof.attribution import NOT_CAPTURED
 from unbroken.proof.checkplan import Kill, default_plan
-from unbroken.proof.equivalence import NOT_CAPTURED, compare
+from unbroken.proof.equivalence import compare
 from unbroken.proof.harness import CaseResult, CheckReport, KillResult, format_report
 
 STEPS, RESUME = 12, 4

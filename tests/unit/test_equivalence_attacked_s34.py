@@ -11,7 +11,8 @@ import copy
 
 from test_equivalence import RESUME, run_records, segments
 
-from unbroken.proof.equivalence import NOT_CAPTURED, compare
+from unbroken.proof.attribution import NOT_CAPTURED
+from unbroken.proof.equivalence import compare
 
 
 def _edit(records: list[dict], first: int, **fields: object) -> list[dict]:

@@ -22,7 +22,8 @@ from ..errors import CorruptCheckpoint, UnbrokenError
 from ..faults import DROP_ENV
 from ..trace import TRACE_ENV, TRACE_HASH_ENV, read_trace
 from .checkplan import PHASES, Kill, default_plan, explicit_plan, missed
-from .equivalence import Comparison, as_float, compare
+from .equivalence import Comparison, compare
+from .fields import as_float
 from .report import format_report
 from .results import CaseResult, CheckReport, KillResult
 

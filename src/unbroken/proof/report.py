@@ -10,7 +10,8 @@ import os
 import textwrap
 from typing import TYPE_CHECKING
 
-from .equivalence import Divergence, as_float
+from .attribution import Divergence
+from .fields import as_float
 
 if TYPE_CHECKING:
     from .results import CaseResult, CheckReport
