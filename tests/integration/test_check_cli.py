@@ -131,7 +131,7 @@ def test_a_drop_of_a_part_the_script_lacks_is_a_usage_error_after_the_reference(
     script = write(tmp_path, "plain.py", CRASHES_ON_RESUME.replace(
         'raise RuntimeError("cannot open the shard index after a resume")', "pass"))
     work = tmp_path / "work"
-    for drop in ("scaler", "rng.nosuch", "optimizer,scheduler@1"):
+    for drop in ("scaler", "extra.ema", "optimizer,scheduler@1"):
         code, out, err = run(capsys, "check", "--drop", drop, "--workdir", str(work),
                              "--json", "--", sys.executable, script)
         doc = json.loads(out)

@@ -139,3 +139,54 @@ def test_the_report_shows_a_traced_float_as_a_decimal_beside_its_hex() -> None:
     assert _shown([(0.5).hex()]) == "[0.5 (0x1.0000000000000p-1)]"
     assert _shown("abc123") == "'abc123'"  # (a digest, though it parses as hex)
     assert _shown(None) == "None"
+
+
+# -- the review of the fixes above -------------------------------------------------------------
+
+def test_a_scheduler_or_extra_following_a_drifting_metric_is_no_divergence() -> None:
+    """Training bitwise equal, a validation metric off by one ulp (another thread count), a
+    plateau scheduler and an early-stopping extra stepped on it: equivalent within the
+    tolerance (their digests follow a number that moved)."""
+    ref = _edit(run_records(), 1, metrics=lambda r: {"val": (1.0 / r["step"]).hex()},
+                state=lambda r: _state(r, **{"extra.stop": f"e{r['step']}"}))
+    got = _edit(ref, RESUME + 2,
+                metrics=lambda r: {"val": ((1.0 + 3e-7) / r["step"]).hex()},
+                state=lambda r: _state(r, scheduler=f"p{r['step']}",
+                                       **{"extra.stop": f"E{r['step']}"}))
+    assert compare(ref, segments(got), rtol=1e-4).verdict == "equivalent"
+    noisy = _edit(ref, RESUME + 2, grad_norm=lambda r: (float.fromhex(r["grad_norm"])
+                                                        * (1 + 1e-7)).hex(),
+                  state=lambda r: _state(r, **{"extra.stop": f"E{r['step']}"}))
+    assert compare(ref, segments(noisy), rtol=1e-4).verdict == "equivalent"
+
+
+def test_drift_starting_after_a_bitwise_equal_update_is_not_blamed_on_the_scheduler() -> None:
+    at = RESUME + 4
+    ref = run_records()
+    got = _edit(run_records(), at, loss=lambda r: (float.fromhex(r["loss"]) * 1.01).hex(),
+                params=lambda r: r["params"] + "~",
+                state=lambda r: _state(r, scheduler=f"plateau{r['step']}"))
+    d = compare(ref, segments(got), rtol=1e-3).first_divergence
+    assert d is not None and d.step == at and not d.state_part.startswith("scheduler")
+    assert "tighter than the precision" in d.hint
+
+
+def test_inf_equals_inf_under_a_tolerance() -> None:
+    ref = _edit(run_records(), 7, loss=lambda r: "inf" if r["step"] == 7 else r["loss"])
+    assert compare(ref, segments(copy.deepcopy(ref)), rtol=1e-5).verdict == "equivalent"
+
+
+def test_a_stream_named_as_the_fault_layer_names_it_is_left_to_it() -> None:
+    import pytest
+
+    from unbroken._runview import UsageError
+    from unbroken.proof.harness import _check_drop
+
+    refs = {None: [{"event": "update", "step": 1, "state": {"optimizer": "o",
+                                                             "optimizer-meta": "m"},
+                    "rng": {"gen:noise": "g", "cuda:0": "c"}}]}
+    for drop in ("rng.generators.noise", "rng.cuda", "optimizer", "rng@1", "weights_only"):
+        _check_drop(drop, refs)
+    for drop in ("optimizer-meta", "scaler", "extra.ema@1"):
+        with pytest.raises(UsageError, match="the script registers no"):
+            _check_drop(drop, refs)

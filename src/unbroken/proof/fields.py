@@ -45,6 +45,8 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
     x, y = as_float(a), as_float(b)
     if x is None or y is None:
         return bool(a == b)
+    if x == y:  # (inf and inf: their difference is NaN)
+        return True
     if math.isnan(x) or math.isnan(y):
         return math.isnan(x) and math.isnan(y)
     return abs(x - y) <= atol + rtol * abs(y)
@@ -53,10 +55,12 @@ def _close(a: Any, b: Any, rtol: float, atol: float) -> bool:
 def _differs(ref: Mapping[str, Any], got: Mapping[str, Any], exact: bool, rtol: float,
              atol: float, settled: bool = False) -> list[str]:
     """The fields of one update that differ (``exact``, or within ``rtol``/``atol``; with a
-    tolerance, ``settled``: the parameters and loss are still bitwise the reference's here
-    and the state before this update was, so digests that only numerics would move must be
-    equal too)."""
+    tolerance, ``settled``: the state before this update was bitwise the reference's, so
+    where every number of this update is bitwise equal too (the parameters, loss, gradient
+    norm, rates and metrics), digests that only numerics would move must be equal too)."""
     a, b = _flat(ref), _flat(got)
+    settled = settled and all(a[n] == b[n] for n in a if n in b and (
+        n in _NUMERIC or n in ("params", "lr") or n.startswith("metrics.")))
     # A field absent on one side (hash cadence, an older trace) is skipped; but a metric is
     # what the script gave step_done, at this update, on one side only: a difference.
     names = [n for n in a if n in b and n not in _INFO]

@@ -6,6 +6,7 @@ the check (``--keep``, ``--workdir``); otherwise the report says it was removed.
 
 from __future__ import annotations
 
+import math
 import os
 import textwrap
 from typing import TYPE_CHECKING
@@ -97,7 +98,9 @@ def _shown(value: object) -> str:
     if isinstance(value, list) and value and all(map(_hex_float, value)):
         return "[" + ", ".join(_shown(v) for v in value) + "]"
     number = as_float(value) if _hex_float(value) else None
-    return repr(value) if number is None else f"{number!r} ({value})"
+    if number is None or not math.isfinite(number):
+        return repr(value) if number is None else str(value)
+    return f"{number!r} ({value})"
 
 
 def _hex_float(value: object) -> bool:
