@@ -31,6 +31,18 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
+def _saved(run: Path, last: int) -> torch.nn.Module:
+    """Generations up to ``last`` in ``run``, one per step, continued from those there; the
+    model."""
+    model, opt = _state(0)
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        for step in range(ckpt.restore() + 1, last + 1):
+            _train(model, opt)
+            ckpt.step_done(step)
+            ckpt.save()
+    return model
+
+
 def _bits(model: torch.nn.Module) -> list[bytes]:
     return [t.detach().numpy().tobytes() for t in model.state_dict().values()]
 
@@ -64,15 +76,8 @@ def test_a_file_changed_between_its_hash_and_its_copy_is_never_loaded_as_verifie
         monkeypatch.setattr(_mapped, "_PIECE", 4096)
         monkeypatch.setattr(_mapped, "_READERS", 2)
     run = tmp_path / "run"
-    model, opt = _state(0)
-    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
-        _train(model, opt)
-        ckpt.step_done(1)
-        ckpt.save()
-        first = _bits(model)
-        _train(model, opt)
-        ckpt.step_done(2)
-        ckpt.save()
+    first = _bits(_saved(run, 1))
+    _saved(run, 2)
     assert (run / "gen-000000002" / victim).stat().st_size > 64 << 10
 
     other, other_opt = _state(1)
@@ -110,11 +115,7 @@ def test_a_link_or_chmod_while_restoring_changes_no_byte_and_is_no_refusal(
     them) or a chmod changes a file's ctime, not a byte: a restore beside them restores."""
     monkeypatch.setattr(picking, "_MAP_MIN", 0)
     run = tmp_path / "run"
-    model, opt = _state(0)
-    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
-        _train(model, opt)
-        ckpt.step_done(1)
-        ckpt.save()
+    model = _saved(run, 1)
     add = _mapped.MappedFiles.add
 
     def touching(self, view, path, hashed):  # type: ignore[no-untyped-def]
