@@ -178,7 +178,7 @@ def _divergence(step: int, diff: list[str], ref: Mapping[str, Any], got: Mapping
             named = (f"{NOT_CAPTURED}: non-persistent buffers, never saved, differ after the "
                      "restore (register_buffer(..., persistent=True) if they are state)")
         part = named or f"{NOT_CAPTURED} (first differs: {lead})"
-        if named is None and not exact:
+        if named is None and settled and not exact:
             hint = ("the update before it matched bitwise, and one update's rounding rarely "
                     "moves the loss this much, unless the tolerance is tighter than the "
                     "precision trained in (bfloat16 rounds near 1e-3)")
