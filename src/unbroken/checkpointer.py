@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import fixture
 from ._env import SAVE_AT_ENV
 from .boundary import Preemption, UpdateWatch
+from .dist.alike import check_alike
 from .dist.group import Group, background_group, warn_ddp_buckets
 from .errors import (
     ReadOnlyRun,
@@ -139,12 +140,6 @@ class Checkpointer(Persisting, Restoring):
         later = check_options(async_save, read_back, async_timeout, persist_share, every,
                               trace_hash_every)
         self._persist_share = persist_share
-        # An async save's collectives (a read-back later's too) run beside the training loop's:
-        # a group of their own, made here, where every rank builds its Checkpointer at the
-        # same point. (A save's commit uses it too, after the previous save ended: the two
-        # never overlap on it.)
-        self._save_group = (background_group(process_group, async_timeout)
-                            if (async_save or later) and self._group.active else self._group)
         self._async = bool(async_save)
         self._buffers = SnapshotBuffers()
         self._in_flight: InFlight | None = None
@@ -185,6 +180,18 @@ class Checkpointer(Persisting, Restoring):
                                       stop_check_every)  # validated before the lock
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
+        check_alike(self._group, {
+            "every=": every, "async_save=": "process" if self._process else self._async,
+            "read_back=": read_back, "incremental=": self._incremental,
+            "signals=": sorted(s.name for s in self._preemption.signals),
+            **({"stop_check_every=": stop_check_every} if self._preemption.signals else {}),
+            f"${SAVE_AT_ENV}": sorted(self._save_at)}, self.identity)
+        # An async save's collectives (a read-back later's too) run beside the training loop's:
+        # a group of their own, made here, where every rank builds its Checkpointer at the
+        # same point. (A save's commit uses it too, after the previous save ended: the two
+        # never overlap on it.)
+        self._save_group = (background_group(process_group, async_timeout)
+                            if (async_save or later) and self._group.active else self._group)
         location = os.environ.get(ROOT_ENV) or root
         if self._process and is_url(location):
             raise ValueError(f"async_save='process' writes to a local run folder; {location} "

@@ -23,7 +23,7 @@ from .dist.commit import (
     stage_job,
 )
 from .dist.filegroup import FileGroup, stage
-from .dist.group import Group, RankFailed, saving
+from .dist.group import Group, saving
 from .errors import SaveFailed, StoreLocked, UnbrokenWarning
 from .persist.aftermath import settle_died_save
 from .persist.background import InFlight, Worker
@@ -330,8 +330,8 @@ class Persisting:
     def close(self) -> None:
         """Release the run folder's writer lock, the optimizer hooks and signal handlers, and
         close the trace, after waiting for an async save in flight (its error is raised once
-        everything is released). In a job, every rank waits for the others here (the leader
-        may still be applying retention), so the job can tear down its process group safely.
+        everything is released). In a job, each rank releases its own and does not wait for
+        the others (the leader may still be applying retention after its save).
         Interrupted (Ctrl-C) while a save is still in flight, it releases nothing: the save
         keeps the lock it needs, and ``close()`` again finishes it. In a process forked from
         the one that made it, nothing: what it holds (the lock, a lease, the trace, the save
@@ -348,14 +348,12 @@ class Persisting:
         self._release()
 
     def _release(self) -> None:
-        if self._group.active:
-            try:
-                self._group.all_gather(None, "closing")
-            except RankFailed:
-                pass  # a rank already gone: nothing left to wait for
+        # In a job, no rank waits for the others here: one that closes while the others
+        # train on (it handled its own error) would hold them in their next collective, DDP's
+        # or a save's, until its timeout; its process ending fails theirs at once instead.
         if self._persister is not None:
             self._persister.close()
-        if self._save_group is not self._group:  # (every rank is past "closing": none uses it)
+        if self._save_group is not self._group:  # (this rank's last collective on it is over)
             self._save_group.destroy()
         self._writer.close()
         self._watch.close()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import struct
 import sys
+import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
@@ -74,6 +76,10 @@ def warn_ddp_buckets(ddp: Any) -> None:
 class RankFailed(UnbrokenError):
     """Another rank of the job failed, died or stayed away from a collective."""
 
+
+# int64s each rank sends first in every collective: a value, the crc32 of the collective's
+# name, and the first 32 bytes of the name (for the message when they differ).
+_HEADER = 6
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -147,6 +153,31 @@ class Group:
                              "same steps, each calling save() or step_done() alike) "
                              f"({str(e).splitlines()[0][:200]})") from None
 
+    def _header(self, value: int, what: str) -> list[int]:
+        """Every rank's ``value``, exchanged with the name of the collective each rank is in:
+        the first step of every collective here, so that two different ones (a rank closing
+        while another saves) meet on this exchange, of one shape, and fail on every rank
+        alike, naming what each was doing, instead of pairing payloads of unlike sizes."""
+        import torch
+        import torch.distributed as dist
+
+        name = what.encode()
+        text = name[:8 * (_HEADER - 2)].ljust(8 * (_HEADER - 2), b"\0")
+        mine = torch.tensor([value, zlib.crc32(name), *struct.unpack(f"<{_HEADER - 2}q", text)],
+                            dtype=torch.int64, device=self.device)
+        out = [self._zeros(_HEADER, torch.int64) for _ in range(self.size)]
+        self._call(what, dist.all_gather, out, mine)
+        rows = [t.cpu().tolist() for t in out]
+        others = {r: struct.pack(f"<{_HEADER - 2}q", *row[2:]).rstrip(b"\0").decode(
+            errors="replace") for r, row in enumerate(rows) if row[1] != zlib.crc32(name)}
+        if others:
+            doing = "; ".join(f"rank {r} was {w!r}" for r, w in others.items())
+            raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed: {doing} (the "
+                             "ranks did not call the Checkpointer alike: one closed, saved or "
+                             "restored where another did not, as a rank that left its loop "
+                             "early or raised does); nothing was done")
+        return [row[0] for row in rows]
+
     def all_gather(self, value: Any, what: str) -> list[Any]:
         """Every rank's JSON-able ``value``, in rank order, on every rank."""
         if not self.active:
@@ -155,16 +186,13 @@ class Group:
         import torch.distributed as dist
 
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-        sizes = [self._zeros(1, torch.int64) for _ in range(self.size)]
-        self._call(what, dist.all_gather, sizes,
-                   torch.tensor([data.numel()], device=self.device))
-        longest = int(max(s.item() for s in sizes))
+        sizes = self._header(data.numel(), what)
+        longest = max(sizes)
         padded = self._zeros(longest, torch.uint8)
         padded[:data.numel()] = data
         out = [self._zeros(longest, torch.uint8) for _ in range(self.size)]
         self._call(what, dist.all_gather, out, padded)
-        return [json.loads(bytes(t[:int(n.item())].cpu().numpy()).decode())
-                for t, n in zip(out, sizes)]
+        return [json.loads(bytes(t[:n].cpu().numpy()).decode()) for t, n in zip(out, sizes)]
 
     def broadcast(self, value: Any, what: str) -> Any:
         """The leader's JSON-able ``value`` on every rank."""
@@ -174,24 +202,18 @@ class Group:
         import torch.distributed as dist
 
         data = json.dumps(value).encode() if self.leader else b""
-        size = torch.tensor([len(data)], device=self.device)
-        self._call(what, dist.broadcast, size, self._leader_rank)
+        size = self._header(len(data), what)[0]
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
-               if self.leader else self._zeros(int(size.item()), torch.uint8))
+               if self.leader else self._zeros(size, torch.uint8))
         if buf.numel():
             self._call(what, dist.broadcast, buf, self._leader_rank)
         return json.loads(bytes(buf.cpu().numpy()).decode())
 
     def max_int(self, value: int, what: str) -> int:
-        """The largest of every rank's ``value``: one all-reduce of one integer."""
+        """The largest of every rank's ``value``: one small all-gather."""
         if not self.active:
             return value
-        import torch
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        self._call(what, dist.all_reduce, t, dist.ReduceOp.MAX)
-        return int(t.item())
+        return max(self._header(value, what))
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         import torch

@@ -1,0 +1,120 @@
+"""One rank of a 2-rank gloo job whose ranks build or use their Checkpointers differently
+(tests/integration/test_ddp_ranks_differ.py). Every collective runs under a 60 s
+process-group timeout; the test asserts the job ends long before it.
+
+``--mode differ``: builds one Checkpointer per setting that rank 1 gives otherwise than rank 0,
+each refused on both ranks, in turn (a refusal leaves the job's collectives in step), then one
+with the same settings that saves; prints one JSON line per setting.
+``--mode raise``: rank 1 raises its own error after update 3 (handled, ``close()`` in
+``finally``) while rank 0 trains on and saves at update 4; prints what each rank saw.
+``--mode train``: trains to ``--steps``, resuming from the folder, and prints the weights.
+``--mode tags``: rank 0 and rank 1 enter different collectives of `unbroken.dist.group.Group`;
+then the same one."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import unbroken
+from unbroken.dist.group import Group, RankFailed
+
+p = argparse.ArgumentParser()
+p.add_argument("--folder", required=True)
+p.add_argument("--mode", required=True)
+p.add_argument("--async-save", default="")
+p.add_argument("--steps", type=int, default=6)
+args = p.parse_args()
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+started = time.monotonic()
+
+
+def report(**fields) -> None:
+    print(json.dumps({"rank": rank, "seconds": round(time.monotonic() - started, 1), **fields}),
+          flush=True)
+
+
+def job():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    return model, ddp, torch.optim.SGD(ddp.parameters(), lr=0.1)
+
+
+if args.mode == "tags":
+    group = Group()
+    try:
+        if rank == 0:
+            group.all_gather({"step": 4}, "comparing replicas")
+        else:
+            group.broadcast(None, "closing")
+        report(raised=None)
+    except RankFailed as e:
+        report(raised=str(e))
+    report(after=group.all_gather(rank, "the same one"))
+
+elif args.mode == "differ":
+    USR1 = signal.SIGUSR1
+    cases = {  # setting: (both ranks' options, rank 1's other options)
+        "every=": ({"every": 2}, {"every": 3}),
+        "async_save=": ({}, {"async_save": True}),
+        "read_back=": ({}, {"read_back": "sync"}),
+        "incremental=": ({}, {"incremental": True}),
+        "signals=": ({}, {"signals": [USR1]}),
+        "stop_check_every=": ({"signals": [USR1]}, {"stop_check_every": 2}),
+        "$UNBROKEN_SAVE_AT": ({}, {}),
+        "identity": ({"identity": unbroken.Identity(config={"lr": 0.1, "seed": 0})},
+                     {"identity": unbroken.Identity(config={"lr": 0.2, "seed": 0})}),
+    }
+    model, ddp, opt = job()
+    for setting, (both, other) in cases.items():
+        if setting == "$UNBROKEN_SAVE_AT" and rank == 1:
+            os.environ["UNBROKEN_SAVE_AT"] = "3"
+        try:
+            ck = unbroken.Checkpointer(os.path.join(args.folder, "refused"), model=ddp,
+                                       optimizer=opt, **{**both, **(other if rank else {})})
+            ck.close()
+            report(setting=setting, refused=None)
+        except unbroken.UnbrokenError as e:
+            report(setting=setting, refused=type(e).__name__, message=str(e))
+        os.environ.pop("UNBROKEN_SAVE_AT", None)
+    same = unbroken.Identity(config={"lr": 0.1, "seed": 0})
+    with unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, identity=same) as ck:
+        ck.save(0)
+    report(setting=None, saved=sorted(os.listdir(args.folder)))
+
+else:
+    model, ddp, opt = job()
+    ck = unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, every=2,
+                               async_save=args.async_save or False)
+    step = ck.restore()
+    errors = []
+    try:
+        while step < args.steps:
+            ddp(torch.randn(8, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            step += 1
+            if args.mode == "raise" and rank == 1 and step == 4:
+                raise RuntimeError("rank 1's own error")
+            ck.step_done(step)
+        ck.save()
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+    finally:
+        try:
+            ck.close()
+        except Exception as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    report(errors=errors, step=step,
+           weights=[t.flatten().tolist() for t in model.state_dict().values()])
+# (ended here, not in the interpreter's teardown, where a live group's threads can abort it)
+dist.destroy_process_group()

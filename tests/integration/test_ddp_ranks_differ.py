@@ -1,0 +1,98 @@
+"""Many ranks (2 gloo processes) whose Checkpointers differ or diverge: settings given
+otherwise on one rank are refused on every rank when the Checkpointer is built (before, they
+hung until the process group's timeout, or saved an Identity a resume then refused); a rank
+that handles its own error and closes while the other saves ends the job at once, with a
+typed error (before: an AttributeError from a payload of the wrong collective, or a hang);
+two ranks in different collectives of unbroken's fail alike and stay in step. Every process
+runs under a 60 s process-group timeout and a subprocess timeout: a hang fails, never waits."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import free_port, gens
+from conftest import SCRIPTS
+
+SCRIPT = str(SCRIPTS / "ranks_differ.py")
+
+
+def job(folder: Path, *args: str) -> list[dict]:
+    """Both ranks of ``ranks_differ.py``; each rank's JSON lines."""
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, SCRIPT, "--folder", str(folder), *args],
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    lines = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=100)
+            assert p.returncode == 0, err[-3000:]
+            lines.append([json.loads(x) for x in out.splitlines() if x.startswith("{")])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return lines
+
+
+def test_settings_given_otherwise_on_one_rank_are_refused_on_every_rank_at_build(tmp_path):
+    ranks = job(tmp_path, "--mode", "differ")
+    for lines in ranks:
+        refused = {x["setting"]: x for x in lines if x.get("setting")}
+        assert {s: x["refused"] for s, x in refused.items()} == {
+            "every=": "UnsupportedSetup", "async_save=": "UnsupportedSetup",
+            "read_back=": "UnsupportedSetup", "incremental=": "UnsupportedSetup",
+            "signals=": "UnsupportedSetup", "stop_check_every=": "UnsupportedSetup",
+            "$UNBROKEN_SAVE_AT": "UnsupportedSetup", "identity": "IdentityMismatch"}
+        assert "every= differs across the ranks of the job (2 on rank 0; 3 on rank 1)" in (
+            refused["every="]["message"])
+        assert "(['SIGUSR1'] on rank 0; [] on rank 1)" in refused["signals="]["message"] or (
+            "([] on rank 0; ['SIGUSR1'] on rank 1)" in refused["signals="]["message"])
+        assert "([] on rank 0; [3] on rank 1)" in refused["$UNBROKEN_SAVE_AT"]["message"]
+        assert "in config" in refused["identity"]["message"]
+        assert "differing in key(s) ['lr']" in refused["identity"]["message"]
+        # the same settings (and Identity) on every rank still build and save
+        assert lines[-1]["saved"] == ["LOCK", "RUN.json", "gen-000000000"]
+        assert lines[-1]["seconds"] < 40  # far from the 60 s process-group timeout
+    assert not (tmp_path / "refused").exists()  # nothing was opened
+
+
+@pytest.mark.parametrize("mode", ["", "thread", "process"])
+def test_a_rank_closing_on_its_own_error_ends_the_job_at_once_and_it_resumes_bitwise(
+        tmp_path, mode):
+    """Rank 1 raises after update 3, handles it and closes; rank 0 saves update 4 (or, with an
+    async save, persists it beside update 5's all-reduce). Rank 0 sees a typed `SaveFailed`
+    or torch's own error of a peer gone, within seconds; the committed generation 2 resumes
+    bitwise against an uninterrupted job."""
+    args = ("--async-save", mode) if mode else ()
+    failed = job(tmp_path / "run", "--mode", "raise", *args)
+    zero, one = (lines[-1] for lines in failed)
+    assert one["errors"] == ["RuntimeError: rank 1's own error"]
+    assert zero["errors"], zero
+    assert all(e.startswith(("SaveFailed: rank 0 of 2", "RuntimeError: ")) and "gloo" in e
+               or "another rank failed or died" in e for e in zero["errors"]), zero["errors"]
+    assert not any("AttributeError" in e or "TypeError" in e for e in zero["errors"])
+    assert zero["seconds"] < 30 and one["seconds"] < 30  # the timeout is 60 s
+    assert gens(tmp_path / "run") == ["gen-000000002"]
+
+    resumed = job(tmp_path / "run", "--mode", "train", *args)
+    straight = job(tmp_path / "straight", "--mode", "train", *args)
+    for r in range(2):
+        assert resumed[r][-1]["errors"] == straight[r][-1]["errors"] == []
+        assert resumed[r][-1]["step"] == 6
+        assert resumed[r][-1]["weights"] == straight[r][-1]["weights"]  # bitwise (floats)
+
+
+def test_two_ranks_in_different_collectives_fail_alike_and_stay_in_step(tmp_path):
+    zero, one = job(tmp_path, "--mode", "tags")
+    assert "comparing replicas failed: rank 1 was 'closing'" in zero[0]["raised"]
+    assert "closing failed: rank 0 was 'comparing replicas'" in one[0]["raised"]
+    assert zero[1]["after"] == one[1]["after"] == [0, 1]
