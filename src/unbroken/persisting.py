@@ -30,7 +30,8 @@ from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
 from .restoring import gc_paused
 from .saving import encode_share, replicated, saved_unchanged, stamps
-from .state.identity import Identity, environment
+from .state.environment import environment
+from .state.identity import Identity
 from .state.incremental import HeldFile, Plan, held_files
 from .store.generations import GenerationInfo, GenerationStore, generation_name
 from .store.manifest import TO_COMMIT, Artifact, Manifest

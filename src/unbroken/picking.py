@@ -28,7 +28,8 @@ from .errors import (
 )
 from .state import generation as G
 from .state import parts as S
-from .state.identity import Identity, check_environment, check_identity, environment
+from .state.environment import environment
+from .state.identity import Identity, check_environment, check_identity
 from .state.livemodel import LiveModel
 from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore

@@ -12,7 +12,8 @@ import pytest
 
 from unbroken.errors import IdentityMismatch, UnbrokenError, UnbrokenWarning
 from unbroken.state import identity
-from unbroken.state.identity import Identity, check_environment, check_identity, environment
+from unbroken.state.environment import environment
+from unbroken.state.identity import Identity, check_environment, check_identity
 from unbroken.state.jsontext import dumps_json
 
 CFG = {"lr": 0.001, "model": {"d_model": 64, "layers": [2, 2]}, "name": "exp"}
