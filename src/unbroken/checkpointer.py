@@ -24,7 +24,7 @@ from .errors import (
     UnbrokenWarning,
     UpdateBoundaryError,
 )
-from .inputs import EXTRA_NAME, check_options, dry_encode, metric, steps_from_env
+from .inputs import check_options, dry_encode, metric, parts_of, steps_from_env
 from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
@@ -34,7 +34,6 @@ from .state import parts as S
 from .state.identity import Identity
 from .state.incremental import HeldFile, Plan
 from .state.optim import check_optimizer_params
-from .state.rng import RNGStreams
 from .store.backends.killpoints import fault_point
 from .store.backends.mounts import filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo
@@ -159,22 +158,8 @@ class Checkpointer(Persisting, Restoring):
         self._counters = S.Counters(data)
         if optimizer is not None:
             check_optimizer_params(model, optimizer)
-        self._parts: dict[str, Any] = {S.MODEL: model}
-        for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
-                          (S.SCALER, scaler), (S.DATA, data)):
-            if obj is not None:
-                self._parts[name] = obj
-        for name, obj in (extras or {}).items():
-            if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
-                raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
-            if not isinstance(obj, S.Stateful):
-                raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
-            self._parts[S.EXTRA_PREFIX + name] = obj
-        for name, obj in self._parts.items():
-            if name != S.MODEL and not isinstance(obj, S.Stateful):
-                raise TypeError(f"{name} needs state_dict() and load_state_dict()")
-        self._parts[S.RNG] = RNGStreams(generators or {})
-        self._parts[S.COUNTERS] = self._counters
+        self._parts = parts_of(model, optimizer, scheduler, scaler, data, extras, generators,
+                               self._counters)
         dry_encode(self._parts)  # a value save cannot store fails now, not hours in
         self._preemption = Preemption(signals, stop_deadline,
                                       stop_check_every)  # validated before the lock

@@ -19,6 +19,7 @@ from .errors import UnbrokenError, UnsupportedValue
 from .state import generation as G
 from .state import parts as S
 from .state.codec import encode_tree
+from .state.rng import RNGStreams
 
 EXTRA_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}", re.ASCII)  # used with fullmatch
 
@@ -106,3 +107,26 @@ def metric(name: str, value: object) -> float:
         shown = f"an int of {len(str(value))} digits" if isinstance(value, int) else \
             f"{value!r:.40}"
         raise UnsupportedValue(f"metric {name!r}: {shown} does not fit a float") from None
+
+
+def parts_of(model: Any, optimizer: Any, scheduler: Any, scaler: Any, data: Any,
+             extras: Mapping[str, Any] | None, generators: Mapping[str, Any] | None,
+             counters: Any) -> dict[str, Any]:
+    """A Checkpointer's parts by name (`state.parts`), each checked to be `Stateful`."""
+    parts: dict[str, Any] = {S.MODEL: model}
+    for name, obj in ((S.OPTIMIZER, optimizer), (S.SCHEDULER, scheduler),
+                      (S.SCALER, scaler), (S.DATA, data)):
+        if obj is not None:
+            parts[name] = obj
+    for name, obj in (extras or {}).items():
+        if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
+            raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
+        if not isinstance(obj, S.Stateful):
+            raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
+        parts[S.EXTRA_PREFIX + name] = obj
+    for name, obj in parts.items():
+        if name != S.MODEL and not isinstance(obj, S.Stateful):
+            raise TypeError(f"{name} needs state_dict() and load_state_dict()")
+    parts[S.RNG] = RNGStreams(generators or {})
+    parts[S.COUNTERS] = counters
+    return parts
