@@ -170,7 +170,9 @@ class Checkpointer(Persisting, Restoring):
             "read_back=": read_back, "incremental=": self._incremental,
             "signals=": sorted(s.name for s in self._preemption.signals),
             **({"stop_check_every=": stop_check_every} if self._preemption.signals else {}),
-            f"${SAVE_AT_ENV}": sorted(self._save_at)}, self.identity)
+            f"${SAVE_AT_ENV}": sorted(self._save_at),
+            "the parts given (optimizer=, scheduler=, scaler=, data=, extras=)": sorted(
+                set(self._parts) - {S.RNG, S.COUNTERS})}, self.identity)
         # An async save's collectives (a read-back later's too) run beside the training loop's:
         # a group of their own, made here, where every rank builds its Checkpointer at the
         # same point. (A save's commit uses it too, after the previous save ended: the two

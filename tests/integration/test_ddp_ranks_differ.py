@@ -51,12 +51,17 @@ def test_settings_given_otherwise_on_one_rank_are_refused_on_every_rank_at_build
             "every=": "UnsupportedSetup", "async_save=": "UnsupportedSetup",
             "read_back=": "UnsupportedSetup", "incremental=": "UnsupportedSetup",
             "signals=": "UnsupportedSetup", "stop_check_every=": "UnsupportedSetup",
-            "$UNBROKEN_SAVE_AT": "UnsupportedSetup", "identity": "IdentityMismatch"}
+            "$UNBROKEN_SAVE_AT": "UnsupportedSetup", "the parts given": "UnsupportedSetup",
+            "identity": "IdentityMismatch"}
         assert "every= differs across the ranks of the job (2 on rank 0; 3 on rank 1)" in (
             refused["every="]["message"])
         assert "(['SIGUSR1'] on rank 0; [] on rank 1)" in refused["signals="]["message"] or (
             "([] on rank 0; ['SIGUSR1'] on rank 1)" in refused["signals="]["message"])
         assert "([] on rank 0; [3] on rank 1)" in refused["$UNBROKEN_SAVE_AT"]["message"]
+        assert ("the parts given (optimizer=, scheduler=, scaler=, data=, extras=) differs "
+                "across the ranks of the job (['model', 'optimizer'] on rank 0; "
+                "['extra.ema', 'model', 'optimizer'] on rank 1)") in (
+            refused["the parts given"]["message"])
         assert "in config" in refused["identity"]["message"]
         assert "differing in key(s) ['lr']" in refused["identity"]["message"]
         # the same settings (and Identity) on every rank still build and save

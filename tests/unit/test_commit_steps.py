@@ -20,15 +20,18 @@ class _Ranks:
 
     active = True
 
-    def __init__(self, steps: list[int], differ: int | None = None) -> None:
-        self.steps, self.differ = steps, differ
+    def __init__(self, steps: list[int], differ: int | None = None,
+                 named: int | None = None) -> None:
+        self.steps, self.differ, self.named = steps, differ, named
 
     def all_gather(self, value: list[Any], what: str) -> list[list[Any]]:
         out = []
         for rank, step in enumerate(self.steps):
-            theirs = [step, *value[1:]]
+            theirs = [step, *value[1:]]  # (step, the names' digest, a digest by name)
             if rank == self.differ:
-                theirs[1] = "0" * 16
+                theirs[2] = "0" * 16
+            if rank == self.named:  # (another parameter or part: one digest more)
+                theirs[1:] = ["f" * 16, *theirs[2:], "1" * 16]
             out.append(theirs)
         return out
 
@@ -46,6 +49,14 @@ def test_replicas_that_differ_are_still_named() -> None:
     with pytest.raises(StateMismatch, match=r"'model w' on rank\(s\) \[1\]"):
         check_replicas(_Ranks([10, 10], differ=1), 10, STATE)
     check_replicas(_Ranks([10, 10, 10, 10]), 10, STATE)  # alike: nothing raised
+
+
+def test_ranks_holding_other_names_are_refused_before_their_digests_are_paired() -> None:
+    """Found in review (thirty-fifth session): ranks whose models hold other parameters
+    paired their digests by position (an IndexError where one list was longer)."""
+    with pytest.raises(StateMismatch, match=r"the names of rank\(s\) \[2\]'s parameters, "
+                                            r"buffers, optimizer state or parts differ"):
+        check_replicas(_Ranks([10, 10, 10], named=2), 10, STATE)
 
 
 class _PG:

@@ -24,6 +24,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
+import xxhash
+
 from .. import errors
 from .._progress import Progress
 from ..errors import (
@@ -75,13 +77,23 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
     from ..state._digest import digest_tree  # (torch: not in the persisting process)
 
     digests = [(name, digest_tree(value)) for name, value in named]
-    everyone = group.all_gather([step, *(d for _, d in digests)], "comparing replicas")
+    # (the names too, by one digest: ranks holding other parameters or parts would pair
+    # their digests up wrongly)
+    names = xxhash.xxh3_64_hexdigest("\0".join(name for name, _ in digests).encode())
+    everyone = group.all_gather([step, names, *(d for _, d in digests)], "comparing replicas")
     steps = [theirs.pop(0) for theirs in everyone]
     if len(set(steps)) > 1:
         raise UpdateBoundaryError(
             f"the ranks save different steps: {_by_step(steps)}; every rank saves at the "
             "same update (call save() and step_done() alike on every rank); nothing was "
             "saved")
+    ranks = [r for r, theirs in enumerate(everyone) if theirs.pop(0) != names]
+    if ranks:
+        raise StateMismatch(
+            f"the ranks hold different state: the names of rank(s) {ranks}'s parameters, "
+            "buffers, optimizer state or parts differ from rank 0's (a model built otherwise "
+            "on a rank, or a part given to some ranks only); every rank of a data-parallel "
+            "job holds a replica of the same state; nothing was saved")
     for i, (name, mine) in enumerate(digests):
         ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
         if ranks:

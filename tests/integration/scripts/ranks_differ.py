@@ -42,6 +42,14 @@ def report(**fields) -> None:
           flush=True)
 
 
+class Extra:
+    def state_dict(self):
+        return {"decay": 0.99}
+
+    def load_state_dict(self, state):
+        pass
+
+
 def job():
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
@@ -71,6 +79,7 @@ elif args.mode == "differ":
         "signals=": ({}, {"signals": [USR1]}),
         "stop_check_every=": ({"signals": [USR1]}, {"stop_check_every": 2}),
         "$UNBROKEN_SAVE_AT": ({}, {}),
+        "the parts given": ({}, {"extras": {"ema": Extra()}}),
         "identity": ({"identity": unbroken.Identity(config={"lr": 0.1, "seed": 0})},
                      {"identity": unbroken.Identity(config={"lr": 0.2, "seed": 0})}),
     }
@@ -85,6 +94,7 @@ elif args.mode == "differ":
             report(setting=setting, refused=None)
         except unbroken.UnbrokenError as e:
             report(setting=setting, refused=type(e).__name__, message=str(e))
+            assert not os.path.exists(os.path.join(args.folder, "refused")), setting
         os.environ.pop("UNBROKEN_SAVE_AT", None)
     same = unbroken.Identity(config={"lr": 0.1, "seed": 0})
     with unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, identity=same) as ck:
