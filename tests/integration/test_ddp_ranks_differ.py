@@ -101,3 +101,10 @@ def test_two_ranks_in_different_collectives_fail_alike_and_stay_in_step(tmp_path
     assert "comparing replicas failed: rank 1 was 'closing'" in zero[0]["raised"]
     assert "closing failed: rank 0 was 'comparing replicas'" in one[0]["raised"]
     assert zero[1]["after"] == one[1]["after"] == [0, 1]
+    # 200 random sequences of unbroken's collectives, rank 1's leaving rank 0's at one call
+    # (another name, or another kind of collective of the same name: a tag of the name alone
+    # let those desynchronise the group, measured):
+    # both ranks fail at that call, none sooner or later, and stay in step for the next
+    for mine in (zero[2]["sequences"], one[2]["sequences"]):
+        assert len(mine) == 200 and all(left == failed for left, failed in mine), mine
+        assert sum(left is not None for left, _ in mine) > 100  # (most of them leave)

@@ -153,7 +153,7 @@ class Group:
                              "same steps, each calling save() or step_done() alike) "
                              f"({str(e).splitlines()[0][:200]})") from None
 
-    def _header(self, value: int, what: str) -> list[int]:
+    def _header(self, value: int, what: str, kind: str) -> list[int]:
         """Every rank's ``value``, exchanged with the name of the collective each rank is in:
         the first step of every collective here, so that two different ones (a rank closing
         while another saves) meet on this exchange, of one shape, and fail on every rank
@@ -162,16 +162,18 @@ class Group:
         import torch.distributed as dist
 
         name = what.encode()
+        tag = zlib.crc32(kind.encode() + b":" + name)  # (one kind of collective, by name)
         text = name[:8 * (_HEADER - 2)].ljust(8 * (_HEADER - 2), b"\0")
-        mine = torch.tensor([value, zlib.crc32(name), *struct.unpack(f"<{_HEADER - 2}q", text)],
+        mine = torch.tensor([value, tag, *struct.unpack(f"<{_HEADER - 2}q", text)],
                             dtype=torch.int64, device=self.device)
         out = [self._zeros(_HEADER, torch.int64) for _ in range(self.size)]
         self._call(what, dist.all_gather, out, mine)
         rows = [t.cpu().tolist() for t in out]
         others = {r: struct.pack(f"<{_HEADER - 2}q", *row[2:]).rstrip(b"\0").decode(
-            errors="replace") for r, row in enumerate(rows) if row[1] != zlib.crc32(name)}
+            errors="replace") for r, row in enumerate(rows) if row[1] != tag}
         if others:
-            doing = "; ".join(f"rank {r} was {w!r}" for r, w in others.items())
+            doing = "; ".join(f"rank {r} was {w!r}" + " (another kind)" * (w == what)
+                              for r, w in others.items())
             raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed: {doing} (the "
                              "ranks did not call the Checkpointer alike: one closed, saved or "
                              "restored where another did not, as a rank that left its loop "
@@ -186,7 +188,7 @@ class Group:
         import torch.distributed as dist
 
         data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
-        sizes = self._header(data.numel(), what)
+        sizes = self._header(data.numel(), what, "all_gather")
         longest = max(sizes)
         padded = self._zeros(longest, torch.uint8)
         padded[:data.numel()] = data
@@ -202,7 +204,7 @@ class Group:
         import torch.distributed as dist
 
         data = json.dumps(value).encode() if self.leader else b""
-        size = self._header(len(data), what)[0]
+        size = self._header(len(data), what, "broadcast")[0]
         buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
                if self.leader else self._zeros(size, torch.uint8))
         if buf.numel():
@@ -213,7 +215,7 @@ class Group:
         """The largest of every rank's ``value``: one small all-gather."""
         if not self.active:
             return value
-        return max(self._header(value, what))
+        return max(self._header(value, what, "max_int"))
 
     def _zeros(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         import torch

@@ -68,6 +68,36 @@ if args.mode == "tags":
     except RankFailed as e:
         report(raised=str(e))
     report(after=group.all_gather(rank, "the same one"))
+    # The class of it: 200 random sequences of the three kinds of collective, rank 1's
+    # leaving rank 0's at a random call (another name, or another kind of the same name):
+    # both fail at that call, never sooner, never later, and the group stays in step.
+    import random
+
+    names = ["comparing replicas", "closing", "preparing the save", "agreeing on the run",
+             "writing the generation", "agreeing on a stop request"]
+    failed_at = []
+    for seed in range(200):
+        rng = random.Random(seed)
+        calls = [(rng.choice("gbm"), rng.choice(names)) for _ in range(rng.randint(1, 8))]
+        leave = rng.randrange(len(calls) + 1)  # (len: none left)
+        if rank == 1 and leave < len(calls):
+            kind, name = calls[leave]
+            calls[leave] = ((kind, rng.choice([n for n in names if n != name])) if seed % 3
+                            else (rng.choice([k for k in "gbm" if k != kind]), name))
+        got = None
+        for i, (kind, name) in enumerate(calls):
+            try:
+                value = {"g": lambda: group.all_gather([rank, i] * (i + rank), name),
+                         "b": lambda: group.broadcast({"from": rank, "i": i}, name),
+                         "m": lambda: group.max_int(rank + i, name)}[kind]()
+                assert value == {"g": [[r, i] * (i + r) for r in range(2)],
+                                 "b": {"from": 0, "i": i}, "m": 1 + i}[kind], (kind, value)
+            except RankFailed:
+                got = i
+                break
+        failed_at.append([leave if leave < len(calls) else None, got])
+        group.all_gather(seed, "between sequences")  # (in step again)
+    report(sequences=failed_at)
 
 elif args.mode == "differ":
     USR1 = signal.SIGUSR1
