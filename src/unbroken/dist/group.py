@@ -155,8 +155,8 @@ class Group:
 
     def _header(self, value: int, what: str, kind: str) -> list[int]:
         """Every rank's ``value``, exchanged with the name of the collective each rank is in:
-        the first step of every collective here, so that two different ones (a rank closing
-        while another saves) meet on this exchange, of one shape, and fail on every rank
+        the first step of every collective here, so that two different ones (a rank saving
+        while another restores) meet on this exchange, of one shape, and fail on every rank
         alike, naming what each was doing, instead of pairing payloads of unlike sizes."""
         import torch
         import torch.distributed as dist
@@ -175,8 +175,8 @@ class Group:
             doing = "; ".join(f"rank {r} was {w!r}" + " (another kind)" * (w == what)
                               for r, w in others.items())
             raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed: {doing} (the "
-                             "ranks did not call the Checkpointer alike: one closed, saved or "
-                             "restored where another did not, as a rank that left its loop "
+                             "ranks did not call the Checkpointer alike: one saved, restored or "
+                             "built one where another did not, as a rank that left its loop "
                              "early or raised does); nothing was done")
         return [row[0] for row in rows]
 
