@@ -71,7 +71,7 @@ def main() -> None:
                 print(f"rank {rank}: stopped after update {step}", flush=True)
                 break
     ckpt.save()  # a no-op when this step is already saved
-    ckpt.close()  # waits for the other ranks
+    ckpt.close()
     if rank == 0 and not ckpt.should_stop:
         print(f"finished: {step} updates, {loader.epoch} epochs", flush=True)
     dist.destroy_process_group()

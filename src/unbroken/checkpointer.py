@@ -165,13 +165,18 @@ class Checkpointer(Persisting, Restoring):
                                       stop_check_every)  # validated before the lock
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
+        location = os.environ.get(ROOT_ENV) or root
         check_alike(self._group, {
+            # (where a folder's path differs per rank, even on a shared filesystem, each rank
+            # writes into the staging folder at the leader's path: one folder, one path)
+            "run folder (root= or $UNBROKEN_ROOT)": location if is_url(location)
+            else os.path.realpath(location),
             "every=": every, "async_save=": "process" if self._process else self._async,
             "read_back=": read_back, "incremental=": self._incremental,
             "signals=": sorted(s.name for s in self._preemption.signals),
             **({"stop_check_every=": stop_check_every} if self._preemption.signals else {}),
             f"${SAVE_AT_ENV}": sorted(self._save_at),
-            "the parts given (optimizer=, scheduler=, scaler=, data=, extras=)": sorted(
+            "parts (optimizer=, scheduler=, scaler=, data=, extras=)": sorted(
                 set(self._parts) - {S.RNG, S.COUNTERS})}, self.identity)
         # An async save's collectives (a read-back later's too) run beside the training loop's:
         # a group of their own, made here, where every rank builds its Checkpointer at the
@@ -179,7 +184,6 @@ class Checkpointer(Persisting, Restoring):
         # never overlap on it.)
         self._save_group = (background_group(process_group, async_timeout)
                             if (async_save or later) and self._group.active else self._group)
-        location = os.environ.get(ROOT_ENV) or root
         if self._process and is_url(location):
             raise ValueError(f"async_save='process' writes to a local run folder; {location} "
                              "is on an object store: use async_save=True")

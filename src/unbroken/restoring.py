@@ -18,6 +18,7 @@ import torch
 from ._pacing import paced
 from .boundary import UpdateWatch
 from .data.loader import unsaved_loaders
+from .dist.alike import check_alike
 from .dist.group import Group
 from .errors import (
     CorruptCheckpoint,
@@ -173,6 +174,11 @@ class Restoring:
         allow = (allow,) if isinstance(allow, str) else tuple(allow)  # (read twice)
         check_identity({}, {}, intent=intent, allow=allow)
         patterns = check_patterns(fresh, intent)
+        check_alike(self._group, {
+            "intent": intent, "generation=": generation, "allow=": sorted(allow),
+            "adopt=": bool(adopt), "fresh=": list(patterns),
+            "source=": None if source is None else os.fspath(source) if is_url(
+                os.fspath(source)) else os.path.realpath(source)}, call="call restore()")
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":

@@ -52,20 +52,28 @@ def test_settings_given_otherwise_on_one_rank_are_refused_on_every_rank_at_build
             "read_back=": "UnsupportedSetup", "incremental=": "UnsupportedSetup",
             "signals=": "UnsupportedSetup", "stop_check_every=": "UnsupportedSetup",
             "$UNBROKEN_SAVE_AT": "UnsupportedSetup", "the parts given": "UnsupportedSetup",
+            "root": "UnsupportedSetup", "restore(generation=)": "UnsupportedSetup",
+            "restore(intent)": "UnsupportedSetup",
             "identity": "IdentityMismatch"}
         assert "every= differs across the ranks of the job (2 on rank 0; 3 on rank 1)" in (
             refused["every="]["message"])
         assert "(['SIGUSR1'] on rank 0; [] on rank 1)" in refused["signals="]["message"] or (
             "([] on rank 0; ['SIGUSR1'] on rank 1)" in refused["signals="]["message"])
         assert "([] on rank 0; [3] on rank 1)" in refused["$UNBROKEN_SAVE_AT"]["message"]
-        assert ("the parts given (optimizer=, scheduler=, scaler=, data=, extras=) differs "
+        assert ("parts (optimizer=, scheduler=, scaler=, data=, extras=) differs "
                 "across the ranks of the job (['model', 'optimizer'] on rank 0; "
                 "['extra.ema', 'model', 'optimizer'] on rank 1)") in (
             refused["the parts given"]["message"])
+        assert "run folder (root= or $UNBROKEN_ROOT) differs across the ranks" in (
+            refused["root"]["message"])
+        assert ("generation= differs across the ranks of the job (None on rank 0; 0 on rank "
+                "1); call restore() with the same generation=") in (
+            refused["restore(generation=)"]["message"])
         assert "in config" in refused["identity"]["message"]
         assert "differing in key(s) ['lr']" in refused["identity"]["message"]
         # the same settings (and Identity) on every rank still build and save
-        assert lines[-1]["saved"] == ["LOCK", "RUN.json", "gen-000000000"]
+        saved = next(x for x in lines if "saved" in x)
+        assert saved["saved"] == ["LOCK", "RUN.json", "gen-000000000"]
         assert lines[-1]["seconds"] < 40  # far from the 60 s process-group timeout
     assert not (tmp_path / "refused").exists()  # nothing was opened
 

@@ -58,6 +58,14 @@ def test_ranks_holding_other_names_are_refused_before_their_digests_are_paired()
                                             r"buffers, optimizer state or parts differ"):
         check_replicas(_Ranks([10, 10, 10], named=2), 10, STATE)
 
+    class _Rank2(_Ranks):  # (the same, as rank 2 sees it: rank 0's names differ from its own)
+        def all_gather(self, value: list[Any], what: str) -> list[list[Any]]:
+            out = super().all_gather(value, what)
+            return [[x[0], "e" * 16, *x[2:]] if r < 2 else x for r, x in enumerate(out)]
+
+    with pytest.raises(StateMismatch, match=r"the names of rank\(s\) \[2\]'s"):
+        check_replicas(_Rank2([10, 10, 10], named=2), 10, STATE)
+
 
 class _PG:
     def __init__(self, size: int) -> None:

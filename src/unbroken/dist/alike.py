@@ -19,18 +19,20 @@ from .commit import describe, rebuild
 from .group import Group
 
 
-def check_alike(group: Group, settings: Mapping[str, Any], identity: Identity) -> None:
+def check_alike(group: Group, settings: Mapping[str, Any], identity: Identity | None = None,
+                call: str = "build every rank's Checkpointer") -> None:
     """Refuse, on every rank, ``settings`` (JSON-able, by the name a message shows: "every=",
-    "$UNBROKEN_SAVE_AT") or an ``identity``
-    that differ across the ranks of ``group``: collective; every rank calls it at the same
-    point."""
+    "$UNBROKEN_SAVE_AT") or an ``identity`` that differ across the ranks of ``group``
+    (``call``: what the message asks to do alike): collective; every rank calls it at the
+    same point."""
     if not group.active:
         return
-    mine: dict[str, Any] = {"settings": dict(settings)}
+    mine: dict[str, Any] = {"settings": dict(settings), "identity": {}}
     try:  # (a path that cannot be hashed on this rank fails every rank, named)
-        mine["identity"] = {field: [entry.get("kind"), entry.get("hash"), entry.get("summary"),
-                                    entry.get("value")]
-                            for field, entry in identity.fingerprint().items()}
+        if identity is not None:
+            mine["identity"] = {field: [entry.get("kind"), entry.get("hash"),
+                                        entry.get("summary"), entry.get("value")]
+                                for field, entry in identity.fingerprint().items()}
     except (UnbrokenError, OSError) as e:
         mine = {"error": describe(e)}
     everyone = group.all_gather(mine, "comparing the ranks' settings")
@@ -42,9 +44,9 @@ def check_alike(group: Group, settings: Mapping[str, Any], identity: Identity) -
         if any(theirs["settings"].get(name) != value for theirs in everyone):
             raise UnsupportedSetup(
                 f"{name} differs across the ranks of the job ({_by_rank(everyone, name)}); "
-                f"give every rank's Checkpointer the same {name} (a save and a stop "
-                "are collective: ranks that differ here wait on each other until the process "
-                "group's timeout); nothing was opened")
+                f"{call} with the same {name} (the ranks save, stop and restore together: "
+                "ranks that differ here would wait on each other until the process group's "
+                "timeout, or go on from different states); nothing was done")
     for field in sorted(set().union(*(theirs["identity"] for theirs in everyone))):
         entries = [theirs["identity"].get(field) for theirs in everyone]
         odd = [r for r, entry in enumerate(entries)
@@ -56,7 +58,7 @@ def check_alike(group: Group, settings: Mapping[str, Any], identity: Identity) -
                 f"{_keys_differ(entries[0], entries[odd[0]])}"
                 f"{f' (and {len(odd) - 1} more rank(s))' if len(odd) > 1 else ''}; give "
                 f"every rank the same Identity (a generation records rank 0's, and every "
-                "resume of a rank with another would be refused); nothing was opened")
+                "resume of a rank with another would be refused); nothing was done")
 
 
 def _by_rank(everyone: list[dict[str, Any]], name: str) -> str:

@@ -87,7 +87,8 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
             f"the ranks save different steps: {_by_step(steps)}; every rank saves at the "
             "same update (call save() and step_done() alike on every rank); nothing was "
             "saved")
-    ranks = [r for r, theirs in enumerate(everyone) if theirs.pop(0) != names]
+    held = [theirs.pop(0) for theirs in everyone]
+    ranks = [r for r, theirs in enumerate(held) if theirs != held[0]]
     if ranks:
         raise StateMismatch(
             f"the ranks hold different state: the names of rank(s) {ranks}'s parameters, "

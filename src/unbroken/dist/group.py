@@ -149,8 +149,8 @@ class Group:
             return fn(*args, group=self.pg)
         except RuntimeError as e:
             raise RankFailed(f"rank {self.rank} of {self.size}: {what} failed: another rank "
-                             "failed or died, or did not get here (every rank saves at the "
-                             "same steps, each calling save() or step_done() alike) "
+                             "failed or died, or did not get here (every rank calls save(), "
+                             "step_done() and restore() alike, at the same steps) "
                              f"({str(e).splitlines()[0][:200]})") from None
 
     def _header(self, value: int, what: str, kind: str) -> list[int]:

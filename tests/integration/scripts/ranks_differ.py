@@ -110,6 +110,7 @@ elif args.mode == "differ":
         "stop_check_every=": ({"signals": [USR1]}, {"stop_check_every": 2}),
         "$UNBROKEN_SAVE_AT": ({}, {}),
         "the parts given": ({}, {"extras": {"ema": Extra()}}),
+        "root": ({}, {}),
         "identity": ({"identity": unbroken.Identity(config={"lr": 0.1, "seed": 0})},
                      {"identity": unbroken.Identity(config={"lr": 0.2, "seed": 0})}),
     }
@@ -117,18 +118,27 @@ elif args.mode == "differ":
     for setting, (both, other) in cases.items():
         if setting == "$UNBROKEN_SAVE_AT" and rank == 1:
             os.environ["UNBROKEN_SAVE_AT"] = "3"
+        folder = os.path.join(args.folder, "refused" + ("2" * (setting == "root" and rank)))
         try:
-            ck = unbroken.Checkpointer(os.path.join(args.folder, "refused"), model=ddp,
+            ck = unbroken.Checkpointer(folder, model=ddp,
                                        optimizer=opt, **{**both, **(other if rank else {})})
             ck.close()
             report(setting=setting, refused=None)
         except unbroken.UnbrokenError as e:
             report(setting=setting, refused=type(e).__name__, message=str(e))
-            assert not os.path.exists(os.path.join(args.folder, "refused")), setting
+            assert not os.path.exists(folder), setting
         os.environ.pop("UNBROKEN_SAVE_AT", None)
     same = unbroken.Identity(config={"lr": 0.1, "seed": 0})
     with unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, identity=same) as ck:
         ck.save(0)
+    for setting, odd in (("restore(generation=)", {"generation": 0}),
+                         ("restore(intent)", {"intent": "warm_start", "source": args.folder})):
+        with unbroken.Checkpointer(args.folder, model=ddp, optimizer=opt, identity=same) as ck:
+            try:
+                ck.restore(**(odd if rank else {}))
+                report(setting=setting, refused=None)
+            except unbroken.UnbrokenError as e:
+                report(setting=setting, refused=type(e).__name__, message=str(e))
     report(setting=None, saved=sorted(os.listdir(args.folder)))
 
 else:
