@@ -12,9 +12,9 @@ memory back, that decides whether the next write is fast). A time is the job's: 
 operation, barrier. Rounds are interleaved (rep 1 of both methods, then rep 2, ...), medians
 reported. Before each load the live state is zeroed, after it compared with the saved one
 (untimed); loads are cold (the files' pages dropped with posix_fadvise(DONTNEED)). GB/s: the
-tensors' nbytes over all ranks per second. Also timed: ``Group.max_int`` (one int64 all-reduce
-MAX), the per-update cost of the stop agreement with ``stop_check_every=1``, and a bare
-all_reduce.
+tensors' nbytes over all ranks per second. Also timed: ``Group.max_int`` (one all-reduce MAX
+of two int64s: the value under the collective's tag), the per-update cost of the stop
+agreement with ``stop_check_every=1``, and a bare all_reduce.
 
     .venv/bin/python benchmarks/sharded.py             # 256M and 1G at 2 and 4 ranks, 2-4 min
     .venv/bin/python benchmarks/sharded.py --quick     # 16M, smoke run (~25 s)
@@ -291,8 +291,8 @@ def timed_case(case: dict[str, Any], cfg: dict[str, Any], world: int) -> dict[st
 
 
 def stop_agreement(calls: int) -> dict[str, Any]:
-    """Microseconds per ``Group.max_int`` and per bare ``all_reduce`` of one int64, in blocks
-    of 100 calls taking turns; each call timed alone."""
+    """Microseconds per ``Group.max_int`` (a tagged all-reduce) and per bare ``all_reduce`` of
+    one int64, in blocks of 100 calls taking turns; each call timed alone."""
     group, t = Group(), torch.zeros(1, dtype=torch.int64)
     fns = {"Group.max_int": lambda: group.max_int(0, "benchmark"),
            "bare all_reduce": lambda: dist.all_reduce(t, dist.ReduceOp.MAX)}
@@ -388,8 +388,8 @@ def report(doc: dict[str, Any]) -> str:
         "from a; hash: re-reading and hashing a written file; "
         "collectives: time inside unbroken's collectives in all phases, waiting for the "
         "other ranks included):", *phases,
-        "", "stop agreement, one int64 all-reduce MAX (the cost per update of "
-        "stop_check_every=1):",
+        "", "stop agreement, Group.max_int: one all-reduce MAX of two int64s, the value under "
+        "the collective's tag (the cost per update of stop_check_every=1):",
         table(["ranks", "call", "median us", "p90 us", "min us", "calls"], stops, 2)])
 
 
