@@ -38,7 +38,7 @@ from .store.backends.killpoints import fault_point
 from .store.backends.mounts import filesystem_type, rename_is_atomic
 from .store.generations import GenerationInfo
 from .store.lock import errno_text
-from .store.opening import is_url, open_store
+from .store.opening import is_url, location_key, open_store
 from .store.retention import Keep
 from .trace import TRACE_ENV, TRACE_HASH_ENV, TraceRecorder
 from .writer import RunWriter
@@ -64,7 +64,7 @@ class Checkpointer(Persisting, Restoring):
     notice into a save at the next update boundary and ``should_stop``; ``stop_deadline``
     bounds the wait. In a job of many ranks (torch.distributed initialized, or
     ``process_group``) a signal received by any one rank stops every rank at the same update:
-    they compare notes every ``stop_check_every`` updates (one all-reduce of one integer).
+    they compare notes every ``stop_check_every`` updates (one all-reduce of two integers).
 
     ``async_save=True``: a save copies the state into reused host buffers at the update
     boundary and returns; the generation is written, verified and committed in the background
@@ -167,10 +167,9 @@ class Checkpointer(Persisting, Restoring):
         self._save_at = steps_from_env(SAVE_AT_ENV)
         location = os.environ.get(ROOT_ENV) or root
         check_alike(self._group, {
-            # (where a folder's path differs per rank, even on a shared filesystem, each rank
-            # writes into the staging folder at the leader's path: one folder, one path)
-            "run folder (root= or $UNBROKEN_ROOT)": location if is_url(location)
-            else os.path.realpath(location),
+            # (each rank writes into the staging folder at the leader's path: the same path,
+            # whatever it resolves to on each node)
+            "run folder (root= or $UNBROKEN_ROOT)": location_key(location),
             "every=": every, "async_save=": "process" if self._process else self._async,
             "read_back=": read_back, "incremental=": self._incremental,
             "signals=": sorted(s.name for s in self._preemption.signals),

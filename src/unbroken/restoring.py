@@ -38,7 +38,7 @@ from .state.incremental import HeldFile, held_files
 from .state.settings import param_group_changes, scheduler_changes
 from .store.aside import ASIDE_NAME
 from .store.generations import GenerationInfo, GenerationStore
-from .store.opening import is_url, open_store
+from .store.opening import is_url, location_key, open_store
 from .store.runrecord import RunRecord
 from .store.verifying import generation_of
 from .trace import TraceRecorder
@@ -177,8 +177,8 @@ class Restoring:
         check_alike(self._group, {
             "intent": intent, "generation=": generation, "allow=": sorted(allow),
             "adopt=": bool(adopt), "fresh=": list(patterns),
-            "source=": None if source is None else os.fspath(source) if is_url(
-                os.fspath(source)) else os.path.realpath(source)}, call="call restore()")
+            "source=": None if source is None else location_key(source)},
+            call="call restore()")
         self._restore_tried = True
         self.wait()  # an async save in flight is committed first
         if intent == "warm_start":

@@ -116,3 +116,7 @@ def test_two_ranks_in_different_collectives_fail_alike_and_stay_in_step(tmp_path
     for mine in (zero[2]["sequences"], one[2]["sequences"]):
         assert len(mine) == 200 and all(left == failed for left, failed in mine), mine
         assert sum(left is not None for left, _ in mine) > 100  # (most of them leave)
+    # a value too large for the header on one rank is refused on both, which stay in step
+    assert "too large: a value too large for a collective (another rank's;" in zero[3]["large"]
+    assert "(this rank's, 2147483648;" in one[3]["large"]
+    assert zero[4]["after_large"] == one[4]["after_large"] == 1

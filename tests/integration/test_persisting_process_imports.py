@@ -68,3 +68,20 @@ def test_the_persisting_process_starts_without_the_package_importing_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_trainer_under_sched_idle_keeps_its_persisting_process_there(tmp_path):
+    """SCHED_BATCH only from the default policy (found in review, thirty-fifth session): a
+    trainer run under SCHED_IDLE got a persisting process of normal weight, ahead of it."""
+    code = (
+        "import os, sys, torch, unbroken\n"
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        f"with unbroken.Checkpointer({str(tmp_path / 'run')!r}, model=m, "
+        "async_save='process') as ck:\n"
+        "    ck.save(1); ck.wait()\n"
+        "    print(os.sched_getscheduler(ck._persister._proc.pid))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) == os.SCHED_IDLE

@@ -96,3 +96,22 @@ def test_ddp_of_3_or_more_ranks_rebuilding_its_buckets_is_warned_about() -> None
         warnings.simplefilter("error")
         warn_ddp_buckets(_DDP(2, unused=False))  # (a + b is b + a)
         warn_ddp_buckets(_DDP(4, unused=True))
+
+
+def test_a_run_folder_is_named_as_the_store_opens_it(tmp_path, monkeypatch) -> None:
+    """What the ranks of a job compare (found in review, thirty-fifth session): a real path
+    refused one path that resolves otherwise per node (a bind mount), which works, since each
+    rank writes at the leader's path; ``file://`` was taken for a relative path."""
+    import os
+
+    from unbroken.store.opening import location_key, open_store
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "real").mkdir()
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    assert location_key("link") == str(tmp_path / "link")  # (not resolved)
+    assert location_key("link") != location_key(str(tmp_path / "real"))
+    assert location_key(f"file://{tmp_path}/run") == str(tmp_path / "run")
+    assert location_key(f"file://{tmp_path}/run") == open_store(f"file://{tmp_path}/run").root
+    assert location_key("run/") == open_store("run/").root
+    assert location_key("s3://bucket/runs/exp1/") == "s3://bucket/runs/exp1"

@@ -35,7 +35,8 @@ def check_alike(group: Group, settings: Mapping[str, Any], identity: Identity | 
                                 for field, entry in identity.fingerprint().items()}
     except (UnbrokenError, OSError) as e:
         mine = {"error": describe(e)}
-    everyone = group.all_gather(mine, "comparing the ranks' settings")
+    # (named by the call: ranks building a Checkpointer and calling restore() are told so)
+    everyone = group.all_gather(mine, f"comparing the ranks' settings to {call}")
     for rank, theirs in enumerate(everyone):
         if "error" in theirs:
             raise rebuild(theirs["error"], rank)

@@ -79,8 +79,10 @@ class RankFailed(UnbrokenError):
 
 # Bytes of a collective's name the ranks gather when their collectives differ (the message).
 _NAMED = 32
-# A collective's header: its value (a payload's size, an integer) below its tag (a crc32).
+# A collective's header: its value (a payload's size, an integer) below its tag (a crc32);
+# the largest value it holds stands for one too large on some rank.
 _VALUE_BITS = 31
+_TOO_LARGE = (1 << _VALUE_BITS) - 1
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -165,19 +167,24 @@ class Group:
         import torch
         import torch.distributed as dist
 
-        if not 0 <= value < 1 << _VALUE_BITS:
-            raise UnbrokenError(f"{what}: {value} does not fit a collective's header")
+        # (a value out of range is sent as the largest, and refused on every rank alike)
+        fits = 0 <= value < _TOO_LARGE
         name = what.encode()
         tag = zlib.crc32(kind.encode() + b":" + name)  # (one kind of collective, by name)
         # Two integers, as cheap as one in gloo (three cost 1.4x at 2 ranks, 1.6x at 4): the
         # tag above the value, whose largest is the largest value when the tags are equal,
         # and the negated tag, whose largest is the smallest tag.
-        t = torch.tensor([tag << _VALUE_BITS | value, -tag], dtype=torch.int64,
-                         device=self.device)
+        t = torch.tensor([tag << _VALUE_BITS | (value if fits else _TOO_LARGE), -tag],
+                         dtype=torch.int64, device=self.device)
         self._call(what, dist.all_reduce, t, dist.ReduceOp.MAX)
         top, least = t.cpu().tolist()
         if top >> _VALUE_BITS == -least:  # (the largest tag is the smallest: all are this one)
-            return int(top & ((1 << _VALUE_BITS) - 1))
+            largest = int(top & _TOO_LARGE)
+            if largest == _TOO_LARGE:
+                where = f"this rank's, {value}" if not fits else "another rank's"
+                raise UnbrokenError(f"{what}: a value too large for a collective ({where}; "
+                                    f"0 to {_TOO_LARGE - 1} fit); nothing was done")
+            return largest
         text = name[:_NAMED].ljust(_NAMED, b"\0")
         mine = torch.tensor([tag, *struct.unpack(f"<{_NAMED // 8}q", text)],
                             dtype=torch.int64, device=self.device)

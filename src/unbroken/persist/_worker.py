@@ -203,7 +203,10 @@ def _behind_the_loop() -> None:
     took the core of the writer still in its ``send`` (the other core busy): 2.5 ms of a
     10,000-tensor save's 19 ms blocked, against 0.1 ms so (measured, `benchmarks/`)."""
     with contextlib.suppress(AttributeError, OSError):  # (elsewhere than Linux: as it is)
-        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+        # (only from the default policy: a trainer run under SCHED_IDLE, or a real-time one,
+        # keeps its persisting process under its own)
+        if os.sched_getscheduler(0) == os.SCHED_OTHER:
+            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
 
 
 def main(root: str, fd: int, takes_lock: bool) -> None:

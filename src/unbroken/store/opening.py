@@ -20,6 +20,16 @@ def is_url(location: object) -> bool:
         not location.startswith("file://")
 
 
+def location_key(location: str | os.PathLike[str]) -> str:
+    """``location`` as `open_store` names the run it opens (a local folder's absolute path, a
+    ``file://`` one's too; a URL without a trailing ``/``): what must be the same on every
+    rank of a job, where each rank writes into the leader's staging folder by its path."""
+    if is_url(location):
+        return str(location).rstrip("/")
+    path = os.fspath(location)
+    return os.path.abspath(path[len("file://"):] if path.startswith("file://") else path)
+
+
 def open_store(location: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None,
                cache_dir: str | os.PathLike[str] | None = None) -> GenerationStore:
     """The store of a run: a local folder, or a URL that fsspec resolves (its standard

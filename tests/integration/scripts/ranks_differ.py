@@ -98,6 +98,12 @@ if args.mode == "tags":
         failed_at.append([leave if leave < len(calls) else None, got])
         group.all_gather(seed, "between sequences")  # (in step again)
     report(sequences=failed_at)
+    try:  # a value too large on one rank: refused on both, in step
+        group.max_int(2**31 if rank else 0, "too large")
+        report(large=None)
+    except unbroken.UnbrokenError as e:
+        report(large=str(e))
+    report(after_large=group.max_int(rank, "in step"))
 
 elif args.mode == "differ":
     USR1 = signal.SIGUSR1
