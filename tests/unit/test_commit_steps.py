@@ -115,3 +115,12 @@ def test_a_run_folder_is_named_as_the_store_opens_it(tmp_path, monkeypatch) -> N
     assert location_key(f"file://{tmp_path}/run") == open_store(f"file://{tmp_path}/run").root
     assert location_key("run/") == open_store("run/").root
     assert location_key("s3://bucket/runs/exp1/") == "s3://bucket/runs/exp1"
+
+
+def test_a_part_kept_per_rank_is_not_called_a_replica_divergence() -> None:
+    """Found from outside (thirty-fifth session): Lightning's logged metrics, rank-local in
+    a DDP job, were refused as "a DDP replica divergence"."""
+    state = [("model w", torch.ones(2)), ("extra.lightning", {"loss": 0.5})]
+    with pytest.raises(StateMismatch, match=r"'extra.lightning' on rank\(s\) \[1\] differs from "
+                                            r"rank 0 \(this part holds state of each rank's own"):
+        check_replicas(_Ranks([10, 10], differ=1), 10, state[::-1])

@@ -98,10 +98,15 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
     for i, (name, mine) in enumerate(digests):
         ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
         if ranks:
+            # (the model and its optimizer state diverge as replicas; any other part is
+            # state a rank keeps on its own, which a generation holds once for all ranks)
+            why = ("a DDP replica divergence: a rank stepped alone, or a buffer is not "
+                   "synchronised" if name.startswith(("model ", "optimizer ")) else
+                   "this part holds state of each rank's own, such as metrics logged without "
+                   "synchronising them, and a generation holds one copy of it for all ranks")
             raise StateMismatch(
                 f"replicas differ across ranks: {name!r} on rank(s) {ranks} differs from rank "
-                "0 (a DDP replica divergence: a rank stepped alone, or a buffer is not "
-                "synchronised); refusing to save one copy for all")
+                f"0 ({why}); refusing to save one copy for all")
 
 
 def _by_step(steps: list[int]) -> str:
