@@ -271,3 +271,15 @@ def test_check_environment_warns_on_thread_count() -> None:
         lines = check_environment(env, other, where="gen-1/MANIFEST.json")
     assert lines == [f"num_threads: saved {env['num_threads']}, now {env['num_threads'] + 1}"]
     assert len(record) == 1 and "gen-1/MANIFEST.json" in str(record[0].message)
+
+
+def test_an_identity_can_be_copied_as_a_spawned_process_receives_it(tmp_path) -> None:
+    """Found from outside (thirty-fifth session): Lightning's ``ddp_spawn`` sends the
+    callback, and its Identity, to each process; the Identity's lock could not be copied."""
+    import copy
+
+    (tmp_path / "data.txt").write_text("abc")
+    original = Identity(config={"lr": 0.1}, data=str(tmp_path / "data.txt"))
+    copied = copy.deepcopy(original)
+    assert copied.fingerprint() == original.fingerprint()
+    assert copied._lock is not original._lock

@@ -169,6 +169,15 @@ class Identity:
         # An async save thread and the training loop may both ask; hash a big folder once.
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # (copied or sent to a spawned process, as Lightning's ddp_spawn does: a lock cannot
+        # be; each copy gets its own)
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def _add(self, field: str, source: object) -> None:
         if isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.exists(source)):
             path = Path(source).absolute()  # resolved now: the cwd may change before hashing
