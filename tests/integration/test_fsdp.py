@@ -18,13 +18,16 @@ from _launch import SCRIPT, assert_job_killed, assert_resumed_bitwise, first_res
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """An uninterrupted job of 2 (digests of the whole state after update 15, and the global
-    batch of update 16), and the same job killed after update 17 (newest generation: 15)."""
+    batch of update 16), and the same job saving in the background, killed after update 17
+    (newest generation: 15)."""
     tmp = tmp_path_factory.mktemp("fsdp")
     ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--workers", "0", "--dump",
                    str(tmp / "ref.json"), "--dump-at", "15")
     assert ref.returncode == 0, ref.stderr[-3000:]
+    # (saving in the background: its snapshot takes the DTensors' local chunks, refused as
+    # storage-less tensors before the thirty-sixth session; the sync save is the reference's)
     killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp", "--workers", "0",
-                      env={"UNBROKEN_KILL_AT": "step-done@17"})
+                      "--async-save", env={"UNBROKEN_KILL_AT": "step-done@17"})
     assert_job_killed(killed)
     return tmp
 

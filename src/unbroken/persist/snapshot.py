@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..dist.sharded import is_sharded
 from ..errors import SaveFailed, UnsupportedValue
 from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
 from ..state.freed import shortfall
@@ -174,7 +175,10 @@ class _Taking(Planning):
                     f"tensors of dtype {t.dtype} cannot be stored (quantized dtypes are not "
                     "supported); convert them (e.g. .dequantize()) in state_dict()")
             raise UnsupportedValue(f"{_shown((*path, key))}: {what} before saving")
-        ptr = address(t, _shown((*path, key)))
+        # (A DTensor has no memory of its own to read, which `address` would refuse as
+        # another tensor's: its buffer is a DTensor, which its own copy_ fills below.)
+        ptr = 0 if type(t) is not torch.nn.Parameter and is_sharded(t) else address(
+            t, _shown((*path, key)))
         at = ptr or -id(t)  # (addresses and ids are positive: the keys never clash)
         head = i = self.met(at)
         while i is not None:
