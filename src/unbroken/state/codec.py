@@ -131,6 +131,12 @@ _INT = frozenset({int})
 _STR = frozenset({str})
 
 
+class ShardedLeaf(UnsupportedValue):
+    """A DTensor met in a tree given to the encoder whole: a save that skipped taking the
+    sharded leaves out (`saving.encode_share`, while no save of its Checkpointer met one)
+    takes them out and encodes again."""
+
+
 class _Encoder(Planning):
     def __init__(self, plans: dict[str, _Plan] | None = None, owned: bool = False,
                  defer: bool = False) -> None:
@@ -160,6 +166,12 @@ class _Encoder(Planning):
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
         # repeated, and the checks that only rare tensors fail run only for those.)
+        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+            from ..dist.sharded import is_sharded  # (imports DTensor only where one is live)
+            if is_sharded(t):
+                raise ShardedLeaf(f"{path}: a DTensor (sharded state) is saved only as a "
+                                  "value of a dict (a state_dict, the optimizer's state, a "
+                                  "part's dicts), not inside a list or tuple")
         if t.layout is not _STRIDED:
             raise UnsupportedValue(
                 f"{path}: tensor with layout {t.layout} cannot be stored; convert it to a dense "

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
-from .codec import Encoded, encode_tree_for_file
+from .codec import Encoded, ShardedLeaf, encode_tree_for_file
 from .decoding import decode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
 from .jsontext import dumps_json, loads_json
@@ -106,6 +106,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 if extra:
                     more[part] = extra
                 artifacts.update(out)
+        except ShardedLeaf:
+            raise  # (taken out by the caller, which encodes again: `saving.encode_share`)
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
