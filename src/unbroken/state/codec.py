@@ -12,13 +12,14 @@ import base64
 import math
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..errors import UnsupportedValue
-from .encodeplans import Planning, _Plan
+from .encodeplans import Listed, Planning, _Plan
 from .freed import shortfall, unheld
 from .tensorfile import ST_DTYPES
 
@@ -148,6 +149,7 @@ class _Encoder(Planning):
         # With plans: each planned mapping's place in the skeleton -> its JSON text.
         self.texts: dict[str, str] = {}
         self.tensors: dict[str, torch.Tensor] = {}
+        self.listed: Listed | None = None  # (the tensors while a plan took them all: `settle`)
         # Beside each stored tensor, in order: (key, dtype, shape) and its address, which
         # `encode_safetensors` would otherwise read again (~1 us a tensor for 10,000).
         self.kinds: list[tuple[str, torch.dtype, torch.Size]] = []
@@ -163,9 +165,22 @@ class _Encoder(Planning):
         self._placed: list[tuple[dict[int, int], list[Any], list[dict[str, Any]]]] = []
         self.met: set[str] = set()  # the paths of the mappings this encoding met by plan
 
+    def settle(self) -> None:
+        """The tensors a plan took alone (``listed``) into ``tensors``, before another one
+        is stored: every key is then found there."""
+        if self.listed is not None:
+            self.tensors.update(self.listed.items())
+            self.listed = None
+
+    def stored(self) -> Mapping[str, torch.Tensor]:
+        """The tensors by key, in the order they were stored."""
+        return self.tensors if self.listed is None else self.listed
+
     def tensor(self, t: torch.Tensor, path: str) -> dict[str, Any]:
         # (Each torch call costs ~0.1-1 us, and 10,000 small tensors are common: none is
         # repeated, and the checks that only rare tensors fail run only for those.)
+        if self.listed is not None:
+            self.settle()
         if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
             from ..dist.sharded import is_sharded  # (imports DTensor only where one is live)
             if is_sharded(t):
@@ -259,6 +274,7 @@ class _Encoder(Planning):
         """Bulk bytes (a NumPy array, a large ``bytes``) go to the tensor file as raw uint8,
         never into the JSON skeleton: JSON would hold them as base64, a third larger, parsed
         whole, and limited to ``MAX_STATE_BYTES``."""
+        self.settle()
         key = self._key(path)
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         if not flat.flags.writeable:  # torch shares only writable memory (bytes, a frozen array)
@@ -361,7 +377,9 @@ class _Encoder(Planning):
 def encode_tree(tree: Any, prefix: str = "") -> tuple[Any, dict[str, torch.Tensor]]:
     """Split ``tree`` into a JSON-able skeleton and its tensors by key (a parameter as is)."""
     enc = _Encoder()
-    return enc.encode(tree, prefix), enc.tensors  # (encoded first: it fills enc.tensors)
+    skeleton = enc.encode(tree, prefix)  # (first: it stores the tensors)
+    enc.settle()
+    return skeleton, enc.tensors
 
 
 class Encoded(NamedTuple):
@@ -373,7 +391,7 @@ class Encoded(NamedTuple):
     `encode_tree_for_file`)."""
 
     skeleton: Any
-    tensors: dict[str, torch.Tensor]
+    tensors: Mapping[str, torch.Tensor]
     kinds: list[tuple[str, torch.dtype, torch.Size]]
     ptrs: list[int]
     texts: dict[str, str]
@@ -401,4 +419,4 @@ def encode_tree_for_file(tree: Any, plans: dict[str, Any] | None = None, owned: 
         # snapshot dropped them): it is used again only if its mapping comes back.
         for path in plans.keys() - enc.met:
             plans[path].mine.clear()
-    return Encoded(skeleton, enc.tensors, enc.kinds, enc.ptrs, enc.texts, enc.unchecked)
+    return Encoded(skeleton, enc.stored(), enc.kinds, enc.ptrs, enc.texts, enc.unchecked)
