@@ -28,8 +28,8 @@ import unbroken
 from unbroken.errors import UnsupportedValue
 from unbroken.persist import plans, snapshot
 from unbroken.persist.snapshot import SnapshotBuffers
-from unbroken.state.codec import view_ident
 from unbroken.state.livemodel import LiveModel
+from unbroken.state.views import view_ident
 
 N = plans.PLANNED + 2  # tensors in a container: enough for a plan
 

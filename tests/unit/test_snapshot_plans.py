@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from unbroken.errors import UnsupportedValue
 from unbroken.persist import plans, snapshot
 from unbroken.persist.snapshot import SnapshotBuffers
-from unbroken.state.codec import view_ident
+from unbroken.state.views import view_ident
 
 N = plans.PLANNED + 4  # tensors in a container: enough for a plan
 

@@ -16,8 +16,9 @@ import torch
 
 from ..dist.sharded import is_sharded
 from ..errors import SaveFailed, UnsupportedValue
-from ..state.codec import MAX_DEPTH, address, encode_tree, view_ident
+from ..state.codec import MAX_DEPTH, encode_tree
 from ..state.freed import shortfall
+from ..state.views import address, view_ident
 from .plans import Entry, Plan, Planning, unblock
 
 # Path elements no user key equals: the buffers of an object's attributes and of dict keys.

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from ..errors import StateMismatch
-from .codec import UNINITIALIZED
 from .livemodel import LiveModel, with_versions
 from .names import served_name
+from .views import UNINITIALIZED
 
 
 def check_patterns(fresh: Iterable[str] | None, intent: str) -> tuple[str, ...]:

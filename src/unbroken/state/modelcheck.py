@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpoint, StateMismatch, UnbrokenWarning
-from .codec import UNINITIALIZED
 from .fresh import fresh_names, suggested
 from .livemodel import LiveModel
 from .names import under_live_names
+from .views import UNINITIALIZED
 
 
 def validate_model(saved: Mapping[str, Any], model: torch.nn.Module, where: str,
