@@ -229,7 +229,7 @@ def test_nested_planned_mappings_write_what_an_unplanned_save_writes(base, ops):
         elif op == "swap" and len(spec) > 1:
             spec[0], spec[-1] = spec[-1], spec[0]
         tree = {"part": _tree_of(spec)}
-        planned = bytes(G.encode_generation(tree, meta, layouts=layouts)["state.json"][0])
-        plain = bytes(G.encode_generation(tree, meta)["state.json"][0])
+        planned = b"".join(G.encode_generation(tree, meta, layouts=layouts)["state.json"])
+        plain = b"".join(G.encode_generation(tree, meta)["state.json"])
         assert encodeplans._HOLDER.encode() not in planned, (base, ops, op)
         assert planned == plain, (base, ops, op)

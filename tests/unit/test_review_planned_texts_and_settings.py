@@ -33,7 +33,7 @@ N = encodeplans._PLANNED + 4  # tensors in a mapping: enough for a plan
 
 
 def _state_json(tree: dict[str, Any], layouts: dict[str, Any] | None) -> bytes:
-    return bytes(encode_generation(tree, META, layouts=layouts)["state.json"][0])
+    return b"".join(encode_generation(tree, META, layouts=layouts)["state.json"])
 
 
 def _sd(n: int, cols: int, base: float = 0.0) -> dict[str, torch.Tensor]:

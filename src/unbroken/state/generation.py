@@ -13,7 +13,7 @@ from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedValue
 from .codec import Encoded, ShardedLeaf, encode_tree_for_file
 from .decoding import decode_tree
 from .incremental import DIGESTS_KEY, Plan, encode_part, read_digests
-from .jsontext import dumps_json, loads_json
+from .jsontext import dumps_json, json_pieces, loads_json
 from .parts import (
     COUNTERS,
     MAX_STATE_BYTES,
@@ -113,18 +113,19 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
     if more:
         doc[MORE_FILES] = more
-    text = dumps_json(doc, sort_keys=False, texts=texts)
-    if len(text) > MAX_STATE_BYTES:  # what decode_generation refuses is never written
+    pieces = json_pieces(doc, texts)
+    size = sum(map(len, pieces))
+    if size > MAX_STATE_BYTES:  # what decode_generation refuses is never written
         sizes = sorted(((len(dumps_json(v, sort_keys=False, texts=texts)), k)
                         for k, v in skeletons.items()),
                        reverse=True)
         raise UnsupportedValue(
-            f"{STATE_FILE} would be {len(text)} bytes, over the {MAX_STATE_BYTES}-byte limit "
+            f"{STATE_FILE} would be {size} bytes, over the {MAX_STATE_BYTES}-byte limit "
             "that restore applies; largest parts: " +
             ", ".join(f"{k!r} {n} bytes" for n, k in sizes[:3]) +
             ". Return bulk data from state_dict() as tensors or NumPy arrays (they go to "
             "safetensors), not as lists, strings or dicts")
-    artifacts[prefix + STATE_FILE] = [memoryview(text)]
+    artifacts[prefix + STATE_FILE] = [memoryview(piece) for piece in pieces]
     return artifacts
 
 

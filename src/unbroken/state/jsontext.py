@@ -34,6 +34,27 @@ def dumps_json(obj: Any, sort_keys: bool = True, texts: dict[str, str] | None = 
                           ensure_ascii=True).encode("ascii")
 
 
+def json_pieces(obj: Any, texts: dict[str, str]) -> list[bytes]:
+    """``dumps_json(obj, sort_keys=False, texts=texts)`` in pieces, which joined are the same
+    bytes: each text is a piece of its own, not copied into one document (a state document's
+    planned texts are most of its ~0.6 MB for 10,000 tensors)."""
+    text = json.dumps(obj, sort_keys=False, separators=(",", ":"), allow_nan=False,
+                      ensure_ascii=False)
+    places = sorted((text.find(f'"{holder}"'), holder) for holder in texts)
+    pieces: list[str] = []
+    at = 0
+    for where, holder in places:
+        if where < at:  # (not found: what `dumps_json` leaves as it is)
+            continue
+        pieces += (text[at:where], texts[holder])
+        at = where + len(holder) + 2
+    pieces.append(text[at:])
+    try:
+        return [piece.encode("utf-8") for piece in pieces]
+    except UnicodeEncodeError:  # (ASCII with escapes, as `dumps_json` writes it)
+        return [dumps_json(obj, sort_keys=False, texts=texts)]
+
+
 def _no_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
 
