@@ -51,7 +51,8 @@ class LiveModel:
 
     def __init__(self, model: Any) -> None:  # (a Module; anything else is asked)
         self.model = model
-        self.tensors: dict[str, torch.Tensor] = {}
+        # (an OrderedDict, as state_dict() gives: the async save takes it as it is)
+        self.tensors: dict[str, torch.Tensor] = OrderedDict()
         self.names: dict[int, str] = {}
         self.plain = True  # every tensor a plain tensor or parameter (no subclass)
         if not isinstance(model, _MODULE):  # (a Stateful of the user's: its own methods)
@@ -66,7 +67,7 @@ class LiveModel:
         try:
             self._walk(model, True)
         except KeyError:  # a module keeping them elsewhere (a traced one: __getattr__)
-            self.tensors, self.names, self.loads, self.plain = {}, {}, loads, True
+            self.tensors, self.names, self.loads, self.plain = OrderedDict(), {}, loads, True
             try:
                 self._walk(model, False)
             except KeyError:  # a module without nn.Module's attributes (its __init__ not run)
@@ -140,14 +141,14 @@ class LiveModel:
 
     def state_dict(self, detach: bool = True) -> dict[str, Any]:
         """``model.state_dict()``: from the walk where that is the same, else the model's.
-        ``detach=False``: the walk's tensors themselves, not detached (~1 us a tensor), for a
-        caller that copies them at once and keeps nothing (the async snapshot); all detached
-        when one is a subclass (``state_dict()`` gives a Parameter subclass as a plain
-        tensor, which a snapshot's buffer is reused for)."""
+        ``detach=False``: the walk's own tensors, not detached (~1 us a tensor), nor copied
+        into a new dict, for a caller that copies them at once and keeps nothing (the async
+        snapshot), once per walk; all detached when one is a subclass (``state_dict()`` gives
+        a Parameter subclass as a plain tensor, which a snapshot's buffer is reused for)."""
         if not self.lists:
             return self.model.state_dict()
         if not detach and self.plain:
-            return OrderedDict(self.tensors)
+            return self.tensors
         return OrderedDict([(k, t.detach()) for k, t in self.tensors.items()])
 
     def live_tensors(self) -> dict[str, Any]:
