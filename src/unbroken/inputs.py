@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ._pacing import Pacer
+from .dist.sharded import split
 from .errors import UnbrokenError, UnsupportedValue
 from .state import generation as G
 from .state import parts as S
@@ -75,7 +76,8 @@ def dry_encode(parts: Mapping[str, Any]) -> None:
     if isinstance(optimizer, torch.optim.Optimizer):
         trees[S.OPTIMIZER] = {"param_groups": [{k: v for k, v in g.items() if k != "params"}
                                                for g in optimizer.param_groups]}
-    for name, tree in trees.items():
+    # (DTensors are taken out of the dicts, as a save takes them out for DCP)
+    for name, tree in split(trees)[0].items():
         try:
             if name not in (S.MODEL, S.OPTIMIZER):  # (those two: parts of their trees)
                 G.check_part_tree(name, tree)

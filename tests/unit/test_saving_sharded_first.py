@@ -104,5 +104,42 @@ def test_a_dtensor_inside_a_list_is_refused_typed(one_rank, tmp_path) -> None:
     dt = distribute_tensor(torch.arange(6.0), init_device_mesh("cpu", (1,)), [Replicate()])
     model = torch.nn.Linear(3, 3)
     # (refused when the Checkpointer is built: every part is encoded once then)
-    with pytest.raises(UnsupportedValue, match=r"held\.0: a DTensor.*not inside a list"):
+    with pytest.raises(UnsupportedValue,
+                       match=r"part 'extra\.holder': held\.0: a DTensor.*not inside a list"):
         unbroken.Checkpointer(tmp_path / "run", model=model, extras={"holder": _Holder([dt])})
+    # (and at a save, when it comes later: the save takes the dicts' DTensors out, then
+    # refuses the one it cannot)
+    holder = _Holder({"d": dt})
+    with unbroken.Checkpointer(tmp_path / "run", model=model, extras={"holder": holder}) as ck:
+        holder.value = [dt]
+        with pytest.raises(UnsupportedValue,
+                           match=r"part 'extra\.holder': held\.0: a DTensor.*not inside a"):
+            ck.save(1)
+
+
+@pytest.mark.parametrize("mode", [False, True, "process"])
+def test_a_dtensor_in_a_parts_dict_is_accepted_when_built_and_restored_bitwise(
+        one_rank, tmp_path, mode) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,))
+    saved = {"a": distribute_tensor(torch.arange(6.0), mesh, [Replicate()]),
+             "nested": {"b": distribute_tensor(torch.randn(4, 2), mesh, [Shard(0)])},
+             "plain": torch.ones(3)}
+    model = torch.nn.Linear(3, 3)
+    with unbroken.Checkpointer(tmp_path / "run", model=model, extras={"holder": _Holder(saved)},
+                               async_save=mode) as ck:
+        ck.save(1)
+        ck.wait()
+    fresh = {"a": distribute_tensor(torch.zeros(6), mesh, [Replicate()]),
+             "nested": {"b": distribute_tensor(torch.zeros(4, 2), mesh, [Shard(0)])},
+             "plain": torch.zeros(3)}
+    holder = _Holder(fresh)
+    with unbroken.Checkpointer(tmp_path / "run", model=torch.nn.Linear(3, 3),
+                               extras={"holder": holder}) as ck:
+        assert ck.restore() == 1
+    got = holder.value
+    assert torch.equal(got["a"].full_tensor(), saved["a"].full_tensor())
+    assert torch.equal(got["nested"]["b"].full_tensor(), saved["nested"]["b"].full_tensor())
+    assert torch.equal(got["plain"], saved["plain"])

@@ -106,8 +106,8 @@ def encode_generation(tree: Mapping[str, Any], meta: Mapping[str, str], prefix: 
                 if extra:
                     more[part] = extra
                 artifacts.update(out)
-        except ShardedLeaf:
-            raise  # (taken out by the caller, which encodes again: `saving.encode_share`)
+        except ShardedLeaf as e:  # (of its own type: the caller may take it out and retry)
+            raise ShardedLeaf(f"part {part!r}: {e}") from None
         except UnsupportedValue as e:
             raise UnsupportedValue(f"part {part!r}: {e}") from None
     doc = {"schema": STATE_SCHEMA, "meta": dict(meta), "parts": skeletons, "tensor_files": files}
