@@ -12,22 +12,31 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _launch import SCRIPT, assert_job_killed, assert_resumed_bitwise, first_restores, torchrun
+from _launch import (
+    SCRIPT,
+    assert_job_killed,
+    assert_resumed_bitwise,
+    first_restores,
+    gens,
+    torchrun,
+)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """An uninterrupted job of 2 (digests of the whole state after update 15, and the global
-    batch of update 16), and the same job saving in the background, killed after update 17
+    """An uninterrupted job of 2 saving in the background (digests of the whole state after
+    update 15, and the global batch of update 16), and the same job killed after update 17
     (newest generation: 15)."""
     tmp = tmp_path_factory.mktemp("fsdp")
+    # (The reference saves in the background, every 5 updates: its snapshot takes the
+    # DTensors' local chunks, refused as storage-less tensors before the thirty-sixth session.
+    # The killed job saves in the foreground: its generation 15 is committed when it dies.)
     ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--workers", "0", "--dump",
-                   str(tmp / "ref.json"), "--dump-at", "15")
+                   str(tmp / "ref.json"), "--dump-at", "15", "--async-save")
     assert ref.returncode == 0, ref.stderr[-3000:]
-    # (saving in the background: its snapshot takes the DTensors' local chunks, refused as
-    # storage-less tensors before the thirty-sixth session; the sync save is the reference's)
+    assert gens(tmp / "ref"), ref.stderr[-3000:]  # (committed in the background)
     killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp", "--workers", "0",
-                      "--async-save", env={"UNBROKEN_KILL_AT": "step-done@17"})
+                      env={"UNBROKEN_KILL_AT": "step-done@17"})
     assert_job_killed(killed)
     return tmp
 
