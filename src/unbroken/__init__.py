@@ -33,7 +33,7 @@ if TYPE_CHECKING:
                          UpdateBoundaryError,
     )
     from .state.identity import Identity
-    from .state.parts import Stateful
+    from .state.parts import PerRank, Stateful
     from .state.rng import fork_rng
     from .store.retention import Keep
     from .tools.export import verify_export
@@ -50,7 +50,7 @@ _WHERE = {
                      "StoreLocked", "UnbrokenError", "UnbrokenWarning", "UnsupportedSetup",
                      "UnsupportedValue", "UpdateBoundaryError"), ".errors"),
     "Identity": ".state.identity",
-    "Stateful": ".state.parts",
+    "PerRank": ".state.parts", "Stateful": ".state.parts",
     "fork_rng": ".state.rng",
     "Keep": ".store.retention",
     "verify_export": ".tools.export",
@@ -66,6 +66,7 @@ __all__ = [
     "MissingState",
     "NoCheckpoint",
     "Packer",
+    "PerRank",
     "ResumableLoader",
     "ResumableSampler",
     "SaveFailed",

@@ -322,12 +322,11 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
                                  a.name in (STATE_FILE, SHARDS_FILE))
                  for a in m.artifacts}
         tree, meta = decode_generation(files, info.path)  # headers, references, stamps
-        if m.world_size > 1:  # each rank's own random streams, each checked (rank 0's: the part)
-            from .picking import rank_rng
-            from .state.parts import RNG
+        if m.world_size > 1:  # each rank's own parts, each checked (rank 0's: the parts)
+            from .picking import rank_parts
 
-            streams = [rank_rng(files, info.path, meta, r) for r in range(m.world_size)]
-            tree = {**tree, RNG: streams[0]}
+            owns = [rank_parts(files, info.path, meta, r) for r in range(m.world_size)]
+            tree = {**tree, **owns[0]}
         check_stamps(m, info.path, tree, meta)
         if deep is not None:
             index = (read_index(files[SHARDS_FILE], f"{info.path}/{SHARDS_FILE}")

@@ -24,7 +24,7 @@ from .errors import (
     UnbrokenWarning,
     UpdateBoundaryError,
 )
-from .inputs import check_options, dry_encode, metric, parts_of, steps_from_env
+from .inputs import check_options, dry_encode, metric, parts_of, per_rank_parts, steps_from_env
 from .persist.background import InFlight, Worker
 from .persist.process import ProcessPersister
 from .persist.snapshot import SnapshotBuffers
@@ -160,6 +160,7 @@ class Checkpointer(Persisting, Restoring):
             check_optimizer_params(model, optimizer)
         self._parts = parts_of(model, optimizer, scheduler, scaler, data, extras, generators,
                                self._counters)
+        self._per_rank = per_rank_parts(extras)
         dry_encode(self._parts)  # a value save cannot store fails now, not hours in
         self._preemption = Preemption(signals, stop_deadline,
                                       stop_check_every)  # validated before the lock
@@ -176,7 +177,8 @@ class Checkpointer(Persisting, Restoring):
             **({"stop_check_every=": stop_check_every} if self._preemption.signals else {}),
             f"${SAVE_AT_ENV}": sorted(self._save_at),
             "parts (optimizer=, scheduler=, scaler=, data=, extras=)": sorted(
-                set(self._parts) - {S.RNG, S.COUNTERS})}, self.identity)
+                set(self._parts) - {S.RNG, S.COUNTERS}),
+            "extras held per rank (PerRank)": sorted(self._per_rank)}, self.identity)
         # An async save's collectives (a read-back later's too) run beside the training loop's:
         # a group of their own, made here, where every rank builds its Checkpointer at the
         # same point. (A save's commit uses it too, after the previous save ended: the two

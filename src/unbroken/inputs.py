@@ -123,6 +123,8 @@ def parts_of(model: Any, optimizer: Any, scheduler: Any, scaler: Any, data: Any,
     for name, obj in (extras or {}).items():
         if not isinstance(name, str) or not EXTRA_NAME.fullmatch(name):
             raise ValueError(f"extras name {name!r}: use letters, digits, '_' or '-'")
+        if isinstance(obj, S.PerRank):  # (which ones: `per_rank_parts`)
+            obj = obj.state
         if not isinstance(obj, S.Stateful):
             raise TypeError(f"extras[{name!r}] needs state_dict() and load_state_dict()")
         parts[S.EXTRA_PREFIX + name] = obj
@@ -132,3 +134,9 @@ def parts_of(model: Any, optimizer: Any, scheduler: Any, scaler: Any, data: Any,
     parts[S.RNG] = RNGStreams(generators or {})
     parts[S.COUNTERS] = counters
     return parts
+
+
+def per_rank_parts(extras: Mapping[str, Any] | None) -> frozenset[str]:
+    """The parts of ``extras`` that each rank of a job holds its own of (`state.parts.PerRank`)."""
+    return frozenset(S.EXTRA_PREFIX + name for name, obj in (extras or {}).items()
+                     if isinstance(obj, S.PerRank))

@@ -73,6 +73,7 @@ class Persisting:
     _in_flight: InFlight | None
     _worker: Worker
     _layouts: dict[str, Any]
+    _per_rank: frozenset[str]  # the parts each rank stores its own of (`state.parts.PerRank`)
     _persister: ProcessPersister | None
     _read_back_later: bool
     _persist_share: float | None
@@ -127,12 +128,14 @@ class Persisting:
         group = self._save_group if snapshot else self._group
         later = self._read_back_later and not snapshot  # (a sync save's read-back, beside)
         if group.active:  # (first: the ranks' steps agree before any other collective)
-            check_replicas(group, step, replicated(tree))
-        if again and saved_unchanged(self.store, group, step, tree, values, plan):
+            check_replicas(group, step, replicated(tree, self._per_rank))
+        if again and saved_unchanged(self.store, group, step, tree, values, plan,
+                                           self._per_rank):
             return None  # the same state saved twice
         meta = stamps(step, self.incarnation, self.run_id)
         # (refuses what restore could not read)
-        encoded = encode_share(group, tree, meta, plan, self._layouts, owned=snapshot)
+        encoded = encode_share(group, tree, meta, plan, self._layouts, owned=snapshot,
+                               per_rank=self._per_rank)
         total = sum(memoryview(c).nbytes for chunks in encoded.values()
                     if not isinstance(chunks, Linked) for c in chunks)
         progress = Progress(f"saving {generation_name(step)}", 2 * total)
@@ -210,9 +213,9 @@ class Persisting:
         group, persister = self._group, self._persister
         assert persister is not None  # (made with the Checkpointer)
         if group.active:  # (first: the ranks' steps agree before any other collective)
-            check_replicas(self._save_group, step, replicated(tree))
+            check_replicas(self._save_group, step, replicated(tree, self._per_rank))
         if again and step != self._unconfirmed and saved_unchanged(
-                self.store, group, step, tree, values, plan):
+                self.store, group, step, tree, values, plan, self._per_rank):
             return  # the same state saved twice
         request: dict[str, Any] = {
             "step": step, "again": again, "keep": self.keep.to_json(),
@@ -239,7 +242,8 @@ class Persisting:
         try:
             # (small tensors gathered straight into the shared memory: no copy at submit)
             encoded = encode_share(group, tree, stamps(step, self.incarnation, self.run_id),
-                                   plan, self._layouts, persister.room())
+                                   plan, self._layouts, persister.room(),
+                                   per_rank=self._per_rank)
             persister.submit(request, encoded)
         except BaseException as e:
             give_up(e)

@@ -149,7 +149,11 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                                      None if intent == "continue" else {S.MODEL},
                                      layout=pick.layout)
     if sharded:
-        tree[S.RNG] = _rank_streams(files, info.path, meta, manifest.world_size, group, parts)
+        own = _rank_parts(store, info, files, meta, group, parts)
+        if not own.keys().isdisjoint(tree):
+            raise CorruptCheckpoint(f"{info.path}: parts {sorted(own.keys() & tree.keys())} are "
+                                    f"both in {S.STATE_FILE} and in a rank's own file")
+        tree.update(own)
     elif intent == "continue" and group.size > 1:
         log.warning("%s was saved by one process: every rank of this job restores the same "
                     "random streams (equal data order and weights; dropout draws alike on "
@@ -223,33 +227,50 @@ def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, 
                                       "unbroken.incarnation")})
 
 
-def _rank_streams(files: Mapping[str, Any], folder: str, meta: Mapping[str, str],
-                  saved_ranks: int, group: Group, parts: Mapping[str, Any]) -> Any:
-    """This rank's RNG streams from its own files of a generation of ``saved_ranks`` ranks.
-    A rank the saving job did not have keeps its live streams (said: the same data order
-    and weights, other dropout draws); streams of ranks this job lacks are dropped (said)."""
-    if group.rank >= saved_ranks:
-        log.warning("%s: saved by %d ranks, this is rank %d of %d: its random streams start "
-                    "afresh (equal data order and weights, other random draws than a run of "
-                    "%d ranks)", folder, saved_ranks, group.rank, group.size, saved_ranks)
-        return parts[S.RNG].state_dict()
-    if group.leader and group.size < saved_ranks:
-        log.warning("%s: saved by %d ranks, restored on %d: the random streams of ranks "
-                    "%d..%d are dropped (equal data order and weights, other random draws)",
-                    folder, saved_ranks, group.size, group.size, saved_ranks - 1)
-    return rank_rng(files, folder, meta, group.rank)
+def _rank_parts(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],
+                meta: Mapping[str, str], group: Group, parts: Mapping[str, Any]
+                ) -> dict[str, Any]:
+    """This rank's own parts (its RNG streams, the extras held per rank) from its own files of
+    a generation of many ranks. A rank the saving job did not have keeps its live streams
+    and takes rank 0's extras (said: the same data order and weights, other dropout draws);
+    the parts of ranks this job lacks are dropped (said)."""
+    assert info.manifest is not None  # (verified by the caller)
+    saved_ranks = info.manifest.world_size
+    if group.rank < saved_ranks:
+        if group.leader and group.size < saved_ranks:
+            log.warning("%s: saved by %d ranks, restored on %d: the random streams of ranks "
+                        "%d..%d are dropped, and their extras held per rank if any (equal data "
+                        "order and weights, other random draws)", info.path, saved_ranks,
+                        group.size, group.size, saved_ranks - 1)
+        return rank_parts(files, info.path, meta, group.rank)
+    log.warning("%s: saved by %d ranks, this is rank %d of %d: its random streams start afresh "
+                "(equal data order and weights, other random draws than a run of %d ranks)"
+                "; extras held per rank, if any, are rank 0's", info.path, saved_ranks,
+                group.rank, group.size, saved_ranks)
+    first = rank_prefix(0)
+    if not any(name.startswith(first) for name in files):  # (this rank read no rank's files)
+        files.update(store.read_verified(info, [a.name for a in info.manifest.artifacts
+                                                if a.name.startswith(first)]))
+    return {**rank_parts(files, info.path, meta, 0), S.RNG: parts[S.RNG].state_dict()}
 
 
-def rank_rng(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int) -> Any:
-    """The RNG streams of ``rank`` in a generation of many ranks (its own
-    ``rankNNNNN.state.json``), checked to be stamped with this generation and that rank."""
+def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int
+               ) -> dict[str, Any]:
+    """The parts ``rank`` of a generation of many ranks holds its own of: its RNG streams and
+    its extras held per rank (`state.parts.PerRank`), from its ``rankNNNNN.state.json``,
+    checked to be stamped with this generation and that rank."""
     prefix = rank_prefix(rank)
     if prefix + S.STATE_FILE not in files:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: missing; every rank of the "
                                 "saving job writes its own random streams there")
-    own, own_meta = G.decode_generation(files, folder, {S.RNG}, prefix)
+    own, own_meta = G.decode_generation(files, folder, prefix=prefix)
     expected = {**meta, "unbroken.rank": str(rank)}
     if own_meta != expected or S.RNG not in own:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: stamped {own_meta}, expected "
                                 f"{expected}: the file belongs to another rank or generation")
-    return own[S.RNG]
+    odd = sorted(p for p in own if p != S.RNG and not p.startswith(S.EXTRA_PREFIX))
+    if odd:  # (a rank's file never holds the model, optimizer or any other shared part)
+        raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: holds parts {odd}; a rank's "
+                                "own file holds its random streams and extras held per rank "
+                                "only")
+    return own

@@ -1,6 +1,7 @@
 """What one process writes of a generation, and checks around it: its share (everything
-alone; in a job, the shared parts from the leader and each rank's RNG streams in its own
-``rankNNNNN.*`` files), the state every rank of a data-parallel job must hold alike, the
+alone; in a job, the shared parts from the leader and each rank's RNG streams and the extras
+held per rank, `state.parts.PerRank`, in its own ``rankNNNNN.*`` files), the state every
+rank of a data-parallel job must hold alike, the
 read-back after the commit, and whether a repeated save of a step changed anything."""
 
 from __future__ import annotations
@@ -39,13 +40,15 @@ def stamps(generation: int, incarnation: int, run_id: str) -> dict[str, str]:
 
 def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
                  plan: Plan | None = None, layouts: dict[str, Any] | None = None,
-                 room: Room | None = None, owned: bool = False) -> dict[str, Any]:
+                 room: Room | None = None, owned: bool = False,
+                 per_rank: frozenset[str] = frozenset()) -> dict[str, Any]:
     """This process's files of a generation (see module doc); sharded tensors (DTensors)
     go through DCP, each rank writing its own chunks (`dist.sharded`). With ``plan``, the
     shared parts are saved incrementally (`state.incremental`). ``layouts``: the
     Checkpointer's tensor-file layouts, kept from one save to the next (`encode_generation`).
     ``room``: where gathered small tensors are built (`state.tensorfile.encode_safetensors`).
-    ``owned``: the tree's tensors are an async snapshot's buffers (`encode_generation`)."""
+    ``owned``: the tree's tensors are an async snapshot's buffers (`encode_generation`).
+    ``per_rank``: the parts each rank of a job stores in its own files (with its RNG)."""
     if (not group.active and plan is None and layouts is not None
             and not layouts.get(_SHARDED)):
         # No save of this Checkpointer met a DTensor: the tree is encoded whole, not looked
@@ -72,10 +75,11 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     # others would wait in them for a leader that left).
     out, failure = {}, None
     try:
-        shared = {k: v for k, v in tree.items() if k != S.RNG}
+        own = {k: v for k, v in tree.items() if k == S.RNG or k in per_rank}
+        shared = {k: v for k, v in tree.items() if k not in own}
         out = G.encode_generation(shared, meta, plan=plan, layouts=layouts, room=room,
                                   owned=owned) if group.leader else {}
-        out.update(G.encode_generation({S.RNG: tree[S.RNG]},
+        out.update(G.encode_generation(own,
                                        {**meta, "unbroken.rank": str(group.rank)},
                                        prefix=rank_prefix(group.rank), layouts=layouts,
                                        room=room, owned=owned))
@@ -88,10 +92,11 @@ def encode_share(group: Group, tree: dict[str, Any], meta: dict[str, str],
     return out
 
 
-def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
+def replicated(tree: dict[str, Any], per_rank: frozenset[str] = frozenset()
+               ) -> Iterable[tuple[str, Any]]:
     """What every rank of a data-parallel job holds alike, by name: the model's tensors,
     each parameter's optimizer state, and every other shared part (not what is sharded:
-    every rank holds its own chunk of it)."""
+    every rank holds its own chunk of it; nor the parts of ``per_rank``)."""
     tree = split(tree)[0]
     for name, value in tree[S.MODEL].items():
         yield f"model {name}", value
@@ -103,12 +108,13 @@ def replicated(tree: dict[str, Any]) -> Iterable[tuple[str, Any]]:
             if key in opt:
                 yield f"optimizer {key}", opt[key]
     for part in sorted(tree):
-        if part not in (S.MODEL, S.OPTIMIZER, S.RNG):
+        if part not in (S.MODEL, S.OPTIMIZER, S.RNG) and part not in per_rank:
             yield part, tree[part]
 
 
 def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[str, Any],
-                    values: dict[str, float], plan: Plan | None = None) -> bool:
+                    values: dict[str, float], plan: Plan | None = None,
+                    per_rank: frozenset[str] = frozenset()) -> bool:
     """Whether generation ``step`` already holds ``tree`` (and the metric ``values``): its
     files (in a job, every rank its own), encoded again with that generation's own stamps,
     hash the same. A save of the same step after the state changed (an end-of-epoch
@@ -131,7 +137,8 @@ def saved_unchanged(store: GenerationStore, group: Group, step: int, tree: dict[
     elif same:
         assert m is not None
         listed = {a.name: (a.size, a.xxh3_128) for a in m.artifacts}
-        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id))
+        encoded = encode_share(group, tree, stamps(m.generation, m.incarnation, m.run_id),
+                               per_rank=per_rank)
         same = (group.active or set(encoded) == set(listed)) and all(
             listed.get(name) == _size_and_hash(chunks) for name, chunks in encoded.items())
     return all(group.all_gather(same, "comparing with the saved generation"))

@@ -31,11 +31,12 @@ from ..state.rng import fork_rng
 from ._lightning_results import check_saved, load_results, save_results
 
 # 2: with the callbacks' and datamodule's state; 3: the callback metrics; 4: the running epoch
-# aggregates of training metrics ("results")
-_STATE_VERSION = 4
+# aggregates of training metrics ("results"); 5: a results entry says sync_dist (in a job of
+# several processes each rank holds this state of its own, `unbroken.PerRank`)
+_STATE_VERSION = 5
 # A version-2 generation resumes with no callback metrics, a version-2 or 3 one with no
 # running aggregates (as before: the resumed epoch's values cover its later batches only).
-_READS = (2, 3, _STATE_VERSION)
+_READS = (2, 3, 4, _STATE_VERSION)
 
 
 class _LoopState:
@@ -94,7 +95,7 @@ class _LoopState:
                 f"{where}: the saved callback metrics are not a mapping of names to tensors "
                 f"or numbers (found {metrics!r:.80}); the generation was not written by this "
                 "adapter: resume from another generation or start a new run folder")
-        if state.get("version") == _STATE_VERSION:
+        if state.get("version") in (4, _STATE_VERSION):
             check_saved(state.get("results"), self._trainer.lightning_module, where)
         if _shape(state.get("progress")) != _shape(live["progress"]) or not isinstance(
                 state.get("batches_that_stepped"), int) or not isinstance(
@@ -132,7 +133,7 @@ class _LoopState:
         device = self._trainer.strategy.root_device
         self._trainer._logger_connector._callback_metrics = {
             key: _on(value, device) for key, value in state.get("metrics", {}).items()}
-        if "results" in state:  # (version 4; older generations resume without them)
+        if "results" in state:  # (version 4 on; older generations resume without them)
             load_results(self._trainer, state["results"])
         epoch = fit.epoch_progress.current
         if epoch.ready > epoch.processed:

@@ -19,12 +19,14 @@ so the next ``self.log`` of the metric accumulates into them as in the uninterru
 step only is rebuilt around the module's own metric object (found by its attribute name)
 with its last step value.
 
+In a job of several processes each rank accumulates its own share (``sync_dist=True`` reduces
+the shares when the value is computed, not as it accumulates): the part holding this state is
+stored per rank (`unbroken.PerRank`), each rank saving and restoring its own.
+
 Refused with `UnsupportedSetup`, naming the metric, at the first batch that logs it and at
 any save: a ``torchmetrics.Metric`` logged with ``on_epoch=True`` (its running state lives in
-the metric object, whose states are not saved with the module), ``on_epoch=True`` in a job of
-several processes (each holds its own share; a generation holds one copy of this state for
-all ranks), ``sync_dist`` there, and a ``sync_dist_group`` (a process group cannot be
-stored)."""
+the metric object, whose states are not saved with the module), and a ``sync_dist_group`` (a
+process group cannot be stored)."""
 
 from __future__ import annotations
 
@@ -67,19 +69,17 @@ def save_results(trainer: pl.Trainer) -> list[dict[str, Any]]:
     `UnsupportedSetup` naming the first entry that cannot be saved faithfully."""
     # (Entries reset at an epoch's end are kept too: a metric object's entry keeps its update
     # count and last step value across epochs, and the next ``log`` compares metadata.)
-    processes = trainer.world_size
-    return [_entry(key, metric, processes)
-            for key, metric in training_results(trainer).items()]
+    return [_entry(key, metric) for key, metric in training_results(trainer).items()]
 
 
 def check_results(trainer: pl.Trainer) -> None:
     """Refuse, as `save_results` would, an entry that cannot be saved (called as soon as
     training has logged, so that a run fails at its first batch, not at its first save)."""
     for key, metric in training_results(trainer).items():
-        _refusal(key, metric, trainer.world_size)
+        _refusal(key, metric)
 
 
-def _refusal(key: str, metric: _ResultMetric, processes: int) -> None:
+def _refusal(key: str, metric: _ResultMetric) -> None:
     meta = metric.meta
     what = f"self.log({meta.name!r}, ...) in {meta.fx} (training results key {key!r})"
     if _name_of(meta.reduce_fx) is None:
@@ -87,22 +87,11 @@ def _refusal(key: str, metric: _ResultMetric, processes: int) -> None:
             f"{what}: reduce_fx={meta.reduce_fx!r} cannot be saved by name; the callback saves "
             "the running epoch aggregates of mean, sum, max or min reductions only")
     sync = meta._sync
-    if sync is not None and sync.should:
-        raise UnsupportedSetup(
-            f"{what}: sync_dist=True across several processes; the running aggregate of each "
-            "process is its own share, and a generation holds one copy of this state for "
-            "every rank; log the metric on_epoch=False without sync_dist, or monitor a "
-            "validation metric")
     if sync is not None and sync.group is not None:
         raise UnsupportedSetup(
             f"{what}: sync_dist_group={sync.group!r} is a process group, which cannot be "
             "saved without pickle; drop sync_dist_group")
     running = meta.on_epoch and not metric.has_reset
-    if running and processes > 1:
-        raise UnsupportedSetup(
-            f"{what}: on_epoch=True in a job of {processes} processes; each holds its own "
-            "running aggregate, and a generation holds one copy of this state for every "
-            "rank; log it on_epoch=False, or monitor a validation metric")
     # (A metric object's entry reset at the epoch's end holds nothing running: Lightning reset
     # the object too, so the module's new object in a resumed process is the same.)
     if not metric.is_tensor and running:
@@ -119,8 +108,8 @@ def _refusal(key: str, metric: _ResultMetric, processes: int) -> None:
             "tensor")
 
 
-def _entry(key: str, metric: _ResultMetric, processes: int) -> dict[str, Any]:
-    _refusal(key, metric, processes)
+def _entry(key: str, metric: _ResultMetric) -> dict[str, Any]:
+    _refusal(key, metric)
     meta = metric.meta
     sync = meta._sync
     cache = metric._forward_cache
@@ -131,6 +120,7 @@ def _entry(key: str, metric: _ResultMetric, processes: int) -> dict[str, Any]:
         "add_dataloader_idx": meta.add_dataloader_idx, "dataloader_idx": meta.dataloader_idx,
         "metric_attribute": meta.metric_attribute,
         "rank_zero_only": bool(sync is not None and sync.rank_zero_only),
+        "sync_dist": bool(sync is not None and sync.should),
         "tensor": metric.is_tensor, "reset": bool(metric.has_reset),
         "updates": int(metric._update_count),
         "forward_cache": cache.detach().clone() if cache is not None else None}
@@ -181,6 +171,8 @@ def _problem(entry: Any) -> str | None:
         return f"{flags!r:.200}: each of {list(_FLAGS)} must be true or false"
     if not (entry["on_step"] or entry["on_epoch"]):
         return "neither on_step nor on_epoch"
+    if type(entry.get("sync_dist", False)) is not bool:  # (absent before version 5: False)
+        return f"sync_dist is {entry.get('sync_dist')!r:.60}, not true or false"
     for name, kind in _OPTIONAL:
         if entry.get(name) is not None and type(entry.get(name)) is not kind:
             return f"{name} is {entry.get(name)!r:.60}, neither None nor a {kind.__name__}"
@@ -222,6 +214,7 @@ def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
     results = training_results(trainer)
     device = trainer.strategy.root_device
     module = trainer.lightning_module
+    distributed = trainer._accelerator_connector.is_distributed
     # (Entries of an earlier ``fit`` of this process go: the saved ones replace them all.)
     results.clear()
     for entry in saved:
@@ -231,9 +224,11 @@ def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
             reduce_fx=_REDUCTIONS[entry["reduce_fx"]], enable_graph=entry["enable_graph"],
             add_dataloader_idx=entry["add_dataloader_idx"],
             dataloader_idx=entry["dataloader_idx"], metric_attribute=entry["metric_attribute"])
-        # As ``LightningModule.log`` builds it (the Trainer's reduce, no group: a metric that
-        # synced or had a group was refused), so the next ``log`` finds equal metadata.
-        meta.sync = _Sync(_should=False, fn=trainer.strategy.reduce, _group=None,
+        # As ``LightningModule.log`` builds it (the Trainer's reduce, which it asks for only in
+        # a job of several processes; no group: a metric that had one was refused), so the
+        # next ``log`` finds equal metadata.
+        meta.sync = _Sync(_should=bool(entry.get("sync_dist")) and distributed,
+                          fn=trainer.strategy.reduce, _group=None,
                           rank_zero_only=entry["rank_zero_only"])
         metric = _ResultMetric(meta, entry["tensor"])
         if entry["tensor"]:

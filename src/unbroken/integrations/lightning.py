@@ -35,7 +35,9 @@ What stands between ``Trainer.fit`` and an exact mid-epoch resume, and how it is
   and the running epoch aggregates of training metrics logged with ``on_epoch=True`` (the
   sum or extreme so far and, for a mean, the summed batch sizes; `._lightning_results`), so
   that an epoch value such as ``train_loss_epoch``, and a plateau scheduler or EarlyStopping
-  that monitors it, covers all the epoch's batches after a resume.
+  that monitors it, covers all the epoch's batches after a resume. In a job of several
+  processes each rank logs its own values, so each rank stores this part in its own files
+  (`unbroken.PerRank`) and restores its own.
 * **RNG and state.** Model (the LightningModule), optimizer, LR scheduler, the precision
   plugin's ``GradScaler`` (16-bit mixed precision), the Python, NumPy and torch RNG streams
   (and any ``generators=`` registered) go through `unbroken.Checkpointer` as usual; seeding
@@ -76,6 +78,7 @@ from lightning.pytorch.utilities.exceptions import _TunerExitException
 from ..checkpointer import Checkpointer
 from ..data.loader import ResumableLoader
 from ..errors import StateMismatch, UnbrokenError, UnsupportedSetup, UpdateBoundaryError
+from ..state.parts import PerRank
 from ..trace import TRACE_ENV
 from ._closing import close_after
 from ._lightning_checks import _check_trainer, _not_resumable
@@ -174,7 +177,8 @@ class UnbrokenCallback(pl.Callback):
         # restore replaces anyway.)
         self._validation = _QuietValidation(trainer)
         self._tracing = bool(os.environ.get(TRACE_ENV) or self.options.get("trace"))
-        extras = {**(self.options.get("extras") or {}), LOOPS: self._loops}
+        # (held per rank: in a job each rank logs its own values, `._lightning_results`)
+        extras = {**(self.options.get("extras") or {}), LOOPS: PerRank(self._loops)}
         options = {k: v for k, v in self.options.items() if k != "extras"}
         self.checkpointer = Checkpointer(
             self.root, model=pl_module, optimizer=optimizer, scheduler=scheduler,

@@ -66,6 +66,24 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+class PerRank:
+    """An extra whose state each rank of a data-parallel job holds its own of (a framework's
+    per-rank logged values, a rank's own iterator): ``Checkpointer(extras={"name":
+    PerRank(obj)})``. It is stored in each rank's own files beside that rank's random
+    streams and restored by each rank from its own, and never compared across the ranks as
+    the replicas are (a plain extra that differs across ranks is refused at save). A rank
+    that the saving job did not have restores rank 0's (said). In a job of one process it is
+    an extra like any other."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: Stateful) -> None:
+        if not isinstance(state, Stateful):
+            raise TypeError(f"PerRank needs an object with state_dict() and load_state_dict(), "
+                            f"got {type(state).__name__}")
+        self.state = state
+
+
 _INT64 = range(-(1 << 63), 1 << 63)  # the counters a save writes and a restore reads
 
 

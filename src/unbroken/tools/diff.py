@@ -29,7 +29,7 @@ from .._runview import UsageError, open_run, split_generation
 from .._table import table
 from ..dist._shard_index import SHARDS_FILE
 from ..errors import RunUnreadable, UnbrokenError
-from ..picking import rank_rng
+from ..picking import rank_parts
 from ..state._digest import digest_tree
 from ..state.generation import check_sizes, check_stamps, decode_generation
 from ..state.parts import RNG
@@ -78,13 +78,14 @@ def _load(store: GenerationStore, info: GenerationInfo) -> Side:
     check_sizes(m, info.path)
     files = store.read_verified(info)
     tree, meta = decode_generation(files, info.path)
-    # a job of many ranks: each rank's own random streams, compared rank by rank (rank 0's
-    # stand for the part when the stamps are checked)
-    streams = [rank_rng(files, info.path, meta, r) for r in range(m.world_size)
-               ] if m.world_size > 1 else []
-    check_stamps(m, info.path, {**tree, RNG: streams[0]} if streams else tree, meta)
-    for rank, own in enumerate(streams):
-        tree[f"{RNG}[rank {rank}]"] = own
+    # a job of many ranks: each rank's own parts (random streams, extras held per rank),
+    # compared rank by rank (rank 0's stand for the parts when the stamps are checked)
+    owns = [rank_parts(files, info.path, meta, r) for r in range(m.world_size)
+            ] if m.world_size > 1 else []
+    check_stamps(m, info.path, {**tree, **owns[0]} if owns else tree, meta)
+    for rank, own in enumerate(owns):
+        for part, value in own.items():
+            tree[f"{part}[rank {rank}]"] = value
     if SHARDS_FILE in files:
         place_shards(tree, files, info.path, m)
     return Side(store, info, tree, SHARDS_FILE in files)

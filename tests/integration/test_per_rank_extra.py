@@ -1,0 +1,65 @@
+"""Extras held per rank (`unbroken.PerRank`) in a gloo job launched by torchrun: saved by 2
+ranks (in the training process and through persisting processes), each rank restores its own
+state of them, while a plain extra and the model are shared; a job of 3 ranks gives its new
+rank rank 0's (and says so), a single process restores rank 0's. `unbroken verify` and
+`unbroken inspect` read such a generation; the ranks' files hold only their own parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch import torchrun
+from conftest import SCRIPTS
+
+SCRIPT = str(SCRIPTS / "per_rank_extra.py")
+DECAY = 0.5 * 0.9 ** 3
+
+
+def _job(n: int, tmp: Path, mode: str, *args: str) -> tuple[dict[int, dict], str]:
+    r = torchrun(n, tmp / "run", tmp / f"{mode}{n}.trace", "--mode", mode, *args,
+                 script=SCRIPT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+    return {x["rank"]: x for x in lines}, r.stderr
+
+
+def _own(rank: int) -> dict:
+    """What rank ``rank`` of the saving job held at step 3."""
+    return {"count": 3 * (rank + 1), "values": [3.0 * rank, 30.0 * rank, 6.0]}
+
+
+@pytest.mark.parametrize("mode", ["", "process"])
+def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path, mode):
+    saved, _ = _job(2, tmp_path, "save", *(("--async-save", mode) if mode else ()))
+    assert sorted(saved) == [0, 1], saved
+    gen = tmp_path / "run" / "gen-000000003"
+    parts = {name: sorted(json.loads((gen / name).read_text())["parts"])
+             for name in ("state.json", "rank00000.state.json", "rank00001.state.json")}
+    assert parts["rank00000.state.json"] == parts["rank00001.state.json"] == [
+        "extra.mine", "rng"], parts
+    assert "extra.mine" not in parts["state.json"] and "extra.shared" in parts["state.json"]
+
+    got, _ = _job(2, tmp_path, "restore")
+    for rank in (0, 1):
+        assert got[rank]["step"] == 3 and got[rank]["decay"] == pytest.approx(DECAY)
+        assert {k: got[rank][k] for k in ("count", "values")} == _own(rank), got
+
+    if mode:  # (the rest reads the generation alike, however it was written)
+        return
+    got, err = _job(3, tmp_path, "restore")
+    assert [{k: got[r][k] for k in ("count", "values")} for r in range(3)] == [
+        _own(0), _own(1), _own(0)], got
+    assert "extras held per rank, if any, are rank 0's" in err, err[-3000:]
+
+    got, _ = _job(1, tmp_path, "restore")
+    assert {k: got[0][k] for k in ("count", "values")} == _own(0), got
+
+    for command in (["verify", "--deep", str(tmp_path / "run")],
+                    ["inspect", "--json", str(tmp_path / "run")]):
+        r = subprocess.run([sys.executable, "-m", "unbroken", *command], capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
