@@ -26,8 +26,10 @@ JOB_TAG_ENV = "UNBROKEN_TEST_JOB"  # every process of one launched job inherits 
 
 
 def torchrun(n: int, folder: Path, trace: Path, *args: str, env: dict[str, str] | None = None,
-             script: str = SCRIPT) -> subprocess.CompletedProcess[str]:
-    """``script`` (``ddp_train.py``) on ``n`` ranks, tracing each rank to ``<trace>.rank<r>``.
+             script: str = SCRIPT, folder_flag: str = "--folder"
+             ) -> subprocess.CompletedProcess[str]:
+    """``script`` (``ddp_train.py``) on ``n`` ranks, its run folder given as ``folder_flag``,
+    tracing each rank to ``<trace>.rank<r>``.
 
     Output goes to files, not pipes, and the launcher's exit ends the wait: a straggler of the
     job (a DataLoader worker orphaned by a kill) cannot hold the test until its timeout. Any
@@ -39,7 +41,8 @@ def torchrun(n: int, folder: Path, trace: Path, *args: str, env: dict[str, str] 
         with open(out, "w") as o, open(err, "w") as e:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n),
-                 "--master-port", str(free_port()), script, "--folder", str(folder), *args],
+                 "--master-port", str(free_port()), "--", script, folder_flag, str(folder),
+                 *args],
                 env={**os.environ, "UNBROKEN_TRACE": str(trace), JOB_TAG_ENV: tag,
                      **(env or {})}, stdout=o, stderr=e, text=True)
             try:

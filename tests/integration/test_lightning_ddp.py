@@ -38,16 +38,25 @@ def _records(tmp: Path, lives: list[str], rank: int) -> dict[tuple, dict[str, st
     return out
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted job (saving in the training process: how a job saves changes none of
+    its updates), every case's reference: ``whole.*`` in the returned folder."""
+    tmp = tmp_path_factory.mktemp("lightning-ddp")
+    whole = _job(tmp, "whole", "whole")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return tmp
+
+
 @pytest.mark.parametrize("mode,kill", [("", "update-end@20"), ("process", "after-rename@17")])
-def test_each_ranks_logged_metrics_survive_a_mid_epoch_kill_bitwise(tmp_path, mode, kill):
+def test_each_ranks_logged_metrics_survive_a_mid_epoch_kill_bitwise(tmp_path, reference, mode,
+                                                                   kill):
     """Saved at update 17 (5 batches into epoch 1 of 12), the whole job SIGKILLed (at the end
     of update 20; saving in persisting processes, as soon as generation 17 is committed: a
     kill of the whole machine before that loses the save in flight), resumed: every rank's
     updates, final state and logged values are the uninterrupted job's; the generation
     holds each rank's loop state in its own file."""
     mode_args = ("--async-save", mode) if mode else ()
-    whole = _job(tmp_path, "whole", "whole", *mode_args)
-    assert whole.returncode == 0, whole.stderr[-3000:]
     killed = _job(tmp_path, "run", "a", *mode_args, UNBROKEN_SAVE_AT="17",
                   UNBROKEN_KILL_AT=kill)
     assert_job_killed(killed)
@@ -65,18 +74,18 @@ def test_each_ranks_logged_metrics_survive_a_mid_epoch_kill_bitwise(tmp_path, mo
     own = json.loads((gen / "rank00001.state.json").read_text())["parts"]
     assert sorted(own) == ["extra.lightning", "rng"], sorted(own)
 
-    assert_resumed_bitwise(tmp_path / "whole.trace", [tmp_path / "a.trace",
+    assert_resumed_bitwise(reference / "whole.trace", [tmp_path / "a.trace",
                                                        tmp_path / "b.trace"], 17)
     for rank in (0, 1):
-        final = tmp_path / f"whole.rank{rank}.final"
+        final = reference / f"whole.rank{rank}.final"
         assert final.read_text() == (tmp_path / f"b.rank{rank}.final").read_text(), rank
-        reference = _records(tmp_path, ["whole"], rank)
-        assert _records(tmp_path, ["a", "b"], rank) == reference, rank
-        epochs = [m for m in reference.values() if "synced" in m]
-        assert len(epochs) == 4, reference
+        logged = _records(reference, ["whole"], rank)
+        assert _records(tmp_path, ["a", "b"], rank) == logged, rank
+        epochs = [m for m in logged.values() if "synced" in m]
+        assert len(epochs) == 4, logged
     # (what makes the part each rank's own: the ranks' unsynced values differ, the synced
     # ones agree)
-    ends = [[m for m in _records(tmp_path, ["whole"], r).values() if "synced" in m]
+    ends = [[m for m in _records(reference, ["whole"], r).values() if "synced" in m]
             for r in (0, 1)]
     assert [m["synced"] for m in ends[0]] == [m["synced"] for m in ends[1]]
     assert all(a["rank_mean"] != b["rank_mean"] for a, b in zip(*ends))

@@ -22,6 +22,7 @@ from ..checkpointer import Checkpointer
 from ..data import ResumableLoader, ResumableSampler, SeededDataset, seeded
 from ..errors import CorruptCheckpoint, UnbrokenError, UnsupportedSetup
 from ..state.identity import Identity
+from ..state.parts import PerRank
 from ._closing import close_after
 from ._transformers_checks import _refuse_jit_checkpoint, _refuse_private_rng, _sampling
 from ._transformers_state import TrainerProgress, restore_compatible, trainer_config
@@ -131,11 +132,13 @@ class UnbrokenCallback(TrainerCallback):
         else:
             collate = t._get_collator_with_removed_columns(collate, description="Training")
         args = t.args
+        batch = t._train_batch_size * args.world_size  # (the sampler's is the global batch)
         sampler = self.sampler if self.sampler is not None else ResumableSampler(
-            len(dataset), batch_size=t._train_batch_size,
+            len(dataset), batch_size=batch,
             seed=args.data_seed if args.data_seed is not None else args.seed,
-            shuffle=_sampling(args) != "sequential", drop_last=args.dataloader_drop_last)
-        if sampler.num_samples != len(dataset) or sampler.batch_size != t._train_batch_size:
+            shuffle=_sampling(args) != "sequential", drop_last=args.dataloader_drop_last,
+            rank=args.process_index, world_size=args.world_size)
+        if sampler.num_samples != len(dataset) or sampler.batch_size != batch:
             raise UnsupportedSetup(
                 f"sampler orders {sampler.num_samples} samples in batches of "
                 f"{sampler.batch_size}, but train_dataset has {len(dataset)} samples and the "
@@ -194,7 +197,7 @@ class UnbrokenCallback(TrainerCallback):
             raise ValueError("Trainer: training requires a model")
         self.checkpointer = Checkpointer(
             self.root, model=t.model, optimizer=optimizer, scheduler=t.lr_scheduler,
-            scaler=t.accelerator.scaler, data=self.loader, extras={PART: self.progress},
+            scaler=t.accelerator.scaler, data=self.loader, extras={PART: PerRank(self.progress)},
             identity=(self.identity if self.identity is not None
                       else Identity(config=trainer_config(t.args))),
             every=self.every, **self.options)

@@ -55,7 +55,8 @@ train dataloaders, several optimizers or LR schedulers, manual optimization, a l
 ``GradientAccumulationScheduler``, ``limit_train_batches``, ``overfit_batches``,
 ``reload_dataloaders_every_n_epochs``, or ``fit(ckpt_path=...)``; and, at the first batch that
 logs it, a training metric whose running epoch aggregate cannot be saved: a
-``torchmetrics.Metric`` logged with ``on_epoch=True`` or a ``sync_dist_group``. Callbacks that change the model or the optimizer during fit
+``torchmetrics.Metric`` logged with ``on_epoch=True`` or a ``sync_dist_group``. Callbacks that
+change the model or the optimizer during fit
 (SWA, fine-tuning that adds parameter groups, pruning) and callbacks with checkpoint hooks
 (``on_save_checkpoint``: what they add to Lightning's checkpoint dict, such as
 ``EMAWeightAveraging``'s averaged model, is not in the generations) are refused too; a

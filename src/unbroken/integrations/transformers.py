@@ -37,6 +37,12 @@ and a configuration that cannot be resumed exactly is refused with `UnsupportedS
   early), saved when the loop ends. A continuation skips ``eval_on_start``
   (the run evaluated before update 1).
 
+Under ``torchrun`` (DDP, one process per device) every rank attaches alike: the sampler's batch
+is the global one (per-device batch x processes), each rank taking its contiguous share, and
+the Trainer's state is held per rank (`unbroken.PerRank`: each rank's running loss is its
+own); a job continues on the same number of processes (the data cursor refuses another
+global batch).
+
 ``train_sampling_strategy`` "random" (a seeded shuffle) or "sequential" (dataset order); a
 collator with a random generator of its own (``DataCollatorForLanguageModeling(seed=...)``)
 is refused: its stream is neither saved nor positioned by the data cursor. So is one that
@@ -86,9 +92,9 @@ def _refuse_unsupported(trainer: Trainer) -> None:
                 "the order)")
     strategy = getattr(args.save_strategy, "value", args.save_strategy)
     refusals = [
-        (args.world_size > 1 or args.n_gpu > 1,
-         f"{args.world_size} processes / {args.n_gpu} GPUs: this adapter is tested in one "
-         "process on one device; run one process"),
+        (args.n_gpu > 1,
+         f"{args.n_gpu} GPUs in one process (torch.nn.DataParallel): run one process per "
+         "device (torchrun)"),
         (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled,
          "DeepSpeed or FSDP: their sharded state is not captured here; train without them"),
         (args.auto_find_batch_size,
@@ -118,8 +124,9 @@ def attach(trainer: Trainer, root: str | os.PathLike[str], *, every: int | None 
     ``every``: save each N completed updates (plus ``$UNBROKEN_SAVE_AT``, a signal's stop and
     the final update). ``identity``: what a continuation must match; by default
     `trainer_config` of the arguments. ``sampler``: the sample order (default:
-    ``ResumableSampler(len(train_dataset), per-device batch, seed=data_seed or seed,
-    drop_last=dataloader_drop_last)``). Other keywords go to the `Checkpointer` (``keep``,
+    ``ResumableSampler(len(train_dataset), per-device batch x processes, seed=data_seed or
+    seed, drop_last=dataloader_drop_last, rank=process_index, world_size=world_size)``).
+    Other keywords go to the `Checkpointer` (``keep``,
     ``trace``, ``signals``, ``async_save``, ...). Set ``save_strategy="no"``: the Trainer's
     own checkpoints are not used. Returns the callback (already added to the Trainer)."""
     if not isinstance(trainer, Trainer):

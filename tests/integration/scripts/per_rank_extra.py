@@ -21,7 +21,6 @@ import unbroken
 ap = argparse.ArgumentParser()
 ap.add_argument("--folder", required=True)
 ap.add_argument("--mode", required=True, choices=("save", "restore"))
-ap.add_argument("--async-save", default="")
 args = ap.parse_args()
 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
@@ -64,10 +63,8 @@ def report(**fields) -> None:
     os.write(1, (json.dumps({"rank": rank, **fields}) + "\n").encode())
 
 
-options = {"async_save": "process"} if args.async_save == "process" else {}
 ck = unbroken.Checkpointer(args.folder, model=model, optimizer=opt,
-                           extras={"mine": unbroken.PerRank(mine), "shared": shared},
-                           **options)
+                           extras={"mine": unbroken.PerRank(mine), "shared": shared})
 try:
     if args.mode == "save":
         for step in range(1, 4):
