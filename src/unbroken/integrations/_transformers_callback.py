@@ -142,7 +142,14 @@ class UnbrokenCallback(TrainerCallback):
             raise UnsupportedSetup(
                 f"sampler orders {sampler.num_samples} samples in batches of "
                 f"{sampler.batch_size}, but train_dataset has {len(dataset)} samples and the "
-                f"Trainer's batch is {t._train_batch_size}; build it with those")
+                f"Trainer's batch is {batch}"
+                f"{f' ({args.world_size} processes)' if args.world_size > 1 else ''}; build "
+                "it with those")
+        if (sampler.rank, sampler.world_size) != (args.process_index, args.world_size):
+            raise UnsupportedSetup(
+                f"the sampler is rank {sampler.rank} of {sampler.world_size}, this process is "
+                f"rank {args.process_index} of {args.world_size}: build it with "
+                "ResumableSampler(..., rank=args.process_index, world_size=args.world_size)")
         self.loader = ResumableLoader(
             dataset if isinstance(dataset, SeededDataset) else seeded(dataset, sampler.seed),
             sampler, num_workers=args.dataloader_num_workers, collate_fn=collate,
