@@ -19,7 +19,7 @@ import torch
 from ._progress import Progress
 from .dist.commit import describe, own_names, rank_prefix, rebuild
 from .dist.group import Group
-from .dist.sharded import SHARDS_FILE, load_shards, read_index
+from .dist.sharded import SHARDS_FILE, load_shards, read_index, shard_file
 from .errors import (
     CorruptCheckpoint,
     ForeignGeneration,
@@ -149,7 +149,7 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                                      None if intent == "continue" else {S.MODEL},
                                      layout=pick.layout)
     if sharded:
-        own = _rank_parts(store, info, files, meta, group, parts)
+        own = _rank_parts(store, info, files, meta, group, parts, set(tree))
         if not own.keys().isdisjoint(tree):
             raise CorruptCheckpoint(f"{info.path}: parts {sorted(own.keys() & tree.keys())} are "
                                     f"both in {S.STATE_FILE} and in a rank's own file")
@@ -228,8 +228,8 @@ def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, 
 
 
 def _rank_parts(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],
-                meta: Mapping[str, str], group: Group, parts: Mapping[str, Any]
-                ) -> dict[str, Any]:
+                meta: Mapping[str, str], group: Group, parts: Mapping[str, Any],
+                shared: set[str]) -> dict[str, Any]:
     """This rank's own parts (its RNG streams, the extras held per rank) from its own files of
     a generation of many ranks. A rank the saving job did not have keeps its live streams
     and takes rank 0's extras (said: the same data order and weights, other dropout draws);
@@ -247,11 +247,15 @@ def _rank_parts(store: GenerationStore, info: GenerationInfo, files: dict[str, A
                 "(equal data order and weights, other random draws than a run of %d ranks)"
                 "; extras held per rank, if any, are rank 0's", info.path, saved_ranks,
                 group.rank, group.size, saved_ranks)
+    live = {S.RNG: parts[S.RNG].state_dict()}
+    if not set(info.manifest.parts) - shared - {S.RNG}:  # (no extra held per rank)
+        return live
+    # rank 0's own state (not its chunks of sharded tensors, which `_load_shards` reads)
     first = rank_prefix(0)
-    if not any(name.startswith(first) for name in files):  # (this rank read no rank's files)
-        files.update(store.read_verified(info, [a.name for a in info.manifest.artifacts
-                                                if a.name.startswith(first)]))
-    return {**rank_parts(files, info.path, meta, 0), S.RNG: parts[S.RNG].state_dict()}
+    files.update(store.read_verified(info, [
+        a.name for a in info.manifest.artifacts
+        if a.name.startswith(first) and a.name != shard_file(0) and a.name not in files]))
+    return {**rank_parts(files, info.path, meta, 0), **live}
 
 
 def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int
