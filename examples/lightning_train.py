@@ -5,15 +5,19 @@ An MLP with dropout classifies 256 id-carrying points with random augmentation i
 stepped per update, gradient clipping, two DataLoader workers and a validation pass at each
 epoch's end. Kill it at any moment (even mid-epoch) and run it again: ``fit`` continues at the
 next batch, bit for bit. SIGTERM (what SLURM sends) saves at the next update and stops.
+Under torchrun it trains as a DDP job of as many processes (gloo on CPU), each rank logging
+its own training loss.
 
     python examples/lightning_train.py --run runs/lightning
     unbroken check -- python examples/lightning_train.py --run runs/lightning
+    torchrun --nproc-per-node 2 examples/lightning_train.py --run runs/lightning-ddp
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import random
 import signal
 from collections.abc import Sequence
@@ -22,6 +26,7 @@ import lightning as L
 import numpy as np
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.strategies import DDPStrategy
 
 import unbroken
 from unbroken.integrations.lightning import UnbrokenCallback
@@ -58,11 +63,14 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         x, y, _ = batch
-        return F.cross_entropy(self(x), y)
+        loss = F.cross_entropy(self(x), y)
+        # (each rank's own value; the epoch mean syncs across ranks when it is computed)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
 
     def validation_step(self, batch, batch_idx: int) -> None:
         x, y, _ = batch
-        self.log("val_loss", F.cross_entropy(self(x), y))
+        self.log("val_loss", F.cross_entropy(self(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
@@ -88,8 +96,12 @@ def main(argv: list[str] | None = None, callbacks: Sequence[L.Callback] = ()) ->
     args = ap.parse_args(argv)
 
     L.seed_everything(0, verbose=False)  # seeds Python, NumPy and torch; harmless to resumes
+    # Under torchrun: this process's rank (the Trainer sets up the process group later); the
+    # batch is the global one, each rank taking its contiguous share.
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     dataset = Points(args.samples)
-    sampler = unbroken.ResumableSampler(len(dataset), batch_size=args.batch_size, seed=0)
+    sampler = unbroken.ResumableSampler(len(dataset), batch_size=args.batch_size, seed=0,
+                                        rank=rank, world_size=world)
     loader = unbroken.ResumableLoader(unbroken.seeded(dataset, seed=0), sampler,
                                       num_workers=args.workers, accumulation=args.accumulation)
     # Validation may read through a plain DataLoader: the callback resumes the training data.
@@ -100,7 +112,9 @@ def main(argv: list[str] | None = None, callbacks: Sequence[L.Callback] = ()) ->
     config = {k: v for k, v in vars(args).items() if k not in ("run", "workers", "every")}
     callback = UnbrokenCallback(args.run, identity=unbroken.Identity(config=config),
                                 every=args.every, signals=[signal.SIGTERM])
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=args.epochs,
+    trainer = L.Trainer(accelerator="cpu", devices=world, max_epochs=args.epochs,
+                        strategy=DDPStrategy(process_group_backend="gloo") if world > 1 else "auto",
+                        use_distributed_sampler=False,
                         max_steps=args.max_steps,
                         accumulate_grad_batches=args.accumulation, gradient_clip_val=1.0,
                         deterministic=True, callbacks=[callback, *callbacks], logger=False,
