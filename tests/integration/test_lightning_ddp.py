@@ -38,29 +38,22 @@ def _records(tmp: Path, lives: list[str], rank: int) -> dict[tuple, dict[str, st
     return out
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """The uninterrupted job (saving in the training process: how a job saves changes none of
-    its updates), every case's reference: ``whole.*`` in the returned folder."""
-    tmp = tmp_path_factory.mktemp("lightning-ddp")
-    whole = _job(tmp, "whole", "whole")
+def test_each_ranks_logged_metrics_survive_a_mid_epoch_kill_bitwise(tmp_path):
+    """Saved at update 17 (5 batches into epoch 1 of 12) through persisting processes, the
+    whole job SIGKILLed as soon as generation 17 is committed (a kill of the whole machine
+    before that loses the save in flight), resumed: every rank's updates, final state and
+    logged values are the uninterrupted job's (which saved in the training process: how a
+    job saves changes none of its updates); the generation holds each rank's loop state in
+    its own file. (Saves in the training process: test_per_rank_extra.py,
+    test_transformers_ddp.py.)"""
+    reference = tmp_path / "whole"
+    reference.mkdir()
+    whole = _job(reference, "whole", "whole")
     assert whole.returncode == 0, whole.stderr[-3000:]
-    return tmp
-
-
-@pytest.mark.parametrize("mode,kill", [("", "update-end@20"), ("process", "after-rename@17")])
-def test_each_ranks_logged_metrics_survive_a_mid_epoch_kill_bitwise(tmp_path, reference, mode,
-                                                                   kill):
-    """Saved at update 17 (5 batches into epoch 1 of 12), the whole job SIGKILLed (at the end
-    of update 20; saving in persisting processes, as soon as generation 17 is committed: a
-    kill of the whole machine before that loses the save in flight), resumed: every rank's
-    updates, final state and logged values are the uninterrupted job's; the generation
-    holds each rank's loop state in its own file."""
-    mode_args = ("--async-save", mode) if mode else ()
-    killed = _job(tmp_path, "run", "a", *mode_args, UNBROKEN_SAVE_AT="17",
-                  UNBROKEN_KILL_AT=kill)
+    killed = _job(tmp_path, "run", "a", "--async-save", "process", UNBROKEN_SAVE_AT="17",
+                  UNBROKEN_KILL_AT="after-rename@17")
     assert_job_killed(killed)
-    resumed = _job(tmp_path, "run", "b", *mode_args)
+    resumed = _job(tmp_path, "run", "b", "--async-save", "process")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: resumed from 17, reached 48" in resumed.stdout, resumed.stdout
