@@ -325,7 +325,9 @@ def verify_one(store: GenerationStore, info: GenerationInfo, run: RunRecord | No
         if m.world_size > 1:  # each rank's own parts, each checked (rank 0's: the parts)
             from .picking import rank_parts
 
-            owns = [rank_parts(files, info.path, meta, r) for r in range(m.world_size)]
+            expected = set(m.parts) - set(tree)
+            owns = [rank_parts(files, info.path, meta, r, expected)
+                    for r in range(m.world_size)]
             tree = {**tree, **owns[0]}
         check_stamps(m, info.path, tree, meta)
         if deep is not None:

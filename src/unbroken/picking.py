@@ -149,11 +149,8 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
                                      None if intent == "continue" else {S.MODEL},
                                      layout=pick.layout)
     if sharded:
-        own = _rank_parts(store, info, files, meta, group, parts, set(tree))
-        if not own.keys().isdisjoint(tree):
-            raise CorruptCheckpoint(f"{info.path}: parts {sorted(own.keys() & tree.keys())} are "
-                                    f"both in {S.STATE_FILE} and in a rank's own file")
-        tree.update(own)
+        tree.update(_rank_parts(store, info, files, meta, group, parts,
+                                set(manifest.parts) - set(tree)))
     elif intent == "continue" and group.size > 1:
         log.warning("%s was saved by one process: every rank of this job restores the same "
                     "random streams (equal data order and weights; dropout draws alike on "
@@ -229,11 +226,11 @@ def _load_shards(store: GenerationStore, info: GenerationInfo, files: dict[str, 
 
 def _rank_parts(store: GenerationStore, info: GenerationInfo, files: dict[str, Any],
                 meta: Mapping[str, str], group: Group, parts: Mapping[str, Any],
-                shared: set[str]) -> dict[str, Any]:
-    """This rank's own parts (its RNG streams, the extras held per rank) from its own files of
-    a generation of many ranks. A rank the saving job did not have keeps its live streams
-    and takes rank 0's extras (said: the same data order and weights, other dropout draws);
-    the parts of ranks this job lacks are dropped (said)."""
+                expected: set[str]) -> dict[str, Any]:
+    """This rank's own parts (its RNG streams, the extras held per rank: ``expected``) from
+    its own files of a generation of many ranks. A rank the saving job did not have keeps
+    its live streams and takes rank 0's extras (said: the same data order and weights, other
+    dropout draws); the parts of ranks this job lacks are dropped (said)."""
     assert info.manifest is not None  # (verified by the caller)
     saved_ranks = info.manifest.world_size
     if group.rank < saved_ranks:
@@ -242,39 +239,43 @@ def _rank_parts(store: GenerationStore, info: GenerationInfo, files: dict[str, A
                         "%d..%d are dropped, and their extras held per rank if any (equal data "
                         "order and weights, other random draws)", info.path, saved_ranks,
                         group.size, group.size, saved_ranks - 1)
-        return rank_parts(files, info.path, meta, group.rank)
+        return rank_parts(files, info.path, meta, group.rank, expected)
     log.warning("%s: saved by %d ranks, this is rank %d of %d: its random streams start afresh "
                 "(equal data order and weights, other random draws than a run of %d ranks)"
                 "; extras held per rank, if any, are rank 0's", info.path, saved_ranks,
                 group.rank, group.size, saved_ranks)
     live = {S.RNG: parts[S.RNG].state_dict()}
-    if not set(info.manifest.parts) - shared - {S.RNG}:  # (no extra held per rank)
+    if not expected - {S.RNG}:  # (no extra held per rank)
         return live
     # rank 0's own state (not its chunks of sharded tensors, which `_load_shards` reads)
     first = rank_prefix(0)
     files.update(store.read_verified(info, [
         a.name for a in info.manifest.artifacts
         if a.name.startswith(first) and a.name != shard_file(0) and a.name not in files]))
-    return {**rank_parts(files, info.path, meta, 0), **live}
+    return {**rank_parts(files, info.path, meta, 0, expected), **live}
 
 
-def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int
-               ) -> dict[str, Any]:
+def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], rank: int,
+               expected: set[str]) -> dict[str, Any]:
     """The parts ``rank`` of a generation of many ranks holds its own of: its RNG streams and
     its extras held per rank (`state.parts.PerRank`), from its ``rankNNNNN.state.json``,
-    checked to be stamped with this generation and that rank."""
+    checked to be stamped with this generation and that rank, and to be the ``expected``
+    ones (the manifest's parts that ``state.json`` lacks: every rank holds the same)."""
     prefix = rank_prefix(rank)
     if prefix + S.STATE_FILE not in files:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: missing; every rank of the "
                                 "saving job writes its own random streams there")
     own, own_meta = G.decode_generation(files, folder, prefix=prefix)
-    expected = {**meta, "unbroken.rank": str(rank)}
-    if own_meta != expected or S.RNG not in own:
+    stamped = {**meta, "unbroken.rank": str(rank)}
+    if own_meta != stamped or S.RNG not in own:
         raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: stamped {own_meta}, expected "
-                                f"{expected}: the file belongs to another rank or generation")
+                                f"{stamped}: the file belongs to another rank or generation")
     odd = sorted(p for p in own if p != S.RNG and not p.startswith(S.EXTRA_PREFIX))
-    if odd:  # (a rank's file never holds the model, optimizer or any other shared part)
-        raise CorruptCheckpoint(f"{folder}/{prefix}{S.STATE_FILE}: holds parts {odd}; a rank's "
-                                "own file holds its random streams and extras held per rank "
-                                "only")
+    if odd or set(own) != expected:
+        # (a rank's file never holds the model, the optimizer or a part of state.json: a
+        # restore would take that rank's copy)
+        raise CorruptCheckpoint(
+            f"{folder}/{prefix}{S.STATE_FILE}: holds parts {sorted(own)}, expected "
+            f"{sorted(expected)} (the manifest's parts besides those of {S.STATE_FILE}); a "
+            "rank's own file holds its random streams and its extras held per rank only")
     return own

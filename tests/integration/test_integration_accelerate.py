@@ -382,3 +382,37 @@ def test_objects_registered_for_checkpointing_that_the_generation_holds_are_acce
     with pytest.raises(ua.UnsupportedSetup, match="object #2 .StepLR. was registered"):
         ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
                         scheduler=sched, data=loader)
+
+
+def test_objects_and_models_held_per_rank_count_as_held(tmp_path):
+    """An object registered for checkpointing and a second prepared model, each given as an
+    extra held per rank (`unbroken.PerRank`), are held by the generation like plain extras:
+    neither is refused, and the model is saved unwrapped (its own parameter names)."""
+    class Mine:
+        def __init__(self) -> None:
+            self.n = 3
+
+        def state_dict(self) -> dict:
+            return {"n": self.n}
+
+        def load_state_dict(self, state: dict) -> None:
+            self.n = state["n"]
+
+    accelerator = Accelerator(cpu=True)
+    module = torch.nn.Linear(8, 2)
+    model, opt = accelerator.prepare(module, torch.optim.SGD(module.parameters(), lr=0.1))
+    second = accelerator.prepare(torch.nn.Linear(2, 2))
+    mine = Mine()
+    accelerator.register_for_checkpointing(mine)
+    loader = ua.prepare_loader(accelerator, unbroken.ResumableLoader(
+        unbroken.seeded(Points(), seed=0), unbroken.ResumableSampler(SAMPLES, batch_size=BATCH)))
+    ckpt = ua.checkpointer(accelerator, tmp_path / "run", model=model, optimizer=opt,
+                           data=loader, extras={"mine": unbroken.PerRank(mine),
+                                                "second": unbroken.PerRank(second)})
+    try:
+        assert ckpt._parts["extra.mine"] is mine and ckpt._per_rank == {"extra.mine",
+                                                                       "extra.second"}
+        assert ckpt._parts["extra.second"] is accelerator.unwrap_model(second)
+        ckpt.save(1)
+    finally:
+        ckpt.close()

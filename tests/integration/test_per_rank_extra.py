@@ -2,11 +2,14 @@
 persisting processes too: test_lightning_ddp.py): saved by 2 ranks, each rank restores its own
 state of them, while a plain extra and the model are shared; a job of 3 ranks gives its new
 rank rank 0's (and says so), a single process restores rank 0's. `unbroken verify` and
-`unbroken inspect` read such a generation; the ranks' files hold only their own parts."""
+`unbroken inspect` read such a generation; the ranks' files hold only their own parts, and a
+rank's file resealed with another set of parts (one missing, one more, a shared one again) is
+refused by `verify` and by a restore, naming that file."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 from _launch import torchrun
 from conftest import SCRIPTS
+from test_sharded_tools_s25 import reseal
 
 SCRIPT = str(SCRIPTS / "per_rank_extra.py")
 DECAY = 0.5 * 0.9 ** 3
@@ -60,3 +64,25 @@ def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path):
         r = subprocess.run([sys.executable, "-m", "unbroken", *command], capture_output=True,
                            text=True, timeout=120)
         assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
+
+    gen = tmp_path / "run" / "gen-000000003"
+    own = json.loads((gen / "rank00001.state.json").read_text())
+    shared = json.loads((gen / "state.json").read_text())["parts"]
+    for change in ({"extra.mine": None}, {"extra.bogus": {"x": 1}},
+                   {"extra.shared": shared["extra.shared"]}):
+        parts = {k: v for k, v in {**own["parts"], **change}.items() if v is not None}
+        shutil.rmtree(tmp_path / "forged", ignore_errors=True)
+        shutil.copytree(tmp_path / "run", tmp_path / "forged")
+        reseal(tmp_path / "forged" / gen.name, "rank00001.state.json",
+               json.dumps({**own, "parts": parts}).encode())
+        r = subprocess.run([sys.executable, "-m", "unbroken", "verify", str(tmp_path / "forged")],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1 and "rank00001.state.json: holds parts" in r.stdout, (
+            change, r.stdout[-2000:], r.stderr[-2000:])
+        if "extra.mine" not in change:
+            continue  # (a restore checks each rank's parts as verify does: one case is run)
+        r = torchrun(2, tmp_path / "forged", tmp_path / "forged.trace", "--mode", "restore",
+                     script=SCRIPT)
+        # (the only generation refused: no start from scratch over it)
+        assert r.returncode != 0 and "no generation verifies" in r.stderr, r.stderr[-3000:]
+        assert "rank00001.state.json: holds parts" in r.stderr, r.stderr[-3000:]

@@ -103,7 +103,9 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
             why = ("a DDP replica divergence: a rank stepped alone, or a buffer is not "
                    "synchronised" if name.startswith(("model ", "optimizer ")) else
                    "this part holds state of each rank's own, such as metrics logged without "
-                   "synchronising them, and a generation holds one copy of it for all ranks")
+                   "synchronising them, and a generation holds one copy of it for all ranks "
+                   "unless it is given as extras={name: unbroken.PerRank(obj)}, each rank's "
+                   "then kept in its own files")
             raise StateMismatch(
                 f"replicas differ across ranks: {name!r} on rank(s) {ranks} differs from rank "
                 f"0 ({why}); refusing to save one copy for all")

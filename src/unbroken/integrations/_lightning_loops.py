@@ -59,7 +59,10 @@ class _LoopState:
         self._pending: dict[str, Any] | None = None  # re-applied after the epoch loop resets
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._live(), "results": save_results(self._trainer)}
+        # (the rank whose share of the running aggregates this is: a rank restoring another's
+        # state, one the saving job did not have, starts its share afresh, `load_results`)
+        return {**self._live(), "results": save_results(self._trainer),
+                "rank": self._trainer.global_rank}
 
     def _live(self) -> dict[str, Any]:
         """The state without the running aggregates (which a restore replaces: a check of a
@@ -95,6 +98,9 @@ class _LoopState:
                 f"{where}: the saved callback metrics are not a mapping of names to tensors "
                 f"or numbers (found {metrics!r:.80}); the generation was not written by this "
                 "adapter: resume from another generation or start a new run folder")
+        if type(state.get("rank", 0)) is not int:
+            raise StateMismatch(f"{where}: the saved rank is {state.get('rank')!r:.40}, not an "
+                                "int; the generation was not written by this adapter")
         if state.get("version") in (4, _STATE_VERSION):
             check_saved(state.get("results"), self._trainer.lightning_module, where)
         if _shape(state.get("progress")) != _shape(live["progress"]) or not isinstance(
@@ -134,7 +140,8 @@ class _LoopState:
         self._trainer._logger_connector._callback_metrics = {
             key: _on(value, device) for key, value in state.get("metrics", {}).items()}
         if "results" in state:  # (version 4 on; older generations resume without them)
-            load_results(self._trainer, state["results"])
+            load_results(self._trainer, state["results"],
+                         own=state.get("rank", 0) == self._trainer.global_rank)
         epoch = fit.epoch_progress.current
         if epoch.ready > epoch.processed:
             # Saved inside an epoch: re-enter it without its start hooks (they ran before the

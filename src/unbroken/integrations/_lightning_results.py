@@ -208,9 +208,13 @@ def _submodule(module: torch.nn.Module, name: str) -> torch.nn.Module | None:
         return None
 
 
-def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
+def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]], own: bool = True
+                 ) -> None:
     """Put the saved entries (checked by `check_saved`) back as the training results, in
-    their order, on the module's device."""
+    their order, on the module's device. ``own`` False: the entries another rank saved (this
+    rank was not in the saving job, or it saved in one process): their running epoch
+    aggregates start empty here, as a rank's own share of the epoch so far is nothing (taking
+    the other rank's would count its batches twice in a synced epoch value)."""
     results = training_results(trainer)
     device = trainer.strategy.root_device
     module = trainer.lightning_module
@@ -231,10 +235,12 @@ def load_results(trainer: pl.Trainer, saved: list[Mapping[str, Any]]) -> None:
                           fn=trainer.strategy.reduce, _group=None,
                           rank_zero_only=entry["rank_zero_only"])
         metric = _ResultMetric(meta, entry["tensor"])
-        if entry["tensor"]:
+        if entry["tensor"] and not (entry["on_epoch"] and not own):
             metric.value = entry["value"].to(device)
             if meta.is_mean_reduction:
                 metric.cumulated_batch_size = entry["cumulated_batch_size"].to(device)
+        elif entry["tensor"]:  # (the reduction's empty aggregate, as `_ResultMetric` makes it)
+            metric.to(device)
         else:
             metric.value = module.get_submodule(entry["metric_attribute"])
         cache = entry["forward_cache"]
@@ -286,6 +292,12 @@ def _reconcile(results: _ResultCollection, restored: set[str]) -> None:
         for field in _SHOWN:
             if field in kwargs:
                 setattr(entry.meta, field, kwargs[field])
+        # Whether the value is reduced across ranks when computed is not what was accumulated
+        # (each rank's share is its own either way): Lightning asks for it only in a job of
+        # several processes (``sync_dist and is_distributed``), so a run resumed on another
+        # number of processes takes this call's.
+        if "sync_dist" in kwargs and entry.meta._sync is not None:
+            entry.meta.sync.should = bool(kwargs["sync_dist"])
         try:
             plain(results, fx, name, value, **kwargs)
         except MisconfigurationException as e:

@@ -56,6 +56,7 @@ from ..checkpointer import Checkpointer
 from ..data.loader import ResumableLoader
 from ..data.sampler import ResumableSampler
 from ..errors import UnsupportedSetup
+from ..state.parts import PerRank
 from ._accelerate_loader import PreparedLoader, _check_loader, prepare_loader
 
 __all__ = ["PreparedLoader", "UnsupportedSetup", "checkpointer", "prepare", "prepare_loader"]
@@ -228,9 +229,14 @@ def _check_captured(accelerator: Accelerator, parts: list[Any],
     """Refuse prepared models and registered objects the generation would not hold (neither
     one of its ``parts`` nor in ``extras``); returns ``extras`` with prepared models among
     them unwrapped (saved under their own names)."""
-    unwrapped = {name: _unwrap_model(accelerator, obj) if isinstance(obj, torch.nn.Module)
-                 else obj for name, obj in extras.items()}
-    held = [p for p in (*parts, *unwrapped.values()) if p is not None]
+    def unwrapped_model(obj: Any) -> Any:
+        if isinstance(obj, PerRank):  # (held per rank: the object it wraps, unwrapped)
+            return PerRank(unwrapped_model(obj.state))
+        return _unwrap_model(accelerator, obj) if isinstance(obj, torch.nn.Module) else obj
+
+    unwrapped = {name: unwrapped_model(obj) for name, obj in extras.items()}
+    held = [p.state if isinstance(p, PerRank) else p
+            for p in (*parts, *unwrapped.values()) if p is not None]
     for i, prepared in enumerate(accelerator._models):
         inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True,
                                          keep_torch_compile=False)

@@ -80,8 +80,8 @@ def _load(store: GenerationStore, info: GenerationInfo) -> Side:
     tree, meta = decode_generation(files, info.path)
     # a job of many ranks: each rank's own parts (random streams, extras held per rank),
     # compared rank by rank (rank 0's stand for the parts when the stamps are checked)
-    owns = [rank_parts(files, info.path, meta, r) for r in range(m.world_size)
-            ] if m.world_size > 1 else []
+    owns = [rank_parts(files, info.path, meta, r, set(m.parts) - set(tree))
+            for r in range(m.world_size)] if m.world_size > 1 else []
     check_stamps(m, info.path, {**tree, **owns[0]} if owns else tree, meta)
     for rank, own in enumerate(owns):
         for part, value in own.items():
