@@ -48,6 +48,7 @@ class Persisting:
     """Persisting generations, and what it needs of the Checkpointer it is mixed into."""
 
     identity: Identity
+    model: Any  # (a torch.nn.Module: this module imports no torch)
     store: GenerationStore
     keep: Keep
     fstype: str
@@ -114,6 +115,10 @@ class Persisting:
         self._in_flight = None
         return info
 
+    def _is_buffer(self, name: str) -> bool:
+        """Whether ``name`` is one of the model's buffers (asked of replicas that differ)."""
+        return name in dict(self.model.named_buffers())
+
     @gc_paused
     @saving
     def _persist(self, step: int, tree: dict[str, Any], values: dict[str, float], again: bool,
@@ -128,7 +133,7 @@ class Persisting:
         group = self._save_group if snapshot else self._group
         later = self._read_back_later and not snapshot  # (a sync save's read-back, beside)
         if group.active:  # (first: the ranks' steps agree before any other collective)
-            check_replicas(group, step, replicated(tree, self._per_rank))
+            check_replicas(group, step, replicated(tree, self._per_rank), self._is_buffer)
         if again and saved_unchanged(self.store, group, step, tree, values, plan,
                                            self._per_rank):
             return None  # the same state saved twice
@@ -213,7 +218,8 @@ class Persisting:
         group, persister = self._group, self._persister
         assert persister is not None  # (made with the Checkpointer)
         if group.active:  # (first: the ranks' steps agree before any other collective)
-            check_replicas(self._save_group, step, replicated(tree, self._per_rank))
+            check_replicas(self._save_group, step, replicated(tree, self._per_rank),
+                           self._is_buffer)
         if again and step != self._unconfirmed and saved_unchanged(
                 self.store, group, step, tree, values, plan, self._per_rank):
             return  # the same state saved twice

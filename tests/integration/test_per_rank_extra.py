@@ -1,7 +1,9 @@
 """Extras held per rank (`unbroken.PerRank`) in a gloo job launched by torchrun (saved through
 persisting processes too: test_lightning_ddp.py): saved by 2 ranks, each rank restores its own
 state of them, while a plain extra and the model are shared; a job of 3 ranks gives its new
-rank rank 0's (and says so). `unbroken verify` and
+rank rank 0's (and says so). A model with BatchNorm, whose statistics each rank updates
+with its own batch, saves rank 0's (DDP copies them to every rank at each forward) with a
+warning instead of refusing the replicas. `unbroken verify` and
 `unbroken inspect` read such a generation; the ranks' files hold only their own parts, and a
 rank's file resealed with another set of parts (one missing, one more, a shared one again) is
 refused by `verify` and by a restore, naming that file."""
@@ -37,8 +39,10 @@ def _own(rank: int) -> dict:
 
 
 def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path):
-    saved, _ = _job(2, tmp_path, "save")
+    saved, err = _job(2, tmp_path, "save")
     assert sorted(saved) == [0, 1], saved
+    # (BatchNorm's statistics, each rank's own after its forward: rank 0's saved, warned)
+    assert "differ across ranks (BatchNorm's running statistics" in err, err[-3000:]
     gen = tmp_path / "run" / "gen-000000003"
     parts = {name: sorted(json.loads((gen / name).read_text())["parts"])
              for name in ("state.json", "rank00000.state.json", "rank00001.state.json")}

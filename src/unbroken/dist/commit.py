@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import errno
 import re
+import warnings
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -35,6 +36,7 @@ from ..errors import (
     SharedFileFailed,
     StateMismatch,
     UnbrokenError,
+    UnbrokenWarning,
     UpdateBoundaryError,
 )
 from ..store.generations import GenerationInfo, GenerationStore, generation_name
@@ -68,10 +70,14 @@ def rebuild(failure: Mapping[str, str], rank: int | None = None) -> UnbrokenErro
     return _TYPES.get(failure["type"], UnbrokenError)(where + failure["message"])
 
 
-def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) -> None:
+def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]],
+                   buffer: Callable[[str], bool] = lambda name: False) -> None:
     """Refuse a save that the ranks make at different steps (naming each rank's), or of
     replicas (DDP) that differ across ranks, naming the first differing parameter: ``named``
-    yields (name, tensor or state) in the same order on every rank."""
+    yields (name, tensor or state) in the same order on every rank. A model buffer
+    (``buffer`` of the name says so, asked only of names that differ) is not refused: DDP
+    copies rank 0's to every rank at the start of each forward (``broadcast_buffers``, its
+    default), so rank 0's is what the next update starts from; it is warned about, once."""
     if not group.active:
         return
     from ..state._digest import digest_tree  # (torch: not in the persisting process)
@@ -95,9 +101,12 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
             "buffers, optimizer state or parts differ from rank 0's (a model built otherwise "
             "on a rank, or a part given to some ranks only); every rank of a data-parallel "
             "job holds a replica of the same state; nothing was saved")
+    buffers: list[str] = []
     for i, (name, mine) in enumerate(digests):
         ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
-        if ranks:
+        if ranks and name.startswith("model ") and buffer(name[len("model "):]):
+            buffers.append(name[len("model "):])
+        elif ranks:
             # (the model and its optimizer state diverge as replicas; any other part is
             # state a rank keeps on its own, which a generation holds once for all ranks)
             why = ("a DDP replica divergence: a rank stepped alone, or a buffer is not "
@@ -109,6 +118,14 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]]) ->
             raise StateMismatch(
                 f"replicas differ across ranks: {name!r} on rank(s) {ranks} differs from rank "
                 f"0 ({why}); refusing to save one copy for all")
+    if buffers:  # (the same text at every save: shown once)
+        warnings.warn(
+            f"model buffers {buffers[:4]}{' ...' if len(buffers) > 4 else ''} differ across "
+            "ranks (BatchNorm's running statistics, each rank's own after its forward): rank "
+            "0's are saved, which DDP with broadcast_buffers=True (its default) copies to "
+            "every rank at the start of the next forward, so the continuation is exact; with "
+            "broadcast_buffers=False the other ranks' own are not kept", UnbrokenWarning,
+            stacklevel=2)
 
 
 def _by_step(steps: list[int]) -> str:

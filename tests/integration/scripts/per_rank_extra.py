@@ -1,6 +1,7 @@
 """One rank of a gloo job (tests/integration/test_per_rank_extra.py) whose Checkpointer holds an
 extra each rank has its own state of (`unbroken.PerRank`: a count and a tensor of the rank's
-own values) beside a plain extra every rank holds alike. Every collective runs under a 30 s
+own values) beside a plain extra every rank holds alike, and a model with BatchNorm fed each
+rank's own data. Every collective runs under a 30 s
 process-group timeout.
 
 ``--mode save``: 3 updates of a DDP model, each rank setting its own values, then a save of
@@ -52,7 +53,9 @@ class Shared:
 
 
 torch.manual_seed(0)
-model = torch.nn.Linear(4, 2)
+# (BatchNorm: each rank's running statistics its own after its forward, which DDP replaces by
+# rank 0's at the start of the next; a save keeps rank 0's and warns, never refuses)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 2))
 ddp = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 mine, shared = Mine(), Shared()
@@ -68,7 +71,7 @@ ck = unbroken.Checkpointer(args.folder, model=model, optimizer=opt,
 try:
     if args.mode == "save":
         for step in range(1, 4):
-            ddp(torch.randn(8, 4)).sum().backward()
+            ddp(torch.randn(8, 4) + rank).sum().backward()
             opt.step()
             opt.zero_grad()
             mine.count += rank + 1
