@@ -132,7 +132,10 @@ class UnbrokenCallback(TrainerCallback):
         else:
             collate = t._get_collator_with_removed_columns(collate, description="Training")
         args = t.args
-        batch = t._train_batch_size * args.world_size  # (the sampler's is the global batch)
+        # (the sampler's is the global batch: the processes' per-device batches, or, with
+        # Accelerate's split_batches, the per-device batch split among them)
+        split = bool(getattr(args.accelerator_config, "split_batches", False))
+        batch = t._train_batch_size * (1 if split else args.world_size)
         sampler = self.sampler if self.sampler is not None else ResumableSampler(
             len(dataset), batch_size=batch,
             seed=args.data_seed if args.data_seed is not None else args.seed,

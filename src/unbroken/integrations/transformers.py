@@ -97,6 +97,10 @@ def _refuse_unsupported(trainer: Trainer) -> None:
          "device (torchrun)"),
         (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled,
          "DeepSpeed or FSDP: their sharded state is not captured here; train without them"),
+        (getattr(args, "parallelism_config", None) is not None,
+         "parallelism_config (tensor, context or sequence parallelism): processes that share "
+         "a batch are not data-parallel ranks, which this adapter's sampler takes them for; "
+         "train without it"),
         (args.auto_find_batch_size,
          "auto_find_batch_size=True changes the batch (and the sample order) on a retry; "
          "set per_device_train_batch_size"),
