@@ -49,10 +49,13 @@ def _launched_by(pid: int) -> bool:
 
 def _launcher() -> Process | None:
     """The torchrun that started this process, when its parent is one (a rank; a forked
-    DataLoader worker inherits its rank's)."""
+    DataLoader worker inherits its rank's), or its writer's (a rank's persisting process)."""
     if not os.environ.get("TORCHELASTIC_RUN_ID"):
         return None
     parent = os.getppid()
+    if os.environ.get(PERSISTER_OF_ENV) == str(parent):
+        fields = _stat(parent)
+        parent = int(fields[1]) if fields is not None else -1
     started = _started(parent)
     return (parent, started) if started is not None and _launched_by(parent) else None
 
@@ -182,13 +185,15 @@ def kill_job() -> None:
 
 def _kill_job() -> None:
     owner = os.environ.get(PERSISTER_OF_ENV, "")
+    if _LAUNCHER is not None and _started(_LAUNCHER[0]) == _LAUNCHER[1]:
+        # (a rank's persisting process too: the launcher first, whose tree holds this one,
+        # else the other ranks would be stopped by torchrun, not killed)
+        if _be_the_killer(_LAUNCHER):
+            kill_tree(_LAUNCHER[0])
     if owner.isdecimal() and int(owner) == os.getppid():
         # the persisting process of a writer (`persist.process`): the machine dies, the
         # writer with it (this process is among its descendants)
         kill_tree(int(owner))
-    if _LAUNCHER is not None and _started(_LAUNCHER[0]) == _LAUNCHER[1]:
-        if _be_the_killer(_LAUNCHER):
-            kill_tree(_LAUNCHER[0])
     # Not the whole tree here: a persisting process (its own session) outlives its writer,
     # as it would a crash of the writer alone.
     if os.getpgid(0) == os.getpid():

@@ -17,9 +17,10 @@ from _launch import SCRIPT, free_port
 from unbroken.cli import main
 
 
-def check(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str) -> tuple[int, dict]:
+def check(tmp_path: Path, capsys: pytest.CaptureFixture[str], *options: str,
+          script_args: tuple[str, ...] = ()) -> tuple[int, dict]:
     job = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), SCRIPT, "--epochs", "1"]
+           "--master-port", str(free_port()), SCRIPT, "--epochs", "1", *script_args]
     code = main(["check", "--json", "--timeout", "240", *options, "--", *job])
     return code, json.loads(capsys.readouterr().out)
 
@@ -30,8 +31,11 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def test_a_correct_ddp_job_is_equivalent_on_every_rank(workdir, capsys):
+    """Saving through persisting processes: the kill inside the save fires in rank 0's
+    persisting process, which kills the whole job too (it killed its own rank only, and
+    torchrun stopped the other and exited 1, which check took for a failed run)."""
     code, report = check(workdir, capsys, "--workdir", str(workdir / "ok"), "--at", "11",
-                         "--phase", "mid-save")
+                         "--phase", "mid-save", script_args=("--process-save",))
     assert code == 0 and report["verdict"] == "equivalent", report
     [case] = report["cases"]
     assert case["kills"][0]["exit_code"] == -9  # the whole job, killed inside the save

@@ -6,7 +6,8 @@ MASTER_PORT set by hand. ``KILL_RANK`` and ``KILL_AT`` arm ``$UNBROKEN_KILL_AT``
 only (a rank that dies alone); ``SIGNAL_RANK`` and ``SIGNAL_AT`` send SIGTERM to one rank
 inside an update (a preemption notice that rank alone receives); ``DIVERGE`` perturbs rank
 1's weights (a replica divergence); ``HASH_LOG`` lists the files rank 0 re-hashes.
-``--async-save`` saves in the background (``--read-back-sync``: the read-back in save());
+``--async-save`` saves in the background (``--process-save``: through a persisting process;
+``--read-back-sync``: the read-back in save());
 ``--fsdp`` shards the model with ``fully_shard``
 (DTensors) instead of DDP; ``--dump FILE`` writes, from rank 0, digests of the *full* model
 and optimizer state (gathered from every rank) at update ``--dump-at`` (right after its save,
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--async-save", action="store_true")
+    ap.add_argument("--process-save", action="store_true")  # async_save="process"
     ap.add_argument("--read-back-sync", action="store_true")
     ap.add_argument("--stop-check-every", type=int, default=1)
     ap.add_argument("--dump")
@@ -96,7 +98,8 @@ def main() -> None:
     groups = len(dist.distributed_c10d._world.pg_map)  # (the job's, before the Checkpointer's)
     ckpt = unbroken.Checkpointer(args.folder, model=net, optimizer=opt, scheduler=sched,
                                  data=loader, every=args.every,
-                                 signals=[signal.SIGTERM], async_save=args.async_save,
+                                 signals=[signal.SIGTERM],
+                                 async_save="process" if args.process_save else args.async_save,
                                  read_back="sync" if args.read_back_sync else "background",
                                  async_timeout=60,  # a background collective never hangs CI
                                  stop_check_every=args.stop_check_every)
