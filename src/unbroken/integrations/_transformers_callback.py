@@ -17,6 +17,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_pt_utils import nested_gather
 
 from ..checkpointer import Checkpointer
 from ..data import ResumableLoader, ResumableSampler, SeededDataset, seeded
@@ -240,8 +241,11 @@ class UnbrokenCallback(TrainerCallback):
         t = self.trainer
         t._tr_loss = saved["tr_loss"].to(t._tr_loss.device, t._tr_loss.dtype)
         t._globalstep_last_logged = saved["globalstep_last_logged"]
-        # train_loss, the metric train() returns, averages this call's updates only.
-        t._total_loss_scalar = -float(saved["tr_loss"])
+        # train_loss, the metric train() returns, averages this call's updates only: what the
+        # next log adds holds the saved losses as it adds them, averaged over the ranks (a
+        # collective in a job: every rank is here at once).
+        t._total_loss_scalar = -nested_gather(t._tr_loss.detach().clone(),
+                                              args.parallel_mode).mean().item()
         self.progress.pending_logging = None
 
     # -- the loop -----------------------------------------------------------------------------
