@@ -38,10 +38,11 @@ and a configuration that cannot be resumed exactly is refused with `UnsupportedS
   (the run evaluated before update 1).
 
 Under ``torchrun`` (DDP, one process per device) every rank attaches alike: the sampler's batch
-is the global one (per-device batch x processes), each rank taking its contiguous share, and
-the Trainer's state is held per rank (`unbroken.PerRank`: each rank's running loss is its
-own); a job continues on the same number of processes (the data cursor refuses another
-global batch).
+is the global one (per-device batch x processes; with Accelerate's ``split_batches``, the
+per-device batch), each rank taking its contiguous share, and the Trainer's state is held per
+rank (`unbroken.PerRank`: each rank's running loss is its own); a job continues on the same
+number of processes (another changes the global batch, which the data cursor refuses, or the
+per-device batch, which the run's identity holds).
 
 ``train_sampling_strategy`` "random" (a seeded shuffle) or "sequential" (dataset order); a
 collator with a random generator of its own (``DataCollatorForLanguageModeling(seed=...)``)
