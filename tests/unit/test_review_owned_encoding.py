@@ -213,6 +213,8 @@ def test_a_user_save_between_owned_saves_shares_their_plans():
     _owned_twice(lambda: {"m": live}, buffers, plans)
     mine = _held(plans)
     live["w2"].resize_(5)  # the user's tensor changed shape in place (never a buffer)
+    with torch.no_grad():  # (its new elements hold whatever memory held: a NaN is unequal)
+        live["w2"][3:] = torch.tensor([0.25, -0.5])
     planned = encode_tree_for_file({"m": live}, plans)
     _same(planned, encode_tree_for_file({"m": live}))
     snap = buffers.take({"m": live})

@@ -23,6 +23,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from _points import Points
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -37,24 +38,11 @@ args = ap.parse_args()
 RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
-class Points(torch.utils.data.Dataset):
-    def __init__(self, n: int) -> None:
-        g = torch.Generator().manual_seed(n)
-        self.x = torch.randn(n, 4, generator=g)
-        self.y = (self.x[:, 0] + 0.5 * torch.randn(n, generator=g) > 0).long()
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.x[i], self.y[i]
-
-
 class Net(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.5),
-                                       torch.nn.Linear(16, 2))
+                                       torch.nn.Linear(16, 3))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -89,7 +77,8 @@ class Record(Logger):
 
 L.seed_everything(0, verbose=False)
 loader = unbroken.ResumableLoader(
-    Points(48), unbroken.ResumableSampler(48, 4, seed=0, rank=RANK, world_size=WORLD))
+    Points(48, 4, seed=48, with_index=False),
+    unbroken.ResumableSampler(48, 4, seed=0, rank=RANK, world_size=WORLD))
 options: dict[str, Any] = {"every": 100}
 if args.async_save:
     options["async_save"] = "process" if args.async_save == "process" else True
