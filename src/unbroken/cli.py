@@ -166,10 +166,13 @@ def _inspect(args: argparse.Namespace) -> int:
     moved-aside generations. Cheap: checks manifests and sizes, never re-hashes file contents
     (use `unbroken verify` for that). Exit 1 when any generation is torn or corrupt."""
     store = open_run(args.run)
-    scanned = store.scan()
-    run, run_problem = folder_run_record(store, scanned)
-    records = [record(store, g, run) for g in scanned]
-    recheck_torn(store, scanned, records)  # (a live writer's retention deleting one)
+    for _ in range(3):
+        scanned = store.scan()
+        run, run_problem = folder_run_record(store, scanned)
+        records = [record(store, g, run) for g in scanned]
+        recheck_torn(store, scanned, records)  # (a live writer's retention deleting one)
+        if not records or any(r["status"] != GONE for r in records):
+            break  # (else every one listed went while it was read: a live writer moved on)
     complete = [g for g, r in zip(scanned, records) if r["status"] == "complete"]
     gone = sum(r["status"] == GONE for r in records)
     newest = newest_summary(complete[-1]) if complete else None
