@@ -115,9 +115,9 @@ class Persisting:
         self._in_flight = None
         return info
 
-    def _is_buffer(self, name: str) -> bool:
-        """Whether ``name`` is one of the model's buffers (asked of replicas that differ)."""
-        return name in dict(self.model.named_buffers())
+    def _buffer_names(self) -> list[str]:
+        """The model's buffers by name (asked once by a save whose model replicas differ)."""
+        return [name for name, _ in self.model.named_buffers()]
 
     @gc_paused
     @saving
@@ -133,7 +133,7 @@ class Persisting:
         group = self._save_group if snapshot else self._group
         later = self._read_back_later and not snapshot  # (a sync save's read-back, beside)
         if group.active:  # (first: the ranks' steps agree before any other collective)
-            check_replicas(group, step, replicated(tree, self._per_rank), self._is_buffer)
+            check_replicas(group, step, replicated(tree, self._per_rank), self._buffer_names)
         if again and saved_unchanged(self.store, group, step, tree, values, plan,
                                            self._per_rank):
             return None  # the same state saved twice
@@ -219,7 +219,7 @@ class Persisting:
         assert persister is not None  # (made with the Checkpointer)
         if group.active:  # (first: the ranks' steps agree before any other collective)
             check_replicas(self._save_group, step, replicated(tree, self._per_rank),
-                           self._is_buffer)
+                           self._buffer_names)
         if again and step != self._unconfirmed and saved_unchanged(
                 self.store, group, step, tree, values, plan, self._per_rank):
             return  # the same state saved twice

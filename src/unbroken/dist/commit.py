@@ -71,11 +71,11 @@ def rebuild(failure: Mapping[str, str], rank: int | None = None) -> UnbrokenErro
 
 
 def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]],
-                   buffer: Callable[[str], bool] = lambda name: False) -> None:
+                   buffers_of: Callable[[], Collection[str]] = tuple) -> None:
     """Refuse a save that the ranks make at different steps (naming each rank's), or of
     replicas (DDP) that differ across ranks, naming the first differing parameter: ``named``
-    yields (name, tensor or state) in the same order on every rank. A model buffer
-    (``buffer`` of the name says so, asked only of names that differ) is not refused: DDP
+    yields (name, tensor or state) in the same order on every rank. A model buffer (one of
+    ``buffers_of()``, asked once, only when a model tensor differs) is not refused: DDP
     copies rank 0's to every rank at the start of each forward (``broadcast_buffers``, its
     default), so rank 0's is what the next update starts from; it is warned about, once."""
     if not group.active:
@@ -102,11 +102,16 @@ def check_replicas(group: Group, step: int, named: Iterable[tuple[str, Any]],
             "on a rank, or a part given to some ranks only); every rank of a data-parallel "
             "job holds a replica of the same state; nothing was saved")
     buffers: list[str] = []
+    model_buffers: Collection[str] | None = None
     for i, (name, mine) in enumerate(digests):
         ranks = [r for r, theirs in enumerate(everyone) if theirs[i] != everyone[0][i]]
-        if ranks and name.startswith("model ") and buffer(name[len("model "):]):
-            buffers.append(name[len("model "):])
-        elif ranks:
+        if ranks and name.startswith("model "):
+            if model_buffers is None:
+                model_buffers = set(buffers_of())
+            if name[len("model "):] in model_buffers:
+                buffers.append(name[len("model "):])
+                continue
+        if ranks:
             # (the model and its optimizer state diverge as replicas; any other part is
             # state a rank keeps on its own, which a generation holds once for all ranks)
             why = ("a DDP replica divergence: a rank stepped alone, or a buffer is not "
