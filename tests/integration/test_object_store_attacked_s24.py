@@ -44,9 +44,19 @@ RUN = textwrap.dedent('''
 ''')
 
 CHILD = RUN + textwrap.dedent('''
-    import sys
+    import os, sys
+    from unbroken.store.backends.objects import ObjectFS
 
     url, mode = sys.argv[1], sys.argv[2]
+    if os.environ.get("OPS_LOG"):  # every mutating operation's kind, in order (a dry run)
+        counted = ObjectFS._op
+
+        def logged(self, kind, path):
+            if kind != "read":
+                with open(os.environ["OPS_LOG"], "a") as f:
+                    f.write(f"{kind} {path}\\n")
+            counted(self, kind, path)
+        ObjectFS._op = logged
     model, opt, sched, c, digest = build(url)
     step = c.restore()
     if mode == "first":
@@ -120,6 +130,33 @@ class _Snapshot:
         self._mirror(self.copy, self.run)
 
 
+def _operations(tmp_path: Path, s3: dict, url: str, mode: str, kind: str,
+                snapshot: _Snapshot) -> list[tuple[str, str]]:
+    """The mutating operations (kind, path) of the run ``mode`` (those of ``kind`` only, if
+    given), in order, from a dry run that is not killed (the run then put back)."""
+    log = tmp_path / "ops"
+    log.unlink(missing_ok=True)
+    snapshot.put_back()
+    _run(tmp_path, s3, url, mode, OPS_LOG=str(log))
+    ops = [tuple(line.split(" ", 1)) for line in log.read_text().splitlines()]
+    assert ops, "the dry run performed no operation"
+    return [op for op in ops if op[0] == kind.rstrip(":")] if kind else ops
+
+
+def _changes_the_store(ops: list[tuple[str, str]], k: int) -> bool:
+    """Whether the store may differ between a kill just before operation ``k`` (1-based) and
+    one just before operation ``k - 1``: nothing reaches an object store between an upload's
+    ``create``, its ``write``s (gathered in memory) and its ``fsync`` (just before the PUT);
+    only the PUT after an ``fsync``, a ``create`` not followed by one (a small record put
+    whole, a server-side copy) and an ``unlink`` change it. A kill at an operation that
+    changes nothing leaves what a kill at the one before it left: swept once, not twice."""
+    if k == 1:
+        return True
+    before, after = ops[k - 2][0], ops[k - 1][0]
+    return before in ("fsync", "unlink") or before == "create" and after not in ("write",
+                                                                                 "fsync")
+
+
 def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, dict, dict, int]:
     """Kill the process that restores step 10, steps its scheduler and saves step 10 again
     (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind);
@@ -133,9 +170,11 @@ def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, d
     rc, first, err = _run(tmp_path, s3, url, "first")
     assert rc == 0 and first["step"] == 10, err[-3000:]
     snapshot = _Snapshot(s3, url)
-    uploads = 0  # of the step's manifest, by the killed process before it died
     outcomes = []
-    for k in range(1, 300):
+    ops = _operations(tmp_path, s3, url, mode, kind, snapshot)
+    for k in range(1, len(ops) + 2):
+        if k <= len(ops) and not _changes_the_store(ops, k):
+            continue  # the store as a kill at the operation before it leaves it
         snapshot.put_back()
         note.unlink(missing_ok=True)
         rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=f"{kind}{k}",
@@ -143,17 +182,18 @@ def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, d
         if rc != -signal.SIGKILL:
             return outcomes, first, again, rc  # past the last operation
         _, killed, path = note.read_text().split()
+        assert killed == ops[k - 1][0], (k, killed, ops)  # (the dry run's sequence)
         back = _restored(s3, url)
         if kind:  # (only kills after the new manifest's upload: see the test)
             want, which = again, "new"
         else:
+            # (uploads of the step's manifest by the killed process before it died)
+            uploads = ops[:k - 1].count(("fsync", f"{url}/gen-000000010/MANIFEST.json"))
             want, which = (again, "new") if uploads % 2 else (first, "old")
         outcomes.append((k, killed, path, which))
         assert back == {"step": 10, "digest": want["digest"]}, (
             f"kill at {kind}{k} ({killed} {path}): restored {back}, expected the {which} step "
             f"10 ({want}); the other is {again if want is first else first}")
-        if killed == "fsync" and path == f"{url}/gen-000000010/MANIFEST.json":
-            uploads += 1  # (a kill here came before the upload: the next one comes after)
     pytest.fail("the superseding save never finished")
 
 
