@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _launch import torchrun
-from conftest import SCRIPTS
+from conftest import SCRIPTS, run_script
 from test_sharded_tools_s25 import reseal
 
 SCRIPT = str(SCRIPTS / "per_rank_extra.py")
@@ -62,8 +60,7 @@ def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path):
 
     for command in (["verify", "--deep", str(tmp_path / "run")],
                     ["inspect", "--json", str(tmp_path / "run")]):
-        r = subprocess.run([sys.executable, "-m", "unbroken", *command], capture_output=True,
-                           text=True, timeout=120)
+        r = run_script("unbroken", *command)
         assert r.returncode == 0, (command, r.stdout[-2000:], r.stderr[-2000:])
 
     gen = tmp_path / "run" / "gen-000000003"
@@ -76,8 +73,7 @@ def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path):
         shutil.copytree(tmp_path / "run", tmp_path / "forged")
         reseal(tmp_path / "forged" / gen.name, "rank00001.state.json",
                json.dumps({**own, "parts": parts}).encode())
-        r = subprocess.run([sys.executable, "-m", "unbroken", "verify", str(tmp_path / "forged")],
-                           capture_output=True, text=True, timeout=120)
+        r = run_script("unbroken", "verify", str(tmp_path / "forged"))
         assert r.returncode == 1 and "rank00001.state.json: holds parts" in r.stdout, (
             change, r.stdout[-2000:], r.stderr[-2000:])
         if "extra.mine" not in change:
