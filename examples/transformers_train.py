@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--accumulation", type=int, default=2)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--every", type=int, default=3)
+    # under torchrun: how long a rank waits for the others in a collective (the Trainer's
+    # default is 30 minutes)
+    ap.add_argument("--ddp-timeout", type=int, default=1800)
     args = ap.parse_args(argv)
 
     transformers.set_seed(0)  # seeds Python, NumPy and torch before the model is built
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         per_device_train_batch_size=args.batch_size,
         gradient_accumulation_steps=args.accumulation, learning_rate=3e-3, weight_decay=0.01,
         lr_scheduler_type="cosine", warmup_steps=3, max_grad_norm=1.0, logging_steps=4,
-        dataloader_num_workers=args.workers)
+        dataloader_num_workers=args.workers, ddp_timeout=args.ddp_timeout)
     trainer = transformers.Trainer(model=Classifier(), args=training,
                                    train_dataset=Points(args.samples), data_collator=collate)
     # The run folder, saved every N updates; SIGTERM (a scheduler's notice) saves and stops.

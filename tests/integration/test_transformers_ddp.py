@@ -17,8 +17,9 @@ EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "transformers_t
 
 
 def _job(tmp: Path, folder: str, life: str, **env: str):
-    return torchrun(2, tmp / folder, tmp / f"{life}.trace", "--epochs", "3", env=env,
-                    script=EXAMPLE, folder_flag="--run")
+    # (a 60 s process-group timeout: a rank left alone fails instead of waiting 30 minutes)
+    return torchrun(2, tmp / folder, tmp / f"{life}.trace", "--epochs", "3", "--ddp-timeout",
+                    "60", env=env, script=EXAMPLE, folder_flag="--run")
 
 
 def test_a_trainer_job_of_two_killed_mid_epoch_resumes_bitwise_on_every_rank(tmp_path):
