@@ -39,7 +39,8 @@ def settings(accumulation: int, seed: int, dataset: Any, iterable: bool) -> dict
 
 
 def _length(dataset: Any) -> int | None:
-    """An iterable dataset's ``len()``, when it has one (None for a stream without)."""
+    """A dataset's ``len()``, when it has one (None for a stream, or a map-style dataset
+    read through a batch sampler, without one)."""
     try:
         length = len(dataset)
     except (TypeError, NotImplementedError):

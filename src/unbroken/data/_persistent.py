@@ -1,35 +1,71 @@
-"""Persistent workers hold the copy of a map-style dataset made when they started: an
-attribute the loop sets between epochs (a curriculum's ``dataset.level = epoch``) never
-reaches them, while a resumed run's new workers start from the dataset as it is then, so the
-two runs read different items. The loader starts its persistent workers again when the
-dataset's attributes changed since they started (`dataset_key`), in every run alike (as it
-does for an iterable dataset's state)."""
+"""Persistent workers hold the copies of a map-style dataset, its ``collate_fn`` and its
+``worker_init_fn`` made when they started: an attribute the loop sets between epochs (a
+curriculum's ``dataset.level = epoch``, a masking rate kept on a collate object) never reaches
+them, while a resumed run's new workers start from the objects as they are then, so the two
+runs read different items. The loader starts its persistent workers again when those objects'
+attributes changed since the workers started (`workers_key`), in every run alike (as it does
+for an iterable dataset's state)."""
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Any
 
 import numpy as np
 
 _PLAIN = (int, float, str, bytes, bool, type(None), np.generic)
-_WIDE = 64  # a container or object with more entries is known by its identity alone
-_DEPTH = 3
+_WIDE = 64  # a list, tuple or dict with more entries is known by its identity and length
+_NODES = 4096  # values looked at per key at most; the rest are known by their identity
+_DEPTH = 32  # (wrappers nest a few levels; a chain of objects this deep is known by identity)
 
 
-def dataset_key(dataset: Any, depth: int = _DEPTH) -> Any:
-    """What changes when the loop sets an attribute of ``dataset``, of an object or a small
-    dict it holds (``ds.aug.level``, ``ds.cfg["level"]``), or of a dataset it wraps, down to
-    ``depth`` levels: each plain value itself (a NaN as itself), any other object by its
-    identity (a list or array replaced; changed in place, it is not seen)."""
-    if isinstance(dataset, _PLAIN):
-        return ("nan",) if dataset != dataset else (type(dataset), dataset)
-    entries = (dataset if type(dataset) is dict else getattr(dataset, "__dict__", None))
-    if (not isinstance(entries, dict) or not entries or depth == 0
-            or len(entries) > _WIDE and depth < _DEPTH):  # (the dataset's own: all of them)
-        return id(dataset)
-    try:
-        items = list(entries.items())
-    except RuntimeError:  # (changed while read: known by its identity)
-        return id(dataset)
-    return tuple((k if isinstance(k, (str, int)) else id(k), dataset_key(v, depth - 1))
-                 for k, v in items)
+def workers_key(*objects: Any) -> Any:
+    """What changes when the loop sets an attribute of one of ``objects`` (a dataset and what
+    its workers copy with it), of an object or a container it holds (``ds.aug.level``,
+    ``ds.cfg["level"]``), of a dataset it wraps (``Subset``, ``ConcatDataset``'s list,
+    `unbroken.seeded`), at any depth, or of the object a bound method belongs to: each plain
+    value itself (a NaN as itself), an object or container by its type and contents (one
+    replaced by an equal one changes nothing), anything else by its identity (an array
+    replaced, or a long list; changed in place, it is not seen)."""
+    return _Key().of(objects, 0)
+
+
+class _Key:
+    """One key's walk: the values looked at so far, and the objects on the path to the one
+    looked at (an object holding itself is known by its identity the second time)."""
+
+    def __init__(self) -> None:
+        self.nodes = 0
+        self.path: set[int] = set()
+
+    def of(self, value: Any, depth: int) -> Any:
+        if isinstance(value, _PLAIN):
+            return ("nan",) if value != value else (type(value), value)
+        self.nodes += 1
+        if self.nodes > _NODES or depth > _DEPTH or id(value) in self.path:
+            return id(value)
+        kind = type(value)
+        if kind in (list, tuple, dict):
+            if len(value) > _WIDE:
+                return id(value), len(value)
+            entries: Any = value
+        elif kind is types.MethodType:
+            entries = (value.__self__, value.__func__)
+        elif kind is functools.partial:
+            entries = (value.func, value.args, value.keywords)
+        else:
+            entries = getattr(value, "__dict__", None)
+            if not isinstance(entries, dict) or not entries:
+                return id(value)
+        self.path.add(id(value))
+        try:
+            if isinstance(entries, dict):
+                items = list(entries.items())  # (a copy: a worker thread may set one)
+                return kind, tuple((k if isinstance(k, (str, int)) else id(k),
+                                    self.of(v, depth + 1)) for k, v in items)
+            return kind, tuple(self.of(v, depth + 1) for v in entries)
+        except RuntimeError:  # (changed while read: known by its identity)
+            return id(value)
+        finally:
+            self.path.discard(id(value))

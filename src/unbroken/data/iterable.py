@@ -48,6 +48,7 @@ from ..errors import MissingState, UnbrokenWarning
 from ..state._digest import _feed, digest_tree
 from ._checks import counted
 from ._keyed import TAG_COLLATE, mix
+from ._persistent import workers_key
 from .seeding import _isolated_rng
 
 # Keys the loader sets in the dataset's state; the rest is what persistent workers must share.
@@ -221,7 +222,9 @@ class IterableSource:
         state = self.state(epoch, consumed)
         self.dataset.load_state_dict(state)
         if self._shared is not None:
-            key = _fingerprint(state)
+            # (the collate_fn and worker_init_fn the workers copied, as a map-style dataset's)
+            key = (_fingerprint(state),
+                   workers_key(self._collate_fn, self._kwargs.get("worker_init_fn")))
             if self._key is None or key != self._key:
                 # Fresh workers (the old ones shut down with their DataLoader) start from
                 # this state; later passes only move the position.

@@ -53,8 +53,8 @@ from ..errors import StateMismatch, UnbrokenError, UpdateBoundaryError
 from ._checks import counted, located
 from ._keyed import TAG_WORKERS, mix
 from ._loader_pass import _LoaderIterator, _Pass
-from ._loader_state import check_iterable, check_settings, settings
-from ._persistent import dataset_key
+from ._loader_state import _length, check_iterable, check_settings, settings
+from ._persistent import workers_key
 from ._private_rng import refuse_private_collate, warn_private_dataset
 from ._signals import _sigterm_held, _worker_start
 from .iterable import IterableSource, require_contract
@@ -109,6 +109,7 @@ class ResumableLoader:
         if collate_fn is not None:  # (before anything is built: a refused loader holds nothing)
             refuse_private_collate(collate_fn)
         self._dataset = dataset
+        self._collate_fn, self._worker_init_fn = collate_fn, worker_init_fn
         self.sampler = sampler
         self.accumulation = accumulation
         self._iterable = isinstance(dataset, torch.utils.data.IterableDataset)
@@ -119,7 +120,7 @@ class ResumableLoader:
         self._it_epoch = 0  # the cursor of an iterable dataset (a sampler keeps its own)
         self._it_consumed = 0
         self._handed = 0  # batches handed out since the loader was built (never saved)
-        self._workers_key: Any = None  # the dataset persistent workers copied (`_persistent`)
+        self._workers_key: Any = None  # what persistent workers copied (`_persistent`)
         self._asked = False  # state_dict() called (a Checkpointer holds it: `unsaved_loaders`)
         common: dict[str, Any] = dict(
             num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
@@ -143,8 +144,10 @@ class ResumableLoader:
                 raise ValueError(f"ResumableLoader: batch_size={batch_size} contradicts the "
                                  "sampler's per-rank batch "
                                  f"{sampler.batch_size // sampler.world_size}")
-            if hasattr(dataset, "__len__") and len(dataset) != sampler.num_samples:
-                raise ValueError(f"ResumableLoader: len(dataset)={len(dataset)} but the sampler "
+            # (a wrapper's len() of a dataset without one raises: unsized, as torch takes it)
+            size = _length(dataset)
+            if size is not None and size != sampler.num_samples:
+                raise ValueError(f"ResumableLoader: len(dataset)={size} but the sampler "
                                  f"orders num_samples={sampler.num_samples}")
             self._batch_size = sampler.batch_size
             warn_unless_seeded(dataset, num_workers)
@@ -263,8 +266,8 @@ class ResumableLoader:
         with _sigterm_held():
             if self.sampler is not None:
                 if self._dl.persistent_workers and self._dl.num_workers:
-                    key = dataset_key(self._dataset)
-                    if key != self._workers_key:  # (started with another dataset: `_persistent`)
+                    key = workers_key(self._dataset, self._collate_fn, self._worker_init_fn)
+                    if key != self._workers_key:  # (started with other objects: `_persistent`)
                         self.stop_workers()
                         self._workers_key = key
                 p.iterator = iter(self._dl)
