@@ -164,9 +164,13 @@ def test_sigterm_at_random_moments_stops_cleanly_and_resumes_bitwise(tmp_path, a
 
         r = run_script(SCRIPT.name, "--run", str(run), *args, started=send_later,
                        env={"UNBROKEN_TRACE": str(first)})
-        assert r.returncode == 0, r.stderr  # stopped cleanly (or finished first)
         killed = read_trace(first)
         stops = [x["step"] for x in killed if x["event"] == "stop"]
+        done = sum(x["event"] == "update" for x in killed) == updates
+        # stopped cleanly, or finished first (a loaded machine can hold the signal past the
+        # last update: landing after close(), it ends the process as SIGTERM does)
+        assert r.returncode == 0 or done and not stops and r.returncode == -signal.SIGTERM, (
+            r.returncode, r.stderr)
         r = run_script(SCRIPT.name, "--run", str(run), *args,
                        env={"UNBROKEN_TRACE": str(second)})
         assert r.returncode == 0, r.stderr

@@ -98,7 +98,9 @@ def _changed_after_restore(diff: list[str], got: Mapping[str, Any],
         return f"{NOT_CAPTURED}: the model's train/eval mode (call model.train() after restore)"
     stream = has("rng.")
     if stream:
-        return f"rng ({stream[4:]}: reseeded or drawn from after restore())"
+        return (f"rng ({stream[4:]}: reseeded, or drawn from after restore() or between "
+                "updates, as an evaluation after step_done does: wrap that in "
+                "unbroken.fork_rng())")
     extra = has("state.extra.")
     if extra and not names & {"loss", "params", "grad_norm"}:  # else a consequence of those
         return f"extra {extra[len('state.extra.'):]}"

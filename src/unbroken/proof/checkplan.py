@@ -13,11 +13,13 @@ A kill point is an update number and a phase:
 
 The default plan covers, from the reference trace: the first update, the last update of each
 epoch saved exactly there (where an end-of-epoch scheduler step is lost by a script that saves
-before it) so that the resume starts the next epoch, a save interrupted midway, the update
-after a save, the first update after a resume killed inside (after its optimizer step, before
-``step_done``), and the final update. All of them run as one *chain*: a run killed at the
-first point, resumed and killed at the next, and so on, then finished; it costs about one run
-plus a process start per point. `missed` says why a process was not interrupted as planned."""
+before it; a script that saves there itself is killed after its own first save there, so one
+that saves after that step passes) so that the resume starts the next epoch, a save
+interrupted midway, the update after a save, the first update after a resume killed inside
+(after its optimizer step, before ``step_done``), and the final update. All of them run as
+one *chain*: a run killed at the first point, resumed and killed at the next, and so on, then
+finished; it costs about one run plus a process start per point. `missed` says why a process
+was not interrupted as planned."""
 
 from __future__ import annotations
 
@@ -44,8 +46,9 @@ class Kill:
     phase: str
     place: str = "chosen"
 
-    def env(self) -> dict[str, str]:
-        """How the interrupted process is made to save and die at this point."""
+    def env(self, saves: Collection[int] = ()) -> dict[str, str]:
+        """How the interrupted process is made to save and die at this point (``saves``: the
+        steps the script saves at by itself)."""
         k = self.at
         before = str(max(1, k - 1))
         if self.phase == "after-update":  # saved one update earlier; the kill loses update k
@@ -53,7 +56,11 @@ class Kill:
         if self.phase == "mid-save":  # dies inside the save of k, after its first file
             return {SAVE_AT_ENV: f"{before},{k}", KILL_ENV: f"artifact-1-written@{k}"}
         if self.phase == "after-commit":  # generation k is committed, nothing after it ran
-            return {SAVE_AT_ENV: str(k), KILL_ENV: f"after-rename@{k}"}
+            # (at a step the script saves at itself, its own save: one it makes after its
+            # end-of-epoch code holds that code's effect, and a save added at step_done would
+            # not; where its own first save there comes before that code, that is tested)
+            return ({KILL_ENV: f"after-rename@{k}"} if k in saves
+                    else {SAVE_AT_ENV: str(k), KILL_ENV: f"after-rename@{k}"})
         if self.phase == "mid-update":  # weights updated, counters and trace not yet
             return {SAVE_AT_ENV: before, KILL_ENV: f"update-end@{k}"}
         if self.phase == "sigterm":

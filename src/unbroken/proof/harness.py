@@ -277,7 +277,7 @@ def _run_case(cmd: Sequence[str], kills: list[Kill], folder: str,
                 # The run resumes past this point (the script saved there by itself).
                 result.note = f"skipped: the run resumes from {ahead}, past this point"
                 continue
-            env.update(result.kill.env())
+            env.update(result.kill.env(saves))
         traces.append(trace)
         try:
             code = run_process(cmd, env, log, timeout)
