@@ -6,6 +6,9 @@ dataset's attributes changed since they started, in every run alike."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -316,3 +319,16 @@ def test_a_seeded_dataset_without_a_length_is_taken_as_the_plain_one_is():
         sampler = unbroken.ResumableSampler(8, batch_size=4, seed=1)
         got.append([b.tolist() for b in unbroken.ResumableLoader(dataset, sampler)])
     assert got[0] == got[1] and sorted(sum(got[0], [])) == list(range(8))
+
+
+def test_the_key_sees_dict_subclasses_and_slotted_objects():
+    @dataclasses.dataclass(slots=True)
+    class Slotted:
+        level: int = 0
+
+    for holder, change in ((Slotted(), lambda h: setattr(h, "level", 1)),
+                           (collections.OrderedDict(level=0), lambda h: h.update(level=1)),
+                           (collections.defaultdict(int), lambda h: h.update(level=1))):
+        key = workers_key(holder)
+        change(holder)
+        assert workers_key(holder) != key, holder

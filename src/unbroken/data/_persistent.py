@@ -46,7 +46,7 @@ class _Key:
         if self.nodes > _NODES or depth > _DEPTH or id(value) in self.path:
             return id(value)
         kind = type(value)
-        if kind in (list, tuple, dict):
+        if isinstance(value, (list, tuple, dict)):  # (an OrderedDict, a named tuple too)
             if len(value) > _WIDE:
                 return id(value), len(value)
             entries: Any = value
@@ -56,7 +56,9 @@ class _Key:
             entries = (value.func, value.args, value.keywords)
         else:
             entries = getattr(value, "__dict__", None)
-            if not isinstance(entries, dict) or not entries:
+            if not isinstance(entries, dict):  # (a class with __slots__: its slots' values)
+                entries = {n: getattr(value, n) for n in _slots(kind) if hasattr(value, n)}
+            if not entries:
                 return id(value)
         self.path.add(id(value))
         try:
@@ -69,3 +71,13 @@ class _Key:
             return id(value)
         finally:
             self.path.discard(id(value))
+
+
+def _slots(kind: type) -> list[str]:
+    """The slot names a class and its bases declare (``__slots__``: a string or names)."""
+    names: list[str] = []
+    for k in kind.__mro__:
+        declared = k.__dict__.get("__slots__", ())
+        names += [declared] if isinstance(declared, str) else [n for n in declared
+                                                                 if isinstance(n, str)]
+    return [n for n in names if n not in ("__dict__", "__weakref__")]
