@@ -167,6 +167,8 @@ class Checkpointer(Persisting, Restoring):
 
         self._save_at = steps_from_env(SAVE_AT_ENV)
         location = os.environ.get(ROOT_ENV) or root
+        if "://" not in str(location):
+            self.identity.refuse_inside(str(location))
         check_alike(self._group, {
             # (each rank writes into the staging folder at the leader's path: the same path,
             # whatever it resolves to on each node)

@@ -26,6 +26,11 @@ _SETTINGS = ("padding_side", "truncation_side", "model_max_length",
              "clean_up_tokenization_spaces", "split_special_tokens", "add_bos_token",
              "add_eos_token", "add_prefix_space", "do_lower_case", "model_input_names",
              "chat_template", "special_tokens_map", "all_special_tokens")
+# Keys of a saved tokenizer_config.json that say how the tokenizer was loaded (from_pretrained's
+# options, recorded there by transformers), not how it encodes.
+_LOAD_OPTIONS = frozenset({"is_local", "local_files_only", "cache_dir", "force_download",
+                           "resume_download", "proxies", "token", "use_auth_token", "revision",
+                           "subfolder", "trust_remote_code", "_commit_hash", "name_or_path"})
 # A tokenizer entry never keeps its whole value (a serialization runs to megabytes); its
 # per-key digests name what changed.
 _NEVER_KEEP = 0
@@ -78,7 +83,13 @@ def _saved_files(tokenizer: Any, field: str) -> dict[str, Any]:
                 with open(full, "rb") as f:
                     data = f.read()
                 try:
-                    files[rel] = jsonable(json.loads(data), f"{field}.files.{rel}")
+                    tree = json.loads(data)
+                    if rel == "tokenizer_config.json" and isinstance(tree, dict):
+                        # How it was loaded (offline, from a folder), and settings left at
+                        # their default: not how it encodes
+                        tree = {k: v for k, v in tree.items()
+                                if k not in _LOAD_OPTIONS and v is not None}
+                    files[rel] = jsonable(tree, f"{field}.files.{rel}")
                 except (ValueError, UnicodeDecodeError, RecursionError, UnbrokenError):
                     files[rel] = {"bytes": len(data), "xxh3": xxh(data)}
     return files

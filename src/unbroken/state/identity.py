@@ -179,8 +179,10 @@ class Identity:
         self._lock = threading.Lock()
 
     def _add(self, field: str, source: object) -> None:
+        if isinstance(source, str) and source.startswith("~"):
+            source = os.path.expanduser(source)  # (a shell would: "~/data" is a path)
         if isinstance(source, os.PathLike) or (isinstance(source, str) and os.path.exists(source)):
-            path = Path(source).absolute()  # resolved now: the cwd may change before hashing
+            path = Path(source).expanduser().absolute()  # (now: the cwd may change before hashing)
             if not path.exists():
                 raise UnbrokenError(f"{field} path {path} does not exist")
             self._paths[field] = path
@@ -205,6 +207,18 @@ class Identity:
                 f"Identity({field}=...): a {type(source).__name__} was given; {field} takes a "
                 f"path (Path, or a str naming an existing file or folder), a revision string, "
                 f"a mapping{takes}")
+
+    def refuse_inside(self, run: str) -> None:
+        """Refuse a tokenizer or data folder that holds the run folder ``run`` (a local path):
+        every save would change its hash, and no continuation would match it
+        (`UnsupportedValue`, naming both)."""
+        inside = Path(run).expanduser().absolute()
+        for field, path in self._paths.items():
+            if path.is_dir() and (inside == path or path in inside.parents):
+                raise UnsupportedValue(
+                    f"Identity({field}=...): the folder {path} holds the run folder {inside}, "
+                    "so every save would change its hash and no continuation would match; "
+                    f"point {field} at a folder without the run, or keep the run elsewhere")
 
     def fingerprint(self) -> dict[str, Any]:
         """One ``{"kind", "hash", "summary", ...}`` entry per given field (JSON-able, a copy)."""
