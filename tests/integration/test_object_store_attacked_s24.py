@@ -157,19 +157,23 @@ def _changes_the_store(ops: list[tuple[str, str]], k: int) -> bool:
                                                                                  "fsync")
 
 
-def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, dict, dict, int]:
+def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "", base: tuple | None = None
+           ) -> tuple[list, dict, dict, int, tuple]:
     """Kill the process that restores step 10, steps its scheduler and saves step 10 again
     (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind);
     after each kill, restore with a new Checkpointer. The state restored must be step 10 bitwise, as
     the old save or the new one: the one whose manifest was uploaded last before the kill
     (the first save's until the first upload of that manifest by this process, then the
-    other's at each one). Returns what each kill point restored, both states, and the exit
-    status of the run that was not killed."""
+    other's at each one). Returns what each kill point restored, both states, the exit
+    status of the run that was not killed (its run left as it ended), and the ``base`` (the
+    run's URL, the first save's state, its copy) another sweep may start from again."""
     note = tmp_path / "note"
-    url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
-    rc, first, err = _run(tmp_path, s3, url, "first")
-    assert rc == 0 and first["step"] == 10, err[-3000:]
-    snapshot = _Snapshot(s3, url)
+    if base is None:
+        url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
+        rc, first, err = _run(tmp_path, s3, url, "first")
+        assert rc == 0 and first["step"] == 10, err[-3000:]
+        base = url, first, _Snapshot(s3, url)
+    url, first, snapshot = base
     outcomes = []
     ops = _operations(tmp_path, s3, url, mode, kind, snapshot)
     for k in range(1, len(ops) + 2):
@@ -180,7 +184,7 @@ def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "") -> tuple[list, d
         rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=f"{kind}{k}",
                               UNBROKEN_KILL_NOTE=str(note))
         if rc != -signal.SIGKILL:
-            return outcomes, first, again, rc  # past the last operation
+            return outcomes, first, again, rc, base  # past the last operation
         _, killed, path = note.read_text().split()
         assert killed == ops[k - 1][0], (k, killed, ops)  # (the dry run's sequence)
         back = _restored(s3, url)
@@ -205,19 +209,18 @@ def test_a_superseding_save_killed_at_any_operation_restores_the_same_step(s3, t
     that is not killed ends with the old one back. A save whose read-back passes does the
     same up to its manifest's upload, then deletes the old upload folder: each of those
     deletions is a kill point of its own, after which the new one is restored."""
-    outcomes, first, again, rc = _sweep(tmp_path, s3, "again-unreadable")
+    outcomes, first, again, rc, base = _sweep(tmp_path, s3, "again-unreadable")
     assert rc == 1
     assert first["digest"] != again["digest"]
     assert [w for *_, w in outcomes].count("new") > 0, outcomes
     # the sweep went through the copies into aside/ and the deletions of the upload folders
     assert any(w == "old" and "/aside/" in p for _, _, p, w in outcomes), outcomes
     assert any(kind == "unlink" and "/gen-000000010/u-" in p for _, kind, p, _ in outcomes)
-    url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"
-    assert _run(tmp_path, s3, url, "first")[0] == 0
-    assert _run(tmp_path, s3, url, "again-unreadable")[0] == 1
-    assert _restored(s3, url) == {"step": 10, "digest": first["digest"]}
-    # the passing save: killed at each deletion (its manifest was replaced before the first)
-    outcomes, first, again, rc = _sweep(tmp_path, s3, "again", kind="unlink:")
+    # (the run the sweep did not kill, as it left it: the old one back)
+    assert _restored(s3, base[0]) == {"step": 10, "digest": first["digest"]}
+    # the passing save: killed at each deletion (its manifest was replaced before the first),
+    # from the same first save
+    outcomes, first, again, rc, _ = _sweep(tmp_path, s3, "again", kind="unlink:", base=base)
     assert rc == 0 and outcomes, outcomes
     assert any("/gen-000000010/u-" in p for _, _, p, _ in outcomes), outcomes
     assert all("/gen-000000010/u-" in p or "/aside/" in p or p.endswith("/LEASE.json")
