@@ -21,7 +21,8 @@ from unbroken.state.decoding import decode_tree
 from unbroken.state.identity import Identity
 
 
-def _resume(tmp_path: Path, saved: Identity, now: Identity) -> None:
+def _resume(tmp_path: Path, saved: Identity, now: Identity) -> int:
+    """Save step 1 under ``saved``, then restore under ``now``: the step restored."""
     model = torch.nn.Linear(2, 2)
     ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, identity=saved)
     ckpt.restore()
@@ -29,7 +30,7 @@ def _resume(tmp_path: Path, saved: Identity, now: Identity) -> None:
     ckpt.close()
     ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, identity=now)
     try:
-        ckpt.restore()
+        return ckpt.restore()
     finally:
         ckpt.close()
 

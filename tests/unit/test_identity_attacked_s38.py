@@ -6,27 +6,13 @@ save, so no continuation matched; ``~/`` paths were taken as revision labels."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from test_identity_attacked_s28 import _resume
 
 import unbroken
 from unbroken.errors import IdentityMismatch, UnsupportedValue
 from unbroken.state.identity import Identity
-
-
-def _resume(tmp_path: Path, saved: Identity, now: Identity) -> int:
-    model = torch.nn.Linear(2, 2)
-    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, identity=saved)
-    ckpt.restore()
-    ckpt.save(1)
-    ckpt.close()
-    ckpt = unbroken.Checkpointer(tmp_path / "run", model=model, identity=now)
-    try:
-        return ckpt.restore()
-    finally:
-        ckpt.close()
 
 
 def test_a_slow_tokenizer_loaded_again_is_the_same_and_a_token_added_is_not(tmp_path):
