@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 
 import numpy as np
 import pytest
@@ -28,6 +29,14 @@ class _Levels(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         return torch.tensor([float(i + 100 * self.level)])
+
+
+@pytest.fixture(autouse=True)
+def _no_loader_left():
+    """The loaders built here are given to no Checkpointer: collected after each test, so a
+    later test's restore in this process is not warned about them."""
+    yield
+    gc.collect()
 
 
 def _batches(run: str, until: int, stop: int | None) -> list[list[float]]:
