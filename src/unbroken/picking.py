@@ -59,7 +59,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
                     generation: int | None, intent: str, allow: Iterable[str], adopt: bool, *,
                     parts: Mapping[str, Any], model: torch.nn.Module, identity: Identity,
                     run: RunRecord, pick: Pick, group: Group | None = None,
-                    fresh: tuple[str, ...] = ()) -> Pick:
+                    fresh: tuple[str, ...] = (), defer: bool = False) -> Pick:
     """Fill ``pick`` with the newest loadable candidate among ``scanned`` (or generation
     ``generation``); raise `CorruptCheckpoint` listing every refusal when none loads.
     ``pick`` is filled in place, so the refusals are known even when this raises.
@@ -68,7 +68,9 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
     and the verdict is agreed: a candidate any rank refuses is refused by all, and a mismatch
     with the live run on any rank raises on every rank, so no rank continues from another step
     than the others. ``fresh``: a warm start's model names left as they are
-    (`modelcheck.keep_fresh`)."""
+    (`modelcheck.keep_fresh`). ``defer``: the files copied into live tensors are hashed as
+    they are copied, by ``pick.mapped`` (`MappedFiles`; one process only): the caller then
+    falls back on its own when `MappedFiles.verify_rest` finds one corrupt."""
     group = group or Group()
     candidates = [g.generation for g in reversed(scanned)
                   if generation is None or g.generation == generation]
@@ -80,7 +82,7 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
     for number in candidates:
         info = by_number.get(number) or store.scan_one(number)
         mine: dict[str, Any] = {"refused": None, "foreign": False, "fatal": None}
-        pick.layout, pick.mapped = {}, MappedFiles()
+        pick.layout, pick.mapped = {}, MappedFiles(defer=defer and not group.active)
         try:
             pick.ready, pick.tree = _load(store, info, intent, allow, adopt, parts, model,
                                           identity, run, group, pick, fresh)
@@ -144,7 +146,10 @@ def _load(store: GenerationStore, info: GenerationInfo, intent: str, allow: Iter
         files = store.read_verified(info, names, advance=progress.advance, mapped=pick.mapped,
                                     map_if=lambda a: _copied_from(a, copied))
     finally:
-        progress.close()
+        if pick.mapped.defers:  # (its files are read as they are copied from)
+            pick.mapped.progress = progress
+        else:
+            progress.close()
     tree, meta = G.decode_generation(files, info.path,
                                      None if intent == "continue" else {S.MODEL},
                                      layout=pick.layout)

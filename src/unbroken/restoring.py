@@ -222,40 +222,12 @@ class Restoring:
             return 0
         if self._ambiguous and not adopt:
             raise CorruptCheckpoint(self._ambiguous)
-        pick = self._pick(self.store, scanned, generation, "continue", allow, adopt)
-        info, ready, tree = pick.info, pick.ready, pick.tree
+        pick = self._continue_from(scanned, generation, allow, adopt)
+        info = pick.info
         assert info is not None and info.manifest is not None
         if generation is None:
             _superseded_uncommitted(self.store, scanned, info.generation)
         manifest = info.manifest
-        origin = manifest.origin or {}
-        # (the import's own generation, the first of its run: later ones, which an older
-        # unbroken let a continuation write, hold trained state and inherit the origin)
-        if origin.get("operation") == "import" and manifest.parent is None:
-            pick.mapped.close()
-            raise MissingState(
-                f"{info.path}: imported weights (from {origin.get('source')!r}, by "
-                "unbroken import), not a run to continue: the training state beside them "
-                "(counters, RNG streams) is the import's, not the source's. Start a run from "
-                f"them with restore(intent=\"warm_start\", source={self.store.root!r}) in a "
-                "new run folder")
-        if self.optimizer is not None:
-            for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
-                                                scheduled=S.SCHEDULER in self._parts):
-                warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
-                              "(to change a hyperparameter, set it after restore(), or "
-                              "warm_start a new run)", UnbrokenWarning, stacklevel=2)
-        if S.SCHEDULER in self._parts and S.SCHEDULER in ready:
-            for change in scheduler_changes(ready[S.SCHEDULER], self._parts[S.SCHEDULER]):
-                warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
-                              "schedule (to change it, set it on the scheduler after restore(), or "
-                              "warm_start a new run)", UnbrokenWarning,
-                              stacklevel=2)
-        try:
-            apply(ready, drop_parts(self._parts, ready, os.environ.get(DROP_ENV, ""),
-                                    self._group.rank), mapped=pick.mapped, walked=pick.walked)
-        finally:
-            pick.mapped.close()
         self._restored = True
         for g in scanned:  # the abandoned branch: never overwritten, never loaded again
             if g.generation > info.generation:
@@ -279,16 +251,90 @@ class Restoring:
         self._after_restore(manifest.step, info)
         return manifest.step
 
+    def _continue_from(self, scanned: list[GenerationInfo], generation: int | None,
+                       allow: tuple[str, ...], adopt: bool) -> Pick:
+        """Pick the generation to continue from and load it into the live objects. Its large
+        files are hashed as they are copied into the live tensors (`MappedFiles.defers`): one
+        that fails its hash refuses the generation, and the next older one that verifies is
+        picked and loaded over it (every tensor it held is overwritten)."""
+        before = Pick()
+        while True:
+            try:
+                pick = self._pick(self.store, scanned, generation, "continue", allow, adopt,
+                                  defer=True, before=before)
+            except CorruptCheckpoint as e:
+                if not before.rejected:
+                    raise
+                raise CorruptCheckpoint(f"{e}\n{_partly(before)}") from None
+            try:
+                self._check_continuable(pick)
+                apply(pick.ready, drop_parts(self._parts, pick.ready,
+                                             os.environ.get(DROP_ENV, ""), self._group.rank),
+                      mapped=pick.mapped, walked=pick.walked)
+                pick.mapped.verify_rest()
+                return pick
+            except UnbrokenError:
+                if pick.mapped.refused is None:
+                    raise
+                assert pick.info is not None
+                why = pick.mapped.refused[1]
+                log.warning("rejected %s: %s", pick.info.path, why)
+                before.rejected.append((pick.info.path, why))
+                before.labels[pick.info.path] = "corrupt"
+                before.info = pick.info  # (the last one whose bytes went into live tensors)
+                if generation is not None:  # (that one, and no other)
+                    raise CorruptCheckpoint(f"{pick.info.path}: {why}\n{_partly(before)}"
+                                            ) from None
+                scanned = [g for g in scanned if g.generation < pick.info.generation]
+                if not scanned:
+                    raise CorruptCheckpoint(
+                        f"{self.store.root}: no generation verifies; refusing to start from "
+                        "scratch:\n" + "\n".join(f"  {path}: {reason}"
+                                                  for path, reason in before.rejected) +
+                        f"\n{_partly(before)}") from None
+            finally:
+                pick.mapped.close()
+
+    def _check_continuable(self, pick: Pick) -> None:
+        """Refuse an imported generation; warn of hyperparameters a continuation sets back."""
+        info, ready, tree = pick.info, pick.ready, pick.tree
+        assert info is not None and info.manifest is not None
+        manifest = info.manifest
+        origin = manifest.origin or {}
+        # (the import's own generation, the first of its run: later ones, which an older
+        # unbroken let a continuation write, hold trained state and inherit the origin)
+        if origin.get("operation") == "import" and manifest.parent is None:
+            raise MissingState(
+                f"{info.path}: imported weights (from {origin.get('source')!r}, by "
+                "unbroken import), not a run to continue: the training state beside them "
+                "(counters, RNG streams) is the import's, not the source's. Start a run from "
+                f"them with restore(intent=\"warm_start\", source={self.store.root!r}) in a "
+                "new run folder")
+        if self.optimizer is not None:
+            for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
+                                                scheduled=S.SCHEDULER in self._parts):
+                warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
+                              "(to change a hyperparameter, set it after restore(), or "
+                              "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+        if S.SCHEDULER in self._parts and S.SCHEDULER in ready:
+            for change in scheduler_changes(ready[S.SCHEDULER], self._parts[S.SCHEDULER]):
+                warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
+                              "schedule (to change it, set it on the scheduler after restore(), or "
+                              "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
               generation: int | None, intent: str, allow: Iterable[str], adopt: bool,
-              fresh: tuple[str, ...] = ()) -> Pick:
+              fresh: tuple[str, ...] = (), defer: bool = False,
+              before: Pick | None = None) -> Pick:
         """`picking.pick_generation` for this Checkpointer's live objects; ``rejected`` says
-        what it refused, even when nothing loads."""
-        pick = Pick()
+        what it refused, even when nothing loads (``before``: refused already)."""
+        pick = (Pick(rejected=list(before.rejected), labels=dict(before.labels)) if before
+                else Pick())
         self.rejected = pick.rejected
         return pick_generation(store, scanned, generation, intent, allow, adopt,
                                parts=self._parts, model=self.model, identity=self.identity,
-                               run=self._run, pick=pick, group=self._group, fresh=fresh)
+                               run=self._run, pick=pick, group=self._group, fresh=fresh,
+                               defer=defer)
 
     def _after_restore(self, step: int, info: GenerationInfo | None) -> None:
         self._watch.boundary(step, self._counters.epoch)
@@ -330,6 +376,14 @@ class Restoring:
             self._origin["fresh"] = list(fresh)
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
+
+
+def _partly(refused: Pick) -> str:
+    """What a restore left in the live objects after a file failed its hash as it was copied."""
+    assert refused.info is not None
+    return (f"The live model and optimizer hold bytes of {refused.info.path} now (its files are "
+            "hashed as they are copied into them, and the corruption was found after): build "
+            "them anew before training or restoring again")
 
 
 def _superseded_uncommitted(store: GenerationStore, scanned: list[GenerationInfo],

@@ -1,8 +1,12 @@
-"""A restore of large files reads each twice: streamed and hashed, then copied from the file
-into the live tensors (`store.backends._mapped`). A file written in place or truncated between
-the two reads must never be loaded as verified: the restore raises `CorruptCheckpoint` naming
-the file and saying what is partly restored, and the next restore refuses the file by its hash
-and falls back to the previous verified generation, bitwise."""
+"""A file written in place or truncated while a restore maps and copies it into the live
+tensors (`store.backends._mapped`) must never be loaded as verified.
+
+Hashed first (a restore of many ranks, a warm start), each file is read twice: streamed and
+hashed, then copied. A change between the two reads raises `CorruptCheckpoint` naming the file
+and saying what is partly restored, and the next restore refuses the file by its hash and falls
+back to the previous verified generation, bitwise. Hashed as copied (the continuation of one
+process), the file fails its hash in the copying pass, and the same restore falls back to the
+previous verified generation, bitwise."""
 
 from __future__ import annotations
 
@@ -52,8 +56,8 @@ def _changing(how: str, victim: str):
     its identity was checked, before anything is copied from it."""
     add = _mapped.MappedFiles.add
 
-    def damaging(self, view, path, hashed):
-        got = add(self, view, path, hashed)
+    def damaging(self, view, path, hashed, *more):
+        got = add(self, view, path, hashed, *more)
         if "gen-000000002" in path and os.path.basename(path) == victim:
             with open(path, "r+b") as f:
                 if how == "written":  # same size, other bytes in the data section
@@ -65,6 +69,10 @@ def _changing(how: str, victim: str):
     return damaging
 
 
+def _hashed_first(defer: bool = False) -> _mapped.MappedFiles:
+    return _mapped.MappedFiles(defer=False)
+
+
 @pytest.mark.parametrize("pieces", ["one read", "pool"])
 @pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors"])
 @pytest.mark.parametrize("how", ["written", "truncated"])
@@ -72,6 +80,7 @@ def test_a_file_changed_between_its_hash_and_its_copy_is_never_loaded_as_verifie
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
         how: str, victim: str, pieces: str) -> None:
     monkeypatch.setattr(picking, "_MAP_MIN", 0)  # every model and optimizer file mapped
+    monkeypatch.setattr(picking, "MappedFiles", _hashed_first)
     if pieces == "pool":  # the background readers' pieces, as for tensors of 8 MiB and more
         monkeypatch.setattr(_mapped, "_PIECE", 4096)
         monkeypatch.setattr(_mapped, "_READERS", 2)
@@ -108,6 +117,34 @@ def test_a_file_changed_between_its_hash_and_its_copy_is_never_loaded_as_verifie
     assert _bits(again) == first
 
 
+@pytest.mark.parametrize("pieces", [8 << 20, 4096])
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors"])
+@pytest.mark.parametrize("how", ["written", "truncated"])
+def test_a_file_changed_before_its_copy_fails_its_hash_and_the_same_restore_falls_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        how: str, victim: str, pieces: int) -> None:
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    monkeypatch.setattr(_mapped, "_PIECE", pieces)  # (4096: many reads in flight)
+    run = tmp_path / "run"
+    first = _bits(_saved(run, 1))
+    _saved(run, 2)
+    other, other_opt = _state(1)
+    _train(other, other_opt)  # (live optimizer state: the saved one is copied into it)
+    monkeypatch.setattr(_mapped.MappedFiles, "add", _changing(how, victim))
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+            assert ckpt.restore() == 1
+            assert [p for p, _ in ckpt.rejected] == [str(run / "gen-000000002")]
+    damaged = run / "gen-000000002" / victim
+    said = ("content hash" if how == "written" else "bytes, the manifest lists")
+    assert f"rejected {run / 'gen-000000002'}: {damaged}: " in caplog.text
+    assert said in caplog.text
+    assert _bits(other) == first
+    assert not (run / "gen-000000002").exists()  # (set aside, labelled corrupt)
+    assert any(p.name.startswith("gen-000000002") and "corrupt" in p.name
+               for p in (run / "aside").iterdir())
+
+
 @pytest.mark.parametrize("how", ["link", "link and unlink", "chmod"])
 def test_a_link_or_chmod_while_restoring_changes_no_byte_and_is_no_refusal(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str) -> None:
@@ -118,8 +155,8 @@ def test_a_link_or_chmod_while_restoring_changes_no_byte_and_is_no_refusal(
     model = _saved(run, 1)
     add = _mapped.MappedFiles.add
 
-    def touching(self, view, path, hashed):  # type: ignore[no-untyped-def]
-        got = add(self, view, path, hashed)
+    def touching(self, view, path, hashed, *more):  # type: ignore[no-untyped-def]
+        got = add(self, view, path, hashed, *more)
         if how == "chmod":
             os.chmod(path, 0o444)
         else:
@@ -134,3 +171,87 @@ def test_a_link_or_chmod_while_restoring_changes_no_byte_and_is_no_refusal(
     with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
         assert ckpt.restore() == 1
     assert _bits(other) == _bits(model)
+
+
+def _rot(run: Path, generation: int, victim: str) -> None:
+    """One byte of ``victim``'s data section changed at rest (bit rot, no metadata change
+    but the mtime)."""
+    path = run / f"gen-{generation:09d}" / victim
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 100)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors"])
+def test_rot_in_the_newest_generation_is_found_as_it_is_copied_and_the_older_one_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, victim: str) -> None:
+    """Bitwise as the older generation, however much of the rotten one was copied first; the
+    older one's verdict is remembered (retention counts it as a verified copy) and the rotten
+    one's is not."""
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    first = _bits(_saved(run, 1))
+    _saved(run, 2)
+    _rot(run, 2, victim)
+    other, other_opt = _state(1)
+    _train(other, other_opt)
+    with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+        assert ckpt.restore() == 1
+        assert str(run / "gen-000000001") in ckpt.store._verified
+        assert not any("gen-000000002" in p for p in ckpt.store._verified)
+    assert _bits(other) == first
+
+
+def test_rot_in_the_only_generation_raises_saying_the_live_objects_hold_its_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    _saved(run, 1)
+    _rot(run, 1, "model.safetensors")
+    other, other_opt = _state(1)
+    with pytest.raises(CorruptCheckpoint) as caught:
+        with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+            ckpt.restore()
+    said = str(caught.value)
+    assert "no generation verifies; refusing to start from scratch" in said
+    assert f"{run / 'gen-000000001' / 'model.safetensors'}: content hash" in said
+    assert f"hold bytes of {run / 'gen-000000001'} now" in said
+    assert "build them anew" in said
+
+
+def test_rot_in_the_generation_asked_for_raises_and_loads_no_other(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    _saved(run, 2)
+    _rot(run, 2, "model.safetensors")
+    other, other_opt = _state(1)
+    with pytest.raises(CorruptCheckpoint) as caught:
+        with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+            ckpt.restore(generation=2)
+    said = str(caught.value)
+    assert said.startswith(f"{run / 'gen-000000002'}: {run / 'gen-000000002'}/model")
+    assert "build them anew" in said
+    assert (run / "gen-000000002").is_dir()  # (asked for by number: left where it is)
+
+
+def test_a_restore_hashing_as_it_copies_shows_its_progress(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bar counts the bytes of the files hashed as they are copied too (the bar of a
+    restore is drawn once it has run a second: `_progress.DELAY`)."""
+    from unbroken import _progress
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    monkeypatch.setattr(_progress, "DELAY", 0.0)
+    monkeypatch.setattr(_progress, "INTERVAL", 0.0)
+    monkeypatch.setenv("UNBROKEN_PROGRESS", "1")
+    run = tmp_path / "run"
+    _saved(run, 1)
+    capsys.readouterr()
+    other, other_opt = _state(1)
+    with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+        assert ckpt.restore() == 1
+    err = capsys.readouterr().err
+    assert "loading gen-000000001" in err and "100%" in err, err

@@ -69,15 +69,15 @@ def test_a_file_that_shrinks_while_read_is_refused_by_name(tmp_path, monkeypatch
 def test_a_failing_read_in_flight_raises_and_leaves_no_reader(tmp_path, monkeypatch):
     path = tmp_path / "f"
     path.write_bytes(os.urandom(6 * PIECE))
-    real, calls = _readahead._read_piece, []
+    real, calls = _readahead._read_all, []
 
-    def failing(fd, buf, offset):
+    def failing(fd, bufs, offset):
         calls.append(offset)
         if offset >= 2 * PIECE:
             raise OSError(errno.EIO, "injected", str(path))
-        return real(fd, buf, offset)
+        return real(fd, bufs, offset)
 
-    monkeypatch.setattr(_readahead, "_read_piece", failing)
+    monkeypatch.setattr(_readahead, "_read_all", failing)
     with pytest.raises(OSError, match="injected"):
         LocalFS().read_hashed(str(path), 6 * PIECE)
     assert calls

@@ -80,9 +80,9 @@ def mapped_names(monkeypatch):
     names: list[str] = []
     real = MappedFiles.add
 
-    def add(self, view, path, hashed):
+    def add(self, view, path, hashed, *more):
         names.append(os.path.basename(path))
-        return real(self, view, path, hashed)
+        return real(self, view, path, hashed, *more)
 
     monkeypatch.setattr(MappedFiles, "add", add)
     return names

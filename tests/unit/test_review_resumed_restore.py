@@ -41,9 +41,9 @@ def paths(monkeypatch):
     real_add = MappedFiles.add
     real_read = LocalFS.read_hashed
 
-    def add(self, view, path, hashed):
+    def add(self, view, path, hashed, *more):
         seen["mapped"].append(os.path.basename(path))
-        return real_add(self, view, path, hashed)
+        return real_add(self, view, path, hashed, *more)
 
     def read_hashed(self, path, limit, aligned=False):
         seen["whole"].append(os.path.basename(path))

@@ -19,12 +19,13 @@ import torch
 
 import unbroken
 from unbroken.errors import UnbrokenError
+from unbroken import picking
 from unbroken.picking import _MAP_MIN
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
 from unbroken.state.tensorfile import encode_safetensors
 from unbroken.state.tensorread import decode_safetensors
-from unbroken.store.backends import _mapped
+from unbroken.store.backends import _mapped, _readahead
 
 # A float32 tensor over the mapping threshold, a multiple of 64 bytes (so it sits aligned in
 # the file and is copied by `MappedFiles.copy`, not cloned at decode) and not a multiple of the
@@ -262,7 +263,9 @@ def test_a_mapped_restore_through_the_pool_is_bit_exact_and_leaves_no_thread(tmp
 @pytest.mark.parametrize("failing_in", ["pool", "main"])
 def test_a_failed_read_raises_typed_and_a_later_restore_is_exact(tmp_path, monkeypatch,
                                                                  failing_in):
-    # "main": a small tensor's read fails while the large one's pieces are still in the pool
+    # "main": a small tensor's read fails while the large one's pieces are still in the pool.
+    # (The copies of a restore that hashes first: a job of many ranks, a warm start.)
+    monkeypatch.setattr(picking, "MappedFiles", lambda defer=False: _mapped.MappedFiles())
     torch.manual_seed(0)
     model = _big_model(_odd_floats(BIG))
     with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
@@ -286,6 +289,39 @@ def test_a_failed_read_raises_typed_and_a_later_restore_is_exact(tmp_path, monke
     assert any(pieces)  # the pool really ran
     assert _restore_threads() == []  # every reader ended before restore() raised
     monkeypatch.setattr(_mapped, "_read_into", read)
+    with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
+        assert ckpt.restore() == 1
+    assert _same_bits(other.w, model.w) and _same_bits(other.b, model.b)
+
+
+@pytest.mark.parametrize("at", [0, 3])
+def test_a_failed_read_of_the_hashing_copy_raises_typed_and_a_later_restore_is_exact(
+        tmp_path, monkeypatch, at):
+    """A read failing in the pass that hashes and copies at once (a continuation of one
+    process) is no corrupt file: the restore raises (what is partly restored said), leaves no
+    reader behind, and the next one restores exactly."""
+    torch.manual_seed(0)
+    model = _big_model(_odd_floats(BIG))
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
+        ckpt.step_done(1)
+        ckpt.save()
+    read, calls = _readahead._read_all, []
+
+    def failing(fd, bufs, offset):
+        calls.append(offset)
+        if len(calls) > at:
+            raise OSError(5, "Input/output error")
+        return read(fd, bufs, offset)
+
+    monkeypatch.setattr(_readahead, "_read_all", failing)
+    other = _big_model()
+    with pytest.raises(UnbrokenError, match="Input/output error.*partly restored") as caught:
+        with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
+            ckpt.restore()
+    assert "model.safetensors" in str(caught.value)
+    assert not [t for t in threading.enumerate() if t.name.startswith("unbroken-read-ahead")]
+    assert (tmp_path / "run" / "gen-000000001").is_dir()  # (not set aside: not its fault)
+    monkeypatch.setattr(_readahead, "_read_all", read)
     with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
         assert ckpt.restore() == 1
     assert _same_bits(other.w, model.w) and _same_bits(other.b, model.b)

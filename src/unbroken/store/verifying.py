@@ -187,7 +187,9 @@ class Verifying:
         """Read artifacts (all by default) and check each one's size and content hash;
         ``advance(nbytes)`` is called after each (a progress bar). With ``mapped``, an
         artifact for which ``map_if`` holds is hashed streaming and then mapped (registered in
-        ``mapped``), not read into memory: a restore copies from it into live tensors."""
+        ``mapped``), not read into memory: a restore copies from it into live tensors. If
+        ``mapped.defers``, it is only mapped here, and hashed as it is copied from (neither
+        ``advance`` nor this generation's verdict then waits for it: `MappedFiles`)."""
         if not info.ok or info.manifest is None:
             raise not_loadable(info)
         ident = self.file_identity(info) if names is None else None
@@ -195,18 +197,24 @@ class Verifying:
         out: dict[str, Any] = {}
         self.fs.will_read([os.path.join(info.path, a.name) for a in info.manifest.artifacts
                            if (wanted is None or a.name in wanted) and not map_if(a)])
+        deferred = False
         for a in info.manifest.artifacts:
             if wanted is not None and a.name not in wanted:
                 continue
+            later = mapped is not None and mapped.defers and map_if(a)
             try:
                 out[a.name] = self._read_one(info.path, a, mapped if map_if(a) else None)
             except CorruptCheckpoint:
                 self._forget_sharing(info.path, a.name)
                 raise
-            if advance is not None:
+            deferred |= later
+            if advance is not None and not later:
                 advance(a.size)
         if ident is not None:
-            self._verified[info.path] = ident
+            if deferred and mapped is not None:
+                mapped.when_verified(lambda: self._verified.__setitem__(info.path, ident))
+            else:
+                self._verified[info.path] = ident
         return out
 
     def _read_one(self, folder: str, a: Artifact, mapped: MappedFiles | None) -> Any:
@@ -218,8 +226,14 @@ class Verifying:
         self._check_loadable(path, a)
         try:
             before = os.lstat(path)
-            self._check_artifact(folder, a)
-            view = mapped.add(self.fs.map_file(path, a.size), path, before)
+            if not mapped.defers:
+                self._check_artifact(folder, a)
+            elif before.st_size != a.size:  # (its hash: as it is copied from, `MappedFiles`)
+                raise CorruptCheckpoint(f"{path}: {before.st_size} bytes, the manifest lists "
+                                        f"{a.size}")
+            view = mapped.add(self.fs.map_file(path, a.size), path, before,
+                              a.xxh3_128 if mapped.defers else None,
+                              lambda: self._forget_sharing(folder, a.name))
         except OSError as e:
             raise unreadable(path, e) from None
         if len(view) != a.size:

@@ -1,25 +1,31 @@
 """Verified files mapped for a restore that copies straight into the live tensors.
 
-A restore verifies every byte before any live object changes, so a generation is read twice:
-first streamed through a small buffer and hashed, then copied from the (now cached) file into
-the live parameters and optimizer state. The file is mapped so that decoding and validation
-see every tensor (as a view; only headers are touched), and ``copy`` then reads each tensor's
-bytes from the file straight into its destination (``preadv`` from the page cache the first
-pass filled): no buffer of the file's size, no page of the mapping faulted in, so the memory a
-restore adds stays near the largest new tensor instead of the whole generation."""
+Two ways to verify. By default every byte is verified before any live object changes, so a
+generation is read twice: first streamed through a small buffer and hashed, then copied from
+the (now cached) file into the live parameters and optimizer state. With ``defer`` (a restore
+of one process, which falls back to the previous generation when a file fails its hash), a
+file is hashed in the pass that copies it (`_streamed`): read once.
+
+The file is mapped so that decoding and validation see every tensor (as a view; only headers
+are touched), and ``copy`` then reads each tensor's bytes from the file straight into its
+destination (``preadv``): no buffer of the file's size, no page of the mapping faulted in, so
+the memory a restore adds stays near the largest new tensor instead of the whole generation."""
 
 from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from ...errors import CorruptCheckpoint
 from ...state.tensorfile import tensor_bytes
+from ._streamed import hash_copies
 
 
 def _ident(st: os.stat_result) -> tuple[int, ...]:
@@ -36,10 +42,12 @@ _PIECE = 8 << 20
 _READERS = max(1, min(4, os.cpu_count() or 1))
 
 
-class _Span(NamedTuple):
+@dataclass(eq=False)
+class _Span:
     """A mapped file: its first address and size in memory, the mapping, a descriptor of the
-    file as its hash was checked, its path, that file's identity then (`_ident`), and
-    whether bytes were copied from it (``used``: one item, set by `copy`)."""
+    file as its hash was checked (or, ``digest`` given, as it was mapped), its path, that
+    file's identity then (`_ident`), and whether bytes were copied from it (``used``).
+    ``digest``: the hash the file must have, not checked yet; ``copies`` wait for it."""
 
     start: int
     size: int
@@ -47,7 +55,10 @@ class _Span(NamedTuple):
     fd: int
     path: str
     ident: tuple[int, ...]
-    used: list[bool]
+    used: bool = False
+    digest: str | None = None
+    forget: Callable[[], None] | None = None  # (called when the file fails its hash)
+    copies: list[tuple[int, memoryview]] = field(default_factory=list)
 
 
 def _read_into(span: _Span, into: memoryview, offset: int) -> None:
@@ -65,16 +76,22 @@ def _read_into(span: _Span, into: memoryview, offset: int) -> None:
 class MappedFiles:
     """The mapped files of one restore, by address range, and page release after a copy."""
 
-    def __init__(self) -> None:
+    def __init__(self, defer: bool = False) -> None:
+        self.defers = defer  # hash each file in the pass that copies it (`add`'s ``digest``)
+        self.refused: tuple[str, str] | None = None  # (path, why): a file failed its hash
+        self.progress: Any = None  # (`_progress.Progress`: bytes hashed; closed by `close`)
+        self._verified: list[Callable[[], None]] = []  # called once every file hashed right
         self._spans: list[_Span] = []
         self._faulted = 0  # bytes of small tensors copied from the mappings since a release
         self._pool: ThreadPoolExecutor | None = None
         self._pending: list[Future[None]] = []
 
-    def add(self, view: memoryview, path: str, hashed: os.stat_result) -> memoryview:
+    def add(self, view: memoryview, path: str, hashed: os.stat_result, digest: str | None = None,
+            forget: Callable[[], None] | None = None) -> memoryview:
         """Register ``path`` mapped as ``view`` (`LocalFS.map_file`); returns the view.
-        ``hashed``: the file as it was when its hash was checked; a file replaced or
-        written since is refused (`CorruptCheckpoint`)."""
+        ``hashed``: the file as it was when its hash was checked (``digest``: when it was
+        mapped, its hash to be checked as it is copied from); a file replaced or written since
+        is refused (`CorruptCheckpoint`). ``forget``: called if it fails that hash."""
         if view.nbytes and isinstance(view.obj, mmap.mmap):
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
             st = os.fstat(fd)
@@ -83,7 +100,8 @@ class MappedFiles:
                 raise CorruptCheckpoint(f"{path}: changed while being restored (replaced or "
                                         "written after its hash was checked)")
             self._spans.append(_Span(np.frombuffer(view, dtype=np.uint8).ctypes.data,
-                                     view.nbytes, view.obj, fd, path, _ident(st), [False]))
+                                     view.nbytes, view.obj, fd, path, _ident(st),
+                                     digest=digest, forget=forget))
         return view
 
     def _span(self, t: torch.Tensor) -> _Span | None:
@@ -112,7 +130,7 @@ class MappedFiles:
                 return src
             dst.copy_(src)
             return dst
-        span.used[0] = True
+        span.used = True
         if dst is None:
             dst = torch.empty(src.shape, dtype=src.dtype)
         if (not src.is_contiguous() or not dst.is_contiguous() or not dst.is_cpu
@@ -128,6 +146,9 @@ class MappedFiles:
         # of 8 KiB once mapped 120 MiB into this process.
         into = tensor_bytes(dst)
         offset = src.data_ptr() - span.start
+        if span.digest is not None:  # (read as the file is hashed, by `finish`)
+            span.copies.append((offset, into))
+            return dst
         if into.nbytes < _PIECE or _READERS == 1:
             _read_into(span, into, offset)
             return dst
@@ -155,7 +176,10 @@ class MappedFiles:
         if error is not None:
             raise error
         for span in self._spans:
-            if not span.used[0]:
+            if span.copies:
+                self._hash(span)
+        for span in self._spans:
+            if not span.used:
                 continue
             now = os.fstat(span.fd)
             if now.st_size != span.size:
@@ -166,6 +190,44 @@ class MappedFiles:
                 raise CorruptCheckpoint(f"{span.path}: written while being restored (after its "
                                         "hash was checked): the bytes copied from it are "
                                         "unverified")
+
+    def verify_rest(self) -> None:
+        """Hash every file not hashed yet (none copied from it through `copy`), then report
+        them all verified (the callbacks of `when_verified`). `CorruptCheckpoint` if one
+        fails its hash (then `refused` says which)."""
+        self.finish()
+        for span in self._spans:
+            if span.digest is not None:
+                self._hash(span)
+        for confirm in self._verified:
+            confirm()
+        self._verified.clear()
+
+    def when_verified(self, confirm: Callable[[], None]) -> None:
+        """Call ``confirm`` once every file of this restore is hashed right (`verify_rest`)."""
+        self._verified.append(confirm)
+
+    def _hash(self, span: _Span) -> None:
+        """Read ``span``'s file once, its recorded copies straight into their tensors, and
+        check its hash (`_streamed.hash_copies`)."""
+        copies, span.copies = span.copies, []
+        expected, span.digest = span.digest, None
+        try:
+            got, digest, again = hash_copies(span.fd, span.size, copies, _PIECE,
+                                             self.progress and self.progress.advance)
+        except OSError as e:  # (not the file's fault: the restore raises, no fallback)
+            e.filename = e.filename or span.path
+            raise
+        why = (f"{span.path}: {got} bytes, the manifest lists {span.size}" if got != span.size
+               else f"{span.path}: content hash {digest}, the manifest lists {expected} (the "
+               "file changed after commit)" if digest != expected else None)
+        if why is not None:
+            self.refused = (span.path, why)
+            if span.forget is not None:
+                span.forget()
+            raise CorruptCheckpoint(why)
+        for offset, into in again:
+            _read_into(span, into, offset)
 
     def release(self, t: torch.Tensor) -> None:
         """Drop from this process the whole pages of a mapped file that ``t`` (a view into
@@ -194,6 +256,8 @@ class MappedFiles:
     def close(self) -> None:
         """Release every page still held (what was copied without `release`) and the
         descriptors; the mappings themselves go with the last tensor that views them."""
+        for span in self._spans:  # (copies not made by now are abandoned: a failed restore)
+            span.copies.clear()
         try:
             self.finish()
         except (OSError, CorruptCheckpoint):
@@ -205,3 +269,6 @@ class MappedFiles:
         for span in self._spans:
             os.close(span.fd)
         self._spans.clear()
+        if self.progress is not None:
+            self.progress.close()
+            self.progress = None

@@ -193,7 +193,6 @@ class LocalFS:
             h = xxhash.xxh3_128()
             size = 0
             if st.st_size > chunk:  # read ahead while hashing
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 for piece in read_ahead(fd, chunk):
                     h.update(piece)
                     size += len(piece)
