@@ -689,6 +689,7 @@ class Unbroken(Method):
         import unbroken.state.parts as S
         G = _generation_module(S)
         import unbroken.restoring as R  # (it calls `apply` by the name it imported)
+        import unbroken.store.backends._mapped as M
         r = self._unbroken.Checkpointer(self.base, model=model, optimizer=opt,
                                         keep=self._unbroken.Keep(last=1), **self.options)
         pt = PhaseTimer()
@@ -698,7 +699,9 @@ class Unbroken(Method):
                 for obj, name, key in ((st, "scan", "scan"), (st, "read_verified", "read+hash"),
                                        (G, "decode_generation", "decode"),
                                        (S, "validate_parts", "validate"), (S, "apply", "apply"),
-                                       (R, "apply", "apply")):
+                                       (R, "apply", "apply"),
+                                       # (a file hashed as it is copied: inside apply)
+                                       (M.MappedFiles, "_hash", "stream")):
                     if hasattr(obj, name):
                         es.enter_context(pt.patch(obj, name, key))
                 es.enter_context(pt.patch(os, "readv", "readv()", syscall=True))
@@ -710,8 +713,10 @@ class Unbroken(Method):
         a = pt.acc
         ph = {k: a.get(k, 0.0) for k in ("scan", "read+hash")}
         ph["  read()"] = a.get("read+hash:readv()", 0.0)
+        ph["read+hash"] += a.get("stream", 0.0)  # (hashed and copied in one pass)
         ph["  hash+alloc+copy"] = ph["read+hash"] - ph["  read()"]
         ph.update({k: a.get(k, 0.0) for k in ("decode", "validate", "apply")})
+        ph["apply"] -= a.get("stream", 0.0)
         ph["other"] = total - sum(ph[k] for k in ("scan", "read+hash", "decode", "validate",
                                                   "apply"))
         ph["total"] = total

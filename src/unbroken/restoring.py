@@ -155,11 +155,15 @@ class Restoring:
         verified one is used. A generation written by another run (copied into this folder) is
         foreign: ``adopt=True`` continues from it deliberately and records that run in this
         run's lineage. Any missing part, identity change or shape mismatch raises before any
-        live object changes. ``"warm_start"``: model weights only, from another run folder
-        ``source``; this run starts at 0 with a lineage naming its parent. Config or tokenizer
-        changes must be named in ``allow``. ``fresh`` (warm start only): glob patterns of the
-        model's names that keep their live values (a new head: ``fresh=["head.*"]``); the
-        checkpoint's names they match need not exist live, every other name must match."""
+        live object changes. A large file is hashed as it is read into the live tensors (in a
+        job of one process): one found corrupt then refuses its generation, and the previous
+        verified one is loaded over it; where none is, `CorruptCheckpoint` says the live
+        model and optimizer hold the corrupt generation's bytes. ``"warm_start"``: model
+        weights only, from another run folder ``source``; this run starts at 0 with a lineage
+        naming its parent. Config or tokenizer changes must be named in ``allow``. ``fresh``
+        (warm start only): glob patterns of the model's names that keep their live values (a
+        new head: ``fresh=["head.*"]``); the checkpoint's names they match need not exist
+        live, every other name must match."""
         self._forked("restore")
         if intent not in S.INTENTS:
             raise ValueError(f"intent={intent!r}: one of {S.INTENTS}")

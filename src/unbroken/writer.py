@@ -112,9 +112,10 @@ class RunWriter:
         if restore_tried:
             raise RunNotRestored(
                 f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer's "
-                f"restore() raised, so nothing was restored; {newest}. Deal with what restore() "
-                "said (its error names the files) and call it again, or point this run at "
-                "another (empty) folder")
+                "restore() raised, so it continues none of them (and where that error said so, "
+                f"the live objects hold bytes of a corrupt one); {newest}. Deal with what "
+                "restore() said (its error names the files) and call it again, or point this "
+                "run at another (empty) folder")
         raise RunNotRestored(
             f"{self.store.root}: holds {len(found)} generation(s) and this Checkpointer did not "
             f"call restore(); {newest}. Call ckpt.restore() before training to continue that "

@@ -19,7 +19,7 @@ import torch
 
 import unbroken
 from unbroken import picking
-from unbroken.errors import CorruptCheckpoint
+from unbroken.errors import CorruptCheckpoint, RunNotRestored
 from unbroken.store.backends import _mapped
 
 
@@ -219,6 +219,15 @@ def test_rot_in_the_only_generation_raises_saying_the_live_objects_hold_its_byte
     assert f"{run / 'gen-000000001' / 'model.safetensors'}: content hash" in said
     assert f"hold bytes of {run / 'gen-000000001'} now" in said
     assert "build them anew" in said
+    # Starting over from the objects it left (``except CorruptCheckpoint: start = 0``) is
+    # refused at the first save.
+    _train(other, other_opt)
+    with unbroken.Checkpointer(run, model=other, optimizer=other_opt) as ckpt:
+        with pytest.raises(CorruptCheckpoint):
+            ckpt.restore()
+        ckpt.step_done(1)
+        with pytest.raises(RunNotRestored, match="hold bytes of a corrupt one"):
+            ckpt.save()
 
 
 def test_rot_in_the_generation_asked_for_raises_and_loads_no_other(

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import unbroken
-from unbroken.errors import UnbrokenError
 from unbroken import picking
+from unbroken.errors import UnbrokenError
 from unbroken.picking import _MAP_MIN
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
