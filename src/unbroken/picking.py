@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,14 +24,17 @@ from .dist.sharded import SHARDS_FILE, load_shards, read_index, shard_file
 from .errors import (
     CorruptCheckpoint,
     ForeignGeneration,
+    MissingState,
     NoCheckpoint,
     UnbrokenError,
+    UnbrokenWarning,
 )
 from .state import generation as G
 from .state import parts as S
 from .state.environment import environment
 from .state.identity import Identity, check_environment, check_identity
 from .state.livemodel import LiveModel
+from .state.settings import param_group_changes, scheduler_changes
 from .store.backends._mapped import MappedFiles
 from .store.generations import GenerationInfo, GenerationStore
 from .store.manifest import Artifact
@@ -284,3 +288,40 @@ def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], r
             f"{sorted(expected)} (the manifest's parts besides those of {S.STATE_FILE}); a "
             "rank's own file holds its random streams and its extras held per rank only")
     return own
+
+
+def check_continuable(pick: Pick, root: str, optimizer: Any, parts: Mapping[str, Any]) -> None:
+    """Refuse an imported generation (of the run folder ``root``); warn of hyperparameters a
+    continuation sets back (restore() is the caller's caller)."""
+    info, ready, tree = pick.info, pick.ready, pick.tree
+    assert info is not None and info.manifest is not None
+    manifest = info.manifest
+    origin = manifest.origin or {}
+    # (the import's own generation, the first of its run: later ones, which an older
+    # unbroken let a continuation write, hold trained state and inherit the origin)
+    if origin.get("operation") == "import" and manifest.parent is None:
+        raise MissingState(
+            f"{info.path}: imported weights (from {origin.get('source')!r}, by "
+            "unbroken import), not a run to continue: the training state beside them "
+            "(counters, RNG streams) is the import's, not the source's. Start a run from "
+            f"them with restore(intent=\"warm_start\", source={root!r}) in a "
+            "new run folder")
+    if optimizer is not None:
+        for change in param_group_changes(tree[S.OPTIMIZER], optimizer,
+                                            scheduled=S.SCHEDULER in parts):
+            warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
+                          "(to change a hyperparameter, set it after restore(), or "
+                          "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+    if S.SCHEDULER in parts and S.SCHEDULER in ready:
+        for change in scheduler_changes(ready[S.SCHEDULER], parts[S.SCHEDULER]):
+            warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
+                          "schedule (to change it, set it on the scheduler after restore(), or "
+                          "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+
+
+def partly(refused: Pick) -> str:
+    """What a restore left in the live objects after a file failed its hash as it was copied."""
+    assert refused.info is not None
+    return (f"The live model and optimizer hold bytes of {refused.info.path} now (its files are "
+            "hashed as they are copied into them, and the corruption was found after): build "
+            "them anew before training or restoring again")

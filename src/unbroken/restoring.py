@@ -22,20 +22,18 @@ from .dist.alike import check_alike
 from .dist.group import Group
 from .errors import (
     CorruptCheckpoint,
-    MissingState,
     NoCheckpoint,
     ReadOnlyRun,
     UnbrokenError,
     UnbrokenWarning,
 )
 from .faults import DROP_ENV, drop_parts
-from .picking import Pick, pick_generation
+from .picking import Pick, check_continuable, partly, pick_generation
 from .state import parts as S
 from .state.applying import apply
 from .state.fresh import check_patterns
 from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
-from .state.settings import param_group_changes, scheduler_changes
 from .store.aside import ASIDE_NAME
 from .store.generations import GenerationInfo, GenerationStore
 from .store.opening import is_url, location_key, open_store
@@ -269,9 +267,9 @@ class Restoring:
             except CorruptCheckpoint as e:
                 if not before.rejected:
                     raise
-                raise CorruptCheckpoint(f"{e}\n{_partly(before)}") from None
+                raise CorruptCheckpoint(f"{e}\n{partly(before)}") from None
             try:
-                self._check_continuable(pick)
+                check_continuable(pick, self.store.root, self.optimizer, self._parts)
                 apply(pick.ready, drop_parts(self._parts, pick.ready,
                                              os.environ.get(DROP_ENV, ""), self._group.rank),
                       mapped=pick.mapped, walked=pick.walked)
@@ -287,7 +285,7 @@ class Restoring:
                 before.labels[pick.info.path] = "corrupt"
                 before.info = pick.info  # (the last one whose bytes went into live tensors)
                 if generation is not None:  # (that one, and no other)
-                    raise CorruptCheckpoint(f"{pick.info.path}: {why}\n{_partly(before)}"
+                    raise CorruptCheckpoint(f"{pick.info.path}: {why}\n{partly(before)}"
                                             ) from None
                 scanned = [g for g in scanned if g.generation < pick.info.generation]
                 if not scanned:
@@ -295,36 +293,9 @@ class Restoring:
                         f"{self.store.root}: no generation verifies; refusing to start from "
                         "scratch:\n" + "\n".join(f"  {path}: {reason}"
                                                   for path, reason in before.rejected) +
-                        f"\n{_partly(before)}") from None
+                        f"\n{partly(before)}") from None
             finally:
                 pick.mapped.close()
-
-    def _check_continuable(self, pick: Pick) -> None:
-        """Refuse an imported generation; warn of hyperparameters a continuation sets back."""
-        info, ready, tree = pick.info, pick.ready, pick.tree
-        assert info is not None and info.manifest is not None
-        manifest = info.manifest
-        origin = manifest.origin or {}
-        # (the import's own generation, the first of its run: later ones, which an older
-        # unbroken let a continuation write, hold trained state and inherit the origin)
-        if origin.get("operation") == "import" and manifest.parent is None:
-            raise MissingState(
-                f"{info.path}: imported weights (from {origin.get('source')!r}, by "
-                "unbroken import), not a run to continue: the training state beside them "
-                "(counters, RNG streams) is the import's, not the source's. Start a run from "
-                f"them with restore(intent=\"warm_start\", source={self.store.root!r}) in a "
-                "new run folder")
-        if self.optimizer is not None:
-            for change in param_group_changes(tree[S.OPTIMIZER], self.optimizer,
-                                                scheduled=S.SCHEDULER in self._parts):
-                warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
-                              "(to change a hyperparameter, set it after restore(), or "
-                              "warm_start a new run)", UnbrokenWarning, stacklevel=4)
-        if S.SCHEDULER in self._parts and S.SCHEDULER in ready:
-            for change in scheduler_changes(ready[S.SCHEDULER], self._parts[S.SCHEDULER]):
-                warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
-                              "schedule (to change it, set it on the scheduler after restore(), or "
-                              "warm_start a new run)", UnbrokenWarning, stacklevel=4)
 
     def _pick(self, store: GenerationStore, scanned: list[GenerationInfo],
               generation: int | None, intent: str, allow: Iterable[str], adopt: bool,
@@ -380,14 +351,6 @@ class Restoring:
             self._origin["fresh"] = list(fresh)
         log.info("warm start from %s; new run %s", info.path, self.run_id)
         return 0
-
-
-def _partly(refused: Pick) -> str:
-    """What a restore left in the live objects after a file failed its hash as it was copied."""
-    assert refused.info is not None
-    return (f"The live model and optimizer hold bytes of {refused.info.path} now (its files are "
-            "hashed as they are copied into them, and the corruption was found after): build "
-            "them anew before training or restoring again")
 
 
 def _superseded_uncommitted(store: GenerationStore, scanned: list[GenerationInfo],
