@@ -147,6 +147,20 @@ def test_corruption_fuzz_300_cases(capsys):
     assert r["exception_types"].get("ForeignGeneration", 0) > 0
 
 
+def test_corruption_fuzz_through_the_one_pass_restore(capsys):
+    """Every model and optimizer file read straight into the live tensors and hashed as it
+    arrives (`store.backends._streamed`): a corruption found after some tensors took its
+    bytes must still end in a refusal or in the older generation's exact state."""
+    code, r = _run("corrupt", "--cases", "150", "--seed", "2", "--map-all")
+    _show(capsys, "corruption fuzz, one-pass restore (seed 2)", {
+        k: r.get(k) for k in ("cases", "refused", "fell_back", "loaded", "failed")})
+    failures = "\n".join(f"case {x['case']} {x['kind']}: {x['mutation']}: {x['failures']}"
+                         for x in r["failures"])
+    assert code == 0 and r["ok"] and r["failed"] == 0, failures
+    assert r["by_kind"]["flip-tensor-data"]["fell_back"] > 0, r["by_kind"]["flip-tensor-data"]
+    assert r["exceptions_outside_unbroken_error"] == []
+
+
 def test_corruption_fuzz_one_case_reruns_alone():
     _, whole = _run("corrupt", "--cases", "40", "--seed", "9")
     _, one = _run("corrupt", "--cases", "1", "--seed", "9", "--case", "17")

@@ -107,3 +107,4 @@ def test_one_read_in_flight_only_where_the_kernel_reads_a_piece_ahead(
 
 def test_the_window_of_a_device_without_one_is_unknown():
     assert _readahead._window.__wrapped__(os.makedev(0, 0xFFFFF)) == 0
+

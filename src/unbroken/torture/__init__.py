@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="test the test: load without re-hashing content, continue from another "
                         "run's generations, or read state.json whatever its listed size; the "
                         "fuzz must FAIL")
+    z.add_argument("--map-all", action="store_true",
+                   help="restore every model and optimizer file through the one pass that "
+                        "reads it into the live tensors and hashes it (as files of 32 MiB and "
+                        "more are), not only large ones")
     z.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return p
 
@@ -202,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cases < 1:
             print("torture: --cases must be >= 1", file=sys.stderr)
             return 2
-        result = corrupt(args.cases, args.seed, args.dir, args.case, sabotage=args.sabotage)
+        result = corrupt(args.cases, args.seed, args.dir, args.case, sabotage=args.sabotage,
+                         map_all=args.map_all)
         text = _corrupt_text
     try:
         out = json.dumps(result, indent=2) if args.json else text(result)

@@ -289,8 +289,12 @@ class Fuzz:
 
 def _live_check(path: str, why: str) -> bool:
     """Whether a refusal came from fitting the saved state to the live objects (the reason
-    names the generation folder and a part: "gen-... [optimizer]: ...")."""
-    return why.startswith(f"{path} [") or "saved state does not validate" in why
+    names the generation folder or its file, and a part: "gen-... [optimizer]: ...",
+    "gen-.../state.json [scheduler]: ...")."""
+    named = why.startswith(f"{path} [") or (
+        why.startswith(f"{path}/") and " [" in why.split(":", 1)[0]
+        and "/" not in why[len(path) + 1:why.index(" [")])
+    return named or "saved state does not validate" in why
 
 
 def _skip_hash() -> Callable[[], None]:
@@ -347,9 +351,14 @@ def _scratch_dir() -> str:
 
 
 def corrupt(cases: int, seed: int, workdir: str | None = None, only: int | None = None,
-            keep: bool = False, sabotage: str | None = None) -> dict[str, Any]:
+            keep: bool = False, sabotage: str | None = None, map_all: bool = False
+            ) -> dict[str, Any]:
     import torch
 
+    from .. import picking
+
+    if map_all:  # (the fuzz's models are small: their files would be read whole)
+        picking._MAP_MIN = 0
     prepare_parent()
     torch.set_num_threads(1)
     own = workdir is None
