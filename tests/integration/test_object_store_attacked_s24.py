@@ -157,11 +157,27 @@ def _changes_the_store(ops: list[tuple[str, str]], k: int) -> bool:
                                                                                  "fsync")
 
 
+def _kill_points(ops: list[tuple[str, str]]) -> list[int]:
+    """The operations (1-based) a sweep kills at: those that may change the store
+    (`_changes_the_store`), and of a run of them of one kind in one folder (the files of an
+    upload copied into ``aside/`` one by one, those of an old upload folder deleted), the
+    first and the last: a kill inside such a run leaves that folder with some of its files,
+    as a kill at its first or its last does with one file more or fewer."""
+    points = [k for k in range(1, len(ops) + 1) if _changes_the_store(ops, k)]
+
+    def group(k: int) -> tuple[str, str]:
+        kind, path = ops[k - 1]
+        return kind, path.rsplit("/", 1)[0]
+    return [k for i, k in enumerate(points)
+            if i in (0, len(points) - 1) or group(points[i - 1]) != group(k)
+            or group(points[i + 1]) != group(k)]
+
+
 def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "", base: tuple | None = None
            ) -> tuple[list, dict, dict, int, tuple]:
     """Kill the process that restores step 10, steps its scheduler and saves step 10 again
-    (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind);
-    after each kill, restore with a new Checkpointer. The state restored must be step 10 bitwise, as
+    (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind;
+    `_kill_points` says which); after each kill, restore with a new Checkpointer. The state restored must be step 10 bitwise, as
     the old save or the new one: the one whose manifest was uploaded last before the kill
     (the first save's until the first upload of that manifest by this process, then the
     other's at each one). Returns what each kill point restored, both states, the exit
@@ -176,9 +192,7 @@ def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "", base: tuple | No
     url, first, snapshot = base
     outcomes = []
     ops = _operations(tmp_path, s3, url, mode, kind, snapshot)
-    for k in range(1, len(ops) + 2):
-        if k <= len(ops) and not _changes_the_store(ops, k):
-            continue  # the store as a kill at the operation before it leaves it
+    for k in [*_kill_points(ops), len(ops) + 1]:
         snapshot.put_back()
         note.unlink(missing_ok=True)
         rc, again, err = _run(tmp_path, s3, url, mode, UNBROKEN_KILL_AT_OP=f"{kind}{k}",
