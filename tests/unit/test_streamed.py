@@ -22,7 +22,7 @@ def _file(folder: Path, data: bytes) -> int:
     return os.open(path, os.O_RDONLY)
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(size=st.integers(0, 5000), chunk=st.sampled_from([1, 7, 64, 4096]),
        depth=st.integers(1, 4),
