@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,6 @@ from .errors import (
     MissingState,
     NoCheckpoint,
     UnbrokenError,
-    UnbrokenWarning,
 )
 from .state import generation as G
 from .state import parts as S
@@ -94,6 +92,12 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
             mine.update(refused=str(e), foreign=isinstance(e, ForeignGeneration))
         except UnbrokenError as e:
             mine["fatal"] = describe(e)
+            try:  # (decoded from bytes not hashed yet, a header: were they the file's?)
+                pick.mapped.verify_unhashed(drop=True)
+            except CorruptCheckpoint as bad:
+                mine.update(refused=str(bad), fatal=None)
+            except UnbrokenError:
+                pass
         everyone = group.all_gather(mine, "agreeing on the generation to restore")
         for r, x in enumerate(everyone):
             if x["fatal"]:
@@ -290,9 +294,10 @@ def rank_parts(files: Mapping[str, Any], folder: str, meta: Mapping[str, str], r
     return own
 
 
-def check_continuable(pick: Pick, root: str, optimizer: Any, parts: Mapping[str, Any]) -> None:
-    """Refuse an imported generation (of the run folder ``root``); warn of hyperparameters a
-    continuation sets back (restore() is the caller's caller)."""
+def check_continuable(pick: Pick, root: str, optimizer: Any, parts: Mapping[str, Any]
+                      ) -> list[str]:
+    """Refuse an imported generation (of the run folder ``root``); the warnings of a
+    continuation from it: each hyperparameter and scheduler setting it sets back."""
     info, ready, tree = pick.info, pick.ready, pick.tree
     assert info is not None and info.manifest is not None
     manifest = info.manifest
@@ -306,17 +311,17 @@ def check_continuable(pick: Pick, root: str, optimizer: Any, parts: Mapping[str,
             "(counters, RNG streams) is the import's, not the source's. Start a run from "
             f"them with restore(intent=\"warm_start\", source={root!r}) in a "
             "new run folder")
+    said = []
     if optimizer is not None:
-        for change in param_group_changes(tree[S.OPTIMIZER], optimizer,
-                                            scheduled=S.SCHEDULER in parts):
-            warnings.warn(f"{info.path}: {change}; a continuation restores the saved value "
-                          "(to change a hyperparameter, set it after restore(), or "
-                          "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+        said += [f"{info.path}: {change}; a continuation restores the saved value (to change a "
+                 "hyperparameter, set it after restore(), or warm_start a new run)"
+                 for change in param_group_changes(tree[S.OPTIMIZER], optimizer,
+                                                   scheduled=S.SCHEDULER in parts)]
     if S.SCHEDULER in parts and S.SCHEDULER in ready:
-        for change in scheduler_changes(ready[S.SCHEDULER], parts[S.SCHEDULER]):
-            warnings.warn(f"{info.path}: {change}; a continuation restores the saved "
-                          "schedule (to change it, set it on the scheduler after restore(), or "
-                          "warm_start a new run)", UnbrokenWarning, stacklevel=4)
+        said += [f"{info.path}: {change}; a continuation restores the saved schedule (to "
+                 "change it, set it on the scheduler after restore(), or warm_start a new run)"
+                 for change in scheduler_changes(ready[S.SCHEDULER], parts[S.SCHEDULER])]
+    return said
 
 
 def partly(refused: Pick) -> str:

@@ -34,6 +34,7 @@ from .state.applying import apply
 from .state.fresh import check_patterns
 from .state.identity import Identity, check_identity
 from .state.incremental import HeldFile, held_files
+from .state.settings import live_settings, put_back_settings
 from .store.aside import ASIDE_NAME
 from .store.generations import GenerationInfo, GenerationStore
 from .store.opening import is_url, location_key, open_store
@@ -260,22 +261,30 @@ class Restoring:
         that fails its hash refuses the generation, and the next older one that verifies is
         picked and loaded over it (every tensor it held is overwritten)."""
         before = Pick()
+        settings = live_settings(self.optimizer, self._parts.get(S.SCHEDULER))
         while True:
             try:
                 pick = self._pick(self.store, scanned, generation, "continue", allow, adopt,
                                   defer=True, before=before)
-            except CorruptCheckpoint as e:
+            except UnbrokenError as e:
                 if not before.rejected:
                     raise
-                raise CorruptCheckpoint(f"{e}\n{partly(before)}") from None
+                raise type(e)(f"{e}\n{partly(before)}") from None
             try:
-                check_continuable(pick, self.store.root, self.optimizer, self._parts)
+                said = check_continuable(pick, self.store.root, self.optimizer, self._parts)
                 apply(pick.ready, drop_parts(self._parts, pick.ready,
                                              os.environ.get(DROP_ENV, ""), self._group.rank),
                       mapped=pick.mapped, walked=pick.walked)
                 pick.mapped.verify_rest()
+                for message in said:  # (of the generation loaded, not of those refused)
+                    warnings.warn(message, UnbrokenWarning, stacklevel=4)
                 return pick
             except UnbrokenError:
+                if pick.mapped.refused is None:
+                    try:  # (refused by code that read bytes not hashed yet: the file's?)
+                        pick.mapped.verify_unhashed(drop=True)
+                    except UnbrokenError:
+                        pass
                 if pick.mapped.refused is None:
                     raise
                 assert pick.info is not None
@@ -294,6 +303,8 @@ class Restoring:
                         "scratch:\n" + "\n".join(f"  {path}: {reason}"
                                                   for path, reason in before.rejected) +
                         f"\n{partly(before)}") from None
+                # (what the next candidate's warnings compare with: as before this restore)
+                put_back_settings(self.optimizer, self._parts.get(S.SCHEDULER), settings)
             finally:
                 pick.mapped.close()
 

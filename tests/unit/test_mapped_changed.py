@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ import torch
 
 import unbroken
 from unbroken import picking
-from unbroken.errors import CorruptCheckpoint, RunNotRestored
+from unbroken.errors import CorruptCheckpoint, RunNotRestored, UnbrokenWarning
 from unbroken.store.backends import _mapped
 
 
@@ -264,3 +265,147 @@ def test_a_restore_hashing_as_it_copies_shows_its_progress(
         assert ckpt.restore() == 1
     err = capsys.readouterr().err
     assert "loading gen-000000001" in err and "100%" in err, err
+
+
+# -- found by an outside review of the one-pass restore (session 39) ------------------------
+
+
+def _two_generations(run: Path, build) -> list[list[bytes]]:
+    """Generations 1 and 2 of ``build(0)``'s model and SGD; each one's model bits."""
+    model, opt = build(0)
+    saved = []
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        for step in (1, 2):
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step_done(step)
+            ckpt.save()
+            saved.append(_bits(model))
+    return saved
+
+
+def _linear(seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(16, 16)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+class _Scaled(torch.nn.Module):
+    """A module whose own load code refuses a value (as many custom modules do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale[0]
+
+    def _load_from_state_dict(self, sd, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
+        scale = sd.get(prefix + "scale")
+        if scale is not None and not bool((scale > 0).all()):
+            raise ValueError(f"{prefix}scale must be positive, got {scale.tolist()}")
+        super()._load_from_state_dict(sd, prefix, *args, **kwargs)
+
+
+def _scaled(seed: int):
+    torch.manual_seed(seed)
+    model = _Scaled()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _restores_the_first(run: Path, build, first: list[bytes]) -> None:
+    for seed in (1, 2):  # (and again: the corrupt one is set aside, not met at every restart)
+        model, opt = build(seed)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+            assert ckpt.restore() == 1
+        assert _bits(model) == first
+    assert [p.name.split("-")[1] for p in (run / "aside").iterdir()] == ["000000002"]
+
+
+def test_a_header_edited_in_place_is_refused_by_its_hash_not_as_a_mismatch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The header is decoded and validated against the live model before the file is hashed:
+    a tensor whose dtype or shape it changed is first taken for the checkpoint's fault."""
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    first, _ = _two_generations(run, _linear)
+    path = run / "gen-000000002" / "model.safetensors"
+    path.write_bytes(path.read_bytes().replace(b'"weight":{"dtype":"F32"',
+                                               b'"weight":{"dtype":"I32"', 1))
+    _restores_the_first(run, _linear, first)
+
+
+def test_a_module_s_own_load_code_never_sees_bytes_not_hashed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    first, _ = _two_generations(run, _scaled)
+    path = run / "gen-000000002" / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    import json
+    at = 8 + n + json.loads(raw[8:8 + n])["scale"]["data_offsets"][0] + 3
+    with open(path, "r+b") as f:  # the sign bit of scale[0] flipped (bit rot)
+        f.seek(at)
+        f.write(bytes([raw[at] ^ 0x80]))
+    _restores_the_first(run, _scaled, first)
+
+
+@pytest.mark.parametrize("build", [_linear, _scaled], ids=["copied", "own-load"])
+@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors"])
+def test_an_io_error_reading_a_file_in_the_one_pass_refuses_its_generation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, build, victim: str) -> None:
+    """EIO is a file gone bad, as in a hash pass (`verifying.unreadable`): refused, and the
+    previous generation loads, bitwise."""
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    first, _ = _two_generations(run, build)
+    bad = os.path.realpath(run / "gen-000000002" / victim)
+    real = os.preadv
+
+    def preadv(fd, bufs, offset, *more):  # type: ignore[no-untyped-def]
+        if os.path.realpath(f"/proc/self/fd/{fd}") == bad:
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset, *more)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    model, opt = build(1)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        assert ckpt.restore() == 1
+        assert "Input/output error" in ckpt.rejected[0][1]
+    assert _bits(model) == first
+
+
+def test_after_a_fallback_only_the_loaded_generation_s_settings_are_warned_about(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The refused generation's weight decay was loaded before its file failed its hash:
+    neither it nor the live value it left is warned about; the loaded one equals the live."""
+    monkeypatch.setattr(picking, "_MAP_MIN", 0)
+    run = tmp_path / "run"
+    model, opt = _linear(0)
+    opt.param_groups[0]["weight_decay"] = 0.01
+    with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+        for step in (1, 2):
+            if step == 2:
+                opt.param_groups[0]["weight_decay"] = 0.05
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            ckpt.step_done(step)
+            ckpt.save()
+    _rot(run, 2, "model.safetensors")
+    model, opt = _linear(1)
+    opt.param_groups[0]["weight_decay"] = 0.01
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnbrokenWarning)
+        with unbroken.Checkpointer(run, model=model, optimizer=opt) as ckpt:
+            assert ckpt.restore() == 1
+    assert opt.param_groups[0]["weight_decay"] == 0.01

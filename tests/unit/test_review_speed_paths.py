@@ -19,7 +19,7 @@ import torch
 
 import unbroken
 from unbroken import picking
-from unbroken.errors import UnbrokenError
+from unbroken.errors import CorruptCheckpoint, UnbrokenError
 from unbroken.picking import _MAP_MIN
 from unbroken.state.codec import encode_tree
 from unbroken.state.decoding import decode_tree
@@ -295,11 +295,12 @@ def test_a_failed_read_raises_typed_and_a_later_restore_is_exact(tmp_path, monke
 
 
 @pytest.mark.parametrize("at", [0, 3])
-def test_a_failed_read_of_the_hashing_copy_raises_typed_and_a_later_restore_is_exact(
+def test_a_failed_read_of_the_hashing_copy_refuses_typed_and_a_later_restore_is_exact(
         tmp_path, monkeypatch, at):
     """A read failing in the pass that hashes and copies at once (a continuation of one
-    process) is no corrupt file: the restore raises (what is partly restored said), leaves no
-    reader behind, and the next one restores exactly."""
+    process) is a file gone bad, as in a hash pass: refused, naming the file (the only
+    generation here: the restore raises, saying the live objects hold some of its bytes),
+    no reader left behind, and the next restore, the disk healthy again, is exact."""
     torch.manual_seed(0)
     model = _big_model(_odd_floats(BIG))
     with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
@@ -315,12 +316,14 @@ def test_a_failed_read_of_the_hashing_copy_raises_typed_and_a_later_restore_is_e
 
     monkeypatch.setattr(_readahead, "_read_all", failing)
     other = _big_model()
-    with pytest.raises(UnbrokenError, match="Input/output error.*partly restored") as caught:
+    with pytest.raises(CorruptCheckpoint, match="no generation verifies") as caught:
         with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
             ckpt.restore()
-    assert "model.safetensors" in str(caught.value)
+    said = str(caught.value)
+    assert "model.safetensors: unreadable ([Errno 5] Input/output error)" in said
+    assert "hold bytes of" in said
     assert not [t for t in threading.enumerate() if t.name.startswith("unbroken-read-ahead")]
-    assert (tmp_path / "run" / "gen-000000001").is_dir()  # (not set aside: not its fault)
+    assert (tmp_path / "run" / "gen-000000001").is_dir()  # (a refused restore moves nothing)
     monkeypatch.setattr(_readahead, "_read_all", read)
     with unbroken.Checkpointer(tmp_path / "run", model=other) as ckpt:
         assert ckpt.restore() == 1

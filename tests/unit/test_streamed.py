@@ -93,7 +93,7 @@ def test_a_failing_read_is_raised_and_leaves_no_reader(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("unbroken-read-ahead")]
 
 
-@pytest.mark.parametrize(("window", "expected"), [(8 << 20, 1), (16 << 20, 1), (128 << 10, 4),
+@pytest.mark.parametrize(("window", "expected"), [(8 << 20, 2), (16 << 20, 2), (128 << 10, 4),
                                                   (0, 4)])
 def test_one_read_in_flight_only_where_the_kernel_reads_a_piece_ahead(
         tmp_path, monkeypatch, window, expected):

@@ -30,6 +30,8 @@ class Copier(Protocol):
 
     def finish(self) -> None: ...
 
+    def verify_unhashed(self, drop: bool = False) -> None: ...
+
 
 def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
           mapped: Copier | None = None, walked: LiveModel | None = None,
@@ -70,6 +72,8 @@ def apply(ready: Mapping[str, Any], parts: Mapping[str, Any],
             elif name == MODEL and fresh:
                 load_but_kept(obj, ready[name], walked or LiveModel(obj))
             elif name in big:
+                if mapped is not None:  # (its own code reads the saved tensors: verified first)
+                    mapped.verify_unhashed()
                 obj.load_state_dict(with_versions(obj, ready[name]))
                 if name == MODEL and mapped is not None:
                     for t in ready[name].values():  # copied by load_state_dict

@@ -3,6 +3,7 @@ script now sets otherwise is silently replaced by the saved value, so every chan
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,3 +88,23 @@ def _same(a: Any, b: Any) -> bool:
         return bool(a == b)
     except Exception:  # noqa: BLE001 -- an object whose == raises: not the same
         return False
+
+
+def live_settings(optimizer: Any, scheduler: Any) -> tuple[list[dict[str, Any]], Any]:
+    """What `param_group_changes` and `scheduler_changes` compare with, as it is now: the
+    optimizer's hyperparameters by group and the scheduler's state (copies)."""
+    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+              for g in getattr(optimizer, "param_groups", [])]
+    state = getattr(scheduler, "state_dict", None)
+    return groups, copy.deepcopy(state()) if callable(state) else None
+
+
+def put_back_settings(optimizer: Any, scheduler: Any,
+                      settings: tuple[list[dict[str, Any]], Any]) -> None:
+    """Set the optimizer's hyperparameters and the scheduler's state back to `live_settings`'
+    ``settings`` (after a restore that loaded some of a generation it then refused)."""
+    groups, state = settings
+    for group, before in zip(getattr(optimizer, "param_groups", []), groups, strict=False):
+        group.update(copy.deepcopy(before))
+    if state is not None:
+        scheduler.load_state_dict(copy.deepcopy(state))

@@ -25,6 +25,7 @@ import torch
 
 from ...errors import CorruptCheckpoint
 from ...state.tensorfile import tensor_bytes
+from ..verifying import unreadable
 from ._streamed import hash_copies
 
 
@@ -196,12 +197,21 @@ class MappedFiles:
         them all verified (the callbacks of `when_verified`). `CorruptCheckpoint` if one
         fails its hash (then `refused` says which)."""
         self.finish()
-        for span in self._spans:
-            if span.digest is not None:
-                self._hash(span)
+        self.verify_unhashed()
         for confirm in self._verified:
             confirm()
         self._verified.clear()
+
+    def verify_unhashed(self, drop: bool = False) -> None:
+        """Hash every file not hashed yet, making the copies recorded from it (``drop``: a
+        failed restore's, left unmade): before code other than this module reads the mapped
+        bytes (a module's own ``load_state_dict``), or to tell whether a refusal came from
+        unverified bytes. `CorruptCheckpoint` (or `RunUnreadable`) as `_hash` says."""
+        for span in self._spans:
+            if span.digest is not None:
+                if drop:
+                    span.copies.clear()
+                self._hash(span)
 
     def when_verified(self, confirm: Callable[[], None]) -> None:
         """Call ``confirm`` once every file of this restore is hashed right (`verify_rest`)."""
@@ -215,9 +225,11 @@ class MappedFiles:
         try:
             got, digest, again = hash_copies(span.fd, span.size, copies, _PIECE,
                                              self.progress and self.progress.advance)
-        except OSError as e:  # (not the file's fault: the restore raises, no fallback)
-            e.filename = e.filename or span.path
-            raise
+        except OSError as e:  # (an I/O error: the file gone bad, as in a hash pass)
+            error = unreadable(span.path, e)
+            if isinstance(error, CorruptCheckpoint):
+                self.refused = (span.path, str(error))
+            raise error from None
         why = (f"{span.path}: {got} bytes, the manifest lists {span.size}" if got != span.size
                else f"{span.path}: content hash {digest}, the manifest lists {expected} (the "
                "file changed after commit)" if digest != expected else None)

@@ -7,11 +7,13 @@ How many reads in flight (`in_flight`) depends on the kernel's own read-ahead wi
 file's device. A small window (Linux's default is 128 KiB) leaves one reader's disk idle
 between reads: on 2026-12-02, 3 GiB written by `LocalFS.write_file` and hashed cold, four
 rounds: one read of 8 MiB at a time 0.41-1.32 GB/s, four in flight 2.10-2.57 GB/s (O_DIRECT
-reads of 64 MiB, one at a time: 0.94-1.95). A window as large as a piece keeps the disk busy
-ahead of one reader by itself, and several readers of one file then defeat the kernel's
-sequential detection: on 2026-12-06 (window 8 MiB), 1 GiB hashed cold five times, one read of
-8 MiB at a time 3.05-3.40 GB/s, four in flight 1.11-1.24 (O_DIRECT 1.36-1.48); a 3 GiB restore
-took 0.93 s against 1.44 s."""
+reads of 64 MiB, one at a time: 0.94-1.95). Where the window holds a piece (8 MiB on this
+project's later VMs), the kernel reads ahead of each reader by itself, and four readers of one
+file defeat its sequential detection: on 2026-12-06, a 3 GiB restore (one pass, cold) took
+1.26 s with four reads of 8 MiB in flight, 0.97 s with two and 0.93 s with one, against 2.02 s
+for O_DIRECT; 1 GiB: 0.53, 0.32 and 0.35 s. Two, not one: on the thirty-eighth session's host
+a single stream was the fastest or the slowest by 4x from one file to the next (one read of
+32 MiB at a time 2.42 s for 3 GiB, two of 32 MiB 0.63 s, four of 8 MiB 0.75 s; BENCHMARKS.md)"""
 
 from __future__ import annotations
 
@@ -37,9 +39,9 @@ def _window(dev: int) -> int:
 
 
 def in_flight(fd: int, chunk: int) -> int:
-    """Reads to keep in flight when reading ``fd`` in pieces of ``chunk`` bytes: one where the
+    """Reads to keep in flight when reading ``fd`` in pieces of ``chunk`` bytes: two where the
     kernel reads a piece's size ahead by itself, else `DEPTH`."""
-    return 1 if _window(os.fstat(fd).st_dev) >= chunk else DEPTH
+    return 2 if _window(os.fstat(fd).st_dev) >= chunk else DEPTH
 
 
 def _read_all(fd: int, bufs: list[memoryview], offset: int) -> int:
