@@ -18,7 +18,7 @@ RUNS = {
              "--repeats", "1", "--warmup", "0",
              "--modes", "none,unbroken-async,unbroken-process"],
     "save_load": ["save_load.py", "--sizes", "1M", "--small", "64", "--frozen", "0",
-                  "--repeats", "1", "--methods",
+                  "--repeats", "1", "--warmup", "0", "--methods",
                   "unbroken,unbroken-async,unbroken-process,memcpy"],
 }
 
