@@ -92,19 +92,31 @@ def _same(a: Any, b: Any) -> bool:
 
 def live_settings(optimizer: Any, scheduler: Any) -> tuple[list[dict[str, Any]], Any]:
     """What `param_group_changes` and `scheduler_changes` compare with, as it is now: the
-    optimizer's hyperparameters by group and the scheduler's state (copies)."""
-    groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-              for g in getattr(optimizer, "param_groups", [])]
-    state = getattr(scheduler, "state_dict", None)
-    return groups, copy.deepcopy(state()) if callable(state) else None
+    optimizer's hyperparameters by group and the scheduler's state (copies; best effort, for
+    the warnings only: what cannot be copied is left out)."""
+    try:
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+                  for g in getattr(optimizer, "param_groups", [])]
+    except Exception:  # noqa: BLE001 -- an odd hyperparameter: the warnings may be off
+        groups = []
+    try:
+        state = getattr(scheduler, "state_dict", None)
+        saved = copy.deepcopy(state()) if callable(state) else None
+    except Exception:  # noqa: BLE001 -- (apply refuses such a state itself, typed)
+        saved = None
+    return groups, saved
 
 
 def put_back_settings(optimizer: Any, scheduler: Any,
                       settings: tuple[list[dict[str, Any]], Any]) -> None:
     """Set the optimizer's hyperparameters and the scheduler's state back to `live_settings`'
-    ``settings`` (after a restore that loaded some of a generation it then refused)."""
+    ``settings`` (after a restore that loaded some of a generation it then refused; best
+    effort: the next generation's load sets them all anyway)."""
     groups, state = settings
     for group, before in zip(getattr(optimizer, "param_groups", []), groups, strict=False):
         group.update(copy.deepcopy(before))
     if state is not None:
-        scheduler.load_state_dict(copy.deepcopy(state))
+        try:
+            scheduler.load_state_dict(copy.deepcopy(state))
+        except Exception:  # noqa: BLE001 -- (only the warnings compare with it)
+            pass
