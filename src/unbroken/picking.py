@@ -118,9 +118,14 @@ def pick_generation(store: GenerationStore, scanned: list[GenerationInfo],
             log.warning("using %s after rejecting %d newer generation(s)", info.path,
                         len(pick.rejected))
         return pick
+    raise none_verifies(store.root, pick)
+
+
+def none_verifies(root: str, pick: Pick) -> CorruptCheckpoint:
+    """The error of a restore that found no generation to load: each refusal of ``pick``."""
     foreign = "foreign" in pick.labels.values()
-    raise CorruptCheckpoint(
-        f"{store.root}: no generation verifies; refusing to start from scratch:\n" +
+    return CorruptCheckpoint(
+        f"{root}: no generation verifies; refusing to start from scratch:\n" +
         "\n".join(f"  {path}: {why}" for path, why in pick.rejected) +
         ("\nrestore(adopt=True) continues from a generation of another run deliberately"
          if foreign else "") +

@@ -28,7 +28,7 @@ from .errors import (
     UnbrokenWarning,
 )
 from .faults import DROP_ENV, drop_parts
-from .picking import Pick, check_continuable, partly, pick_generation
+from .picking import Pick, check_continuable, none_verifies, partly, pick_generation
 from .state import parts as S
 from .state.applying import apply
 from .state.fresh import check_patterns
@@ -298,11 +298,8 @@ class Restoring:
                                             ) from None
                 scanned = [g for g in scanned if g.generation < pick.info.generation]
                 if not scanned:
-                    raise CorruptCheckpoint(
-                        f"{self.store.root}: no generation verifies; refusing to start from "
-                        "scratch:\n" + "\n".join(f"  {path}: {reason}"
-                                                  for path, reason in before.rejected) +
-                        f"\n{partly(before)}") from None
+                    raise CorruptCheckpoint(f"{none_verifies(self.store.root, before)}\n"
+                                            f"{partly(before)}") from None
                 # (what the next candidate's warnings compare with: as before this restore)
                 put_back_settings(self.optimizer, self._parts.get(S.SCHEDULER), settings)
             finally:
