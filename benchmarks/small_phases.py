@@ -33,6 +33,10 @@ try:  # (an older checkout, benchmarked against through PYTHONPATH, has them in 
     from unbroken.state import generation as G  # noqa: E402
 except ImportError:
     G = S
+try:  # (moved out of parts in the thirty-fourth session)
+    from unbroken.state.applying import apply as _apply  # noqa: E402
+except ImportError:
+    _apply = S.apply
 
 
 def _min_ms(fn: Callable[[], Any], calls: int) -> float:
@@ -77,7 +81,7 @@ def main() -> None:
     saved, _ = G.decode_generation(files, "bench")
 
     def restore() -> None:
-        S.apply(S.validate_parts(saved, parts, model, "bench"), parts)
+        _apply(S.validate_parts(saved, parts, model, "bench"), parts)
 
     out = {"tensors": sum(1 for _ in model.state_dict()) + sum(
                len(s) for s in opt.state.values()),

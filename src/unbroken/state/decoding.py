@@ -38,7 +38,7 @@ def _shape(value: object, count: int, where: str) -> list[int]:
 
 def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str = "state") -> Any:
     """Rebuild the tree from its skeleton; ``where`` names the file in error messages."""
-    cache: dict[str, torch.Tensor] = {}
+    views: dict[str, torch.Tensor] = {}  # a raw tensor's view, by key (`_decode_tagged`)
     get = tensors.get
 
     def dec(obj: Any, depth: int) -> Any:
@@ -58,20 +58,21 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
                 # hold thousands)
                 if type(v) is dict and len(v) == 2 and v.get(TAG) == "tensor":
                     key = v.get("key")
-                    if type(key) is str and key not in cache:
+                    if type(key) is str:
                         t = get(key)
                         if t is not None:
-                            out[k] = cache[key] = t
+                            out[k] = t
                             continue
                 out[k] = dec(v, depth + 1)
             return out
         if tag == "tensor" and len(obj) == 2:  # (the common leaf, without a call per key)
             key = obj.get("key")
-            if type(key) is str and key in tensors and key not in cache:
-                cache[key] = t = tensors[key]
-                return t
+            if type(key) is str:
+                t = get(key)
+                if t is not None:
+                    return t
         try:
-            return _decode_tagged(tag, obj, dec, depth, tensors, cache)
+            return _decode_tagged(tag, obj, dec, depth, tensors, views)
         except _NotStored as e:
             raise CorruptCheckpoint(
                 f"{where}: {e.args[0]} {e.args[1]!r:.60} is referenced but no tensor file of "
@@ -126,27 +127,27 @@ def _raw_bytes(obj: dict[str, Any], tensors: Mapping[str, torch.Tensor]) -> memo
 
 
 def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
-                   tensors: Mapping[str, torch.Tensor], cache: dict[str, torch.Tensor]) -> Any:
+                   tensors: Mapping[str, torch.Tensor], views: dict[str, torch.Tensor]) -> Any:
     if frozenset(obj) not in _TAG_KEYS.get(tag, (frozenset({TAG, "v"}),)):
         raise ValueError(f"unexpected keys {sorted(obj)}")
     if tag == "tensor":
         key = obj["key"]
         if not isinstance(key, str):
             raise ValueError(f"tensor key {key!r:.60}")
-        if key in cache:
-            return cache[key]
         if key not in tensors:
             raise _NotStored("tensor", key)
         t = tensors[key]
-        if "dtype" in obj:
-            dtype = _dtype_from_name(obj["dtype"], key)
-            if t.dtype != torch.uint8 or t.dim() != 1:
-                raise ValueError(f"raw tensor stored as {t.dtype} {tuple(t.shape)}")
-            size = torch.empty(0, dtype=dtype).element_size()
-            if t.numel() % size:
-                raise ValueError(f"{t.numel()} bytes do not hold whole {dtype} elements")
-            t = t.view(dtype).reshape(_shape(obj["shape"], t.numel() // size, key))
-        cache[key] = t
+        if "dtype" not in obj:  # (every reference to a key: the one tensor stored)
+            return t
+        if key in views:  # (and every raw reference to it: one view)
+            return views[key]
+        dtype = _dtype_from_name(obj["dtype"], key)
+        if t.dtype != torch.uint8 or t.dim() != 1:
+            raise ValueError(f"raw tensor stored as {t.dtype} {tuple(t.shape)}")
+        size = torch.empty(0, dtype=dtype).element_size()
+        if t.numel() % size:
+            raise ValueError(f"{t.numel()} bytes do not hold whole {dtype} elements")
+        views[key] = t = t.view(dtype).reshape(_shape(obj["shape"], t.numel() // size, key))
         return t
     if tag == "int":
         return int(obj["v"], 16)
