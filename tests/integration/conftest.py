@@ -49,20 +49,37 @@ class _Zygote:
     def run(self, script: str, argv: list[str], env: dict[str, str],
             timeout: float, started: Any = None) -> subprocess.CompletedProcess[str]:
         """Run one child to its end; ``started(pid)`` is called while it runs (to signal it)."""
+        reply, (out, err) = self._request(script, argv, env, timeout, started)
+        return subprocess.CompletedProcess([script, *argv], reply["returncode"], out, err)
+
+    def job(self, ranks: int, script: str, argv: list[str], env: dict[str, str],
+            timeout: float) -> tuple[int, list[subprocess.CompletedProcess[str]]]:
+        """A job of ``ranks`` ranks (see _zygote.py): its exit status, and each rank's
+        exit status and outputs."""
+        reply, *outputs = self._request(script, argv, env, timeout, None, ranks)
+        return reply["returncode"], [
+            subprocess.CompletedProcess([script, *argv], code, out, err)
+            for code, (out, err) in zip(reply["codes"], outputs, strict=True)]
+
+    def _request(self, script: str, argv: list[str], env: dict[str, str], timeout: float,
+                 started: Any, ranks: int | None = None) -> list[Any]:
+        """The reply, then the outputs (stdout, stderr) of the child, or of each rank."""
         with tempfile.TemporaryDirectory() as tmp, self.lock:
             out, err = os.path.join(tmp, "out"), os.path.join(tmp, "err")
             assert self.proc.stdin and self.proc.stdout
             self.proc.stdin.write(json.dumps({"script": script, "argv": argv, "env": env,
                                               "out": out, "err": err, "timeout": timeout,
-                                              "pid_first": started is not None}) + "\n")
+                                              "pid_first": started is not None,
+                                              "ranks": ranks}) + "\n")
             self.proc.stdin.flush()
             try:
                 if started is not None:
                     started(json.loads(self.proc.stdout.readline())["pid"])
             finally:  # always read the final reply, or the next request reads this one
                 reply = json.loads(self.proc.stdout.readline())
-            return subprocess.CompletedProcess([script, *argv], reply["returncode"],
-                                               Path(out).read_text(), Path(err).read_text())
+            names = [""] if ranks is None else [f".rank{r}" for r in range(ranks)]
+            return [reply, *((Path(out + n).read_text(), Path(err + n).read_text())
+                             for n in names)]
 
     def close(self) -> None:
         if self.proc.stdin:
@@ -81,7 +98,6 @@ def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout
 
     By default the process is forked from a server that has imported torch (see _zygote.py);
     ``fresh_interpreter=True`` starts a whole new Python instead."""
-    global _zygote
     full_env = {**os.environ, **(env or {})}
     script = str(SCRIPTS / name) if name.endswith(".py") else name
     if fresh_interpreter or os.environ.get("UNBROKEN_TEST_NO_ZYGOTE"):
@@ -93,9 +109,30 @@ def run_script(name: str, *args: str, env: dict[str, str] | None = None, timeout
             started(proc.pid)
         out, err = proc.communicate(timeout=timeout)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return _the_zygote().run(script, list(args), full_env, timeout, started)
+
+
+def _the_zygote() -> _Zygote:
+    global _zygote
     if _zygote is None:
         _zygote = _Zygote()
-    return _zygote.run(script, list(args), full_env, timeout, started)
+    return _zygote
+
+
+def zygote_job(ranks: int, script: str, args: list[str], env: dict[str, str],
+               timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """``script`` as a job of ``ranks`` processes forked from the zygote (see _zygote.py):
+    ``env`` added to this process's; the job's exit status, the outputs of the ranks joined
+    in their order."""
+    code, each = zygote_ranks(ranks, script, args, env, timeout)
+    return subprocess.CompletedProcess([script, *args], code, "".join(r.stdout for r in each),
+                                       "".join(r.stderr for r in each))
+
+
+def zygote_ranks(ranks: int, script: str, args: list[str], env: dict[str, str],
+                 timeout: float = 240) -> tuple[int, list[subprocess.CompletedProcess[str]]]:
+    """`zygote_job`, each rank's exit status and outputs apart."""
+    return _the_zygote().job(ranks, script, args, {**os.environ, **env}, timeout)
 
 
 def pytest_sessionfinish(session, exitstatus):

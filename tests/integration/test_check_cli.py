@@ -12,7 +12,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import zygote_process
 
+import unbroken.proof.harness as harness
 from unbroken.cli import main
 
 CRASHES_ON_RESUME = textwrap.dedent("""
@@ -32,6 +34,13 @@ CRASHES_ON_RESUME = textwrap.dedent("""
         ckpt.step_done(step)
     ckpt.close()
     """)
+
+
+@pytest.fixture
+def forked_lives(monkeypatch):
+    """The check's lives forked from the test zygote (`conftest.zygote_process`): new
+    processes that restore from disk alone, without ~2 s of imports each."""
+    monkeypatch.setattr(harness, "run_process", zygote_process)
 
 
 def write(tmp_path: Path, name: str, code: str) -> str:
@@ -67,7 +76,8 @@ def test_a_failing_reference_run_shows_the_scripts_own_error_and_json(capsys, tm
     assert "data/train.bin: no such file" in doc["error"]
 
 
-def test_a_crashed_resume_is_an_error_not_a_divergence(capsys, tmp_path, monkeypatch):
+def test_a_crashed_resume_is_an_error_not_a_divergence(capsys, tmp_path, monkeypatch,
+                                                       forked_lives):
     monkeypatch.chdir(tmp_path)
     script = write(tmp_path, "train.py", CRASHES_ON_RESUME)
     code, out, err = run(capsys, "check", "--json", "--keep", "--at", "3", "--phase",
@@ -79,7 +89,7 @@ def test_a_crashed_resume_is_an_error_not_a_divergence(capsys, tmp_path, monkeyp
     assert Path(doc["workdir"]).is_dir()  # --keep
 
 
-def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch):
+def test_the_working_folder_is_removed_unless_kept(capsys, tmp_path, monkeypatch, forked_lives):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     script = write(tmp_path, "train.py", CRASHES_ON_RESUME.replace(
         "    raise RuntimeError", "    pass  # RuntimeError"))
@@ -126,7 +136,7 @@ def test_a_failing_check_removes_its_temporary_folder(capsys, tmp_path, monkeypa
 
 
 def test_a_drop_of_a_part_the_script_lacks_is_a_usage_error_after_the_reference(
-        capsys, tmp_path):
+        capsys, tmp_path, forked_lives):
     """(Session 34's attack: every life ran, then each failed at its restore: exit 1.)"""
     script = write(tmp_path, "plain.py", CRASHES_ON_RESUME.replace(
         'raise RuntimeError("cannot open the shard index after a resume")', "pass"))
@@ -139,7 +149,7 @@ def test_a_drop_of_a_part_the_script_lacks_is_a_usage_error_after_the_reference(
         assert not list(work.glob("case-*")), drop  # (nothing was interrupted)
 
 
-def test_a_failed_case_gives_its_reason_as_the_reports_error(capsys, tmp_path):
+def test_a_failed_case_gives_its_reason_as_the_reports_error(capsys, tmp_path, forked_lives):
     script = write(tmp_path, "crash.py", CRASHES_ON_RESUME)
     # (one case: the three phases' cases each failed alike, in a process started from scratch)
     code, out, err = run(capsys, "check", "--at", "3", "--phase", "after-commit", "--json",

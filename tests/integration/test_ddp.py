@@ -1,4 +1,5 @@
-"""Many ranks (torch.distributed, gloo on CPU): the README loop under torchrun with DDP, one
+"""Many ranks (torch.distributed, gloo on CPU): the README loop with DDP (under torchrun where a
+fault point kills a rank, else its ranks forked from the test zygote: `_launch.forked`), one
 committed generation per job, a rank dying mid-save, a corrupt shard, replica divergence, a
 job of 2 resumed on 1 (on 4: test_fsdp); the saving modes are in test_ddp_modes.py. Every
 collective runs under a 30 s process-group timeout and every process under a subprocess
@@ -16,6 +17,7 @@ from _launch import (
     by_hand,
     ddp_reference,
     first_restores,
+    forked,
     gens,
     torchrun,
 )
@@ -38,7 +40,7 @@ def test_ddp_killed_mid_epoch_resumes_bitwise_on_every_rank(reference, tmp_path)
     folder = tmp_path / "run"
     killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17"})
     assert_job_killed(killed)
-    resumed = torchrun(2, folder, tmp_path / "r.jsonl")
+    resumed = forked(2, folder, tmp_path / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 15)
@@ -67,15 +69,15 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(reference, tmp_p
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    r = torchrun(2, folder, tmp_path / "t.jsonl", "--epochs", "3")
+    r = forked(2, folder, tmp_path / "t.jsonl", "--epochs", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     for restore in first_restores(tmp_path / "t.jsonl"):
         assert restore["step"] == 25 and restore["rejected"] == ["gen-000000030"]
 
 
 def test_replicas_that_differ_are_refused_naming_the_parameter(tmp_path):
-    r = torchrun(2, tmp_path / "run", tmp_path / "t.jsonl", "--workers", "0",
-                 env={"DIVERGE": "1"})
+    r = forked(2, tmp_path / "run", tmp_path / "t.jsonl", "--workers", "0",
+               env={"DIVERGE": "1"})
     assert r.returncode != 0
     assert "replicas differ across ranks: 'model 0.weight' on rank(s) [1]" in r.stderr
     assert not gens(tmp_path / "run")
@@ -86,7 +88,7 @@ def test_a_job_of_two_resumes_on_one_rank_with_the_global_order(reference, tmp_p
     killed = torchrun(2, folder, tmp_path / "k.jsonl", env={"UNBROKEN_KILL_AT": "step-done@17",
                                                             "UNBROKEN_TRACE_HASH_EVERY": "1"})
     assert_job_killed(killed)
-    one = torchrun(1, folder, tmp_path / "one.jsonl")
+    one = forked(1, folder, tmp_path / "one.jsonl")
     assert one.returncode == 0, one.stderr[-3000:]
     assert "random streams of ranks 1..1 are dropped" in one.stderr
     records = read_trace(tmp_path / "one.jsonl")

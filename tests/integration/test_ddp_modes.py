@@ -1,15 +1,23 @@
 """Many ranks (torch.distributed, gloo on CPU), the ways a job saves and stops: a preemption
 notice to one rank, an async job killed while persisting, a job reading back later, a job on
 an S3 server (test_ddp.py has the rest; two files so that the test runner can run them side by
-side). Every collective runs under a 30 s process-group timeout and every process under a
-subprocess timeout: nothing here can hang the suite."""
+side). The jobs killed or signalled run under torchrun, the resumed ones fork their ranks from
+the test zygote (`_launch.forked`). Every collective runs under a 30 s process-group timeout
+and every process under a subprocess timeout: nothing here can hang the suite."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from _launch import assert_job_killed, assert_resumed_bitwise, ddp_reference, gens, torchrun
+from _launch import (
+    assert_job_killed,
+    assert_resumed_bitwise,
+    ddp_reference,
+    forked,
+    gens,
+    torchrun,
+)
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +37,7 @@ def test_a_preemption_notice_to_one_rank_stops_every_rank_at_the_same_update(ref
     assert "rank 1 stopped after update 15" in stopped.stdout
     assert "SIGTERM received by another rank" in stopped.stderr
     assert gens(folder)[-1] == "gen-000000015"
-    resumed = torchrun(2, folder, tmp_path / "r.jsonl")
+    resumed = forked(2, folder, tmp_path / "r.jsonl")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "s.jsonl",
                            tmp_path / "r.jsonl"], 15)
@@ -41,7 +49,7 @@ def test_an_async_job_killed_while_persisting_resumes_bitwise(reference, tmp_pat
                       env={"UNBROKEN_KILL_AT": "artifact-1-written@15"})
     assert_job_killed(killed)
     assert gens(folder) == ["gen-000000005", "gen-000000010"]  # 15 never committed
-    resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--async-save")
+    resumed = forked(2, folder, tmp_path / "r.jsonl", "--async-save")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 10)
@@ -57,7 +65,7 @@ def test_a_job_reading_back_in_save_killed_after_a_commit_resumes_from_it(refere
                       env={"UNBROKEN_KILL_AT": "after-rename@15"})
     assert_job_killed(killed)
     assert gens(folder)[-1] == "gen-000000015"
-    resumed = torchrun(2, folder, tmp_path / "r.jsonl", "--read-back-sync")
+    resumed = forked(2, folder, tmp_path / "r.jsonl", "--read-back-sync")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 15)
@@ -81,7 +89,7 @@ def test_a_job_on_an_s3_server_killed_mid_epoch_resumes_bitwise(reference, tmp_p
     (newest, *_) = reversed(store.scan())
     assert newest.generation == 15 and newest.manifest and newest.manifest.world_size == 2
     store.verify(newest)
-    resumed = torchrun(2, url, tmp_path / "r.jsonl", env=s3["env"])
+    resumed = forked(2, url, tmp_path / "r.jsonl", env=s3["env"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert_resumed_bitwise(reference / "ref.jsonl", [tmp_path / "k.jsonl",
                            tmp_path / "r.jsonl"], 15)

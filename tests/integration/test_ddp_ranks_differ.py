@@ -9,38 +9,24 @@ runs under a 60 s process-group timeout and a subprocess timeout: a hang fails, 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from _launch import free_port, gens
-from conftest import SCRIPTS
+from conftest import SCRIPTS, zygote_ranks
 
 SCRIPT = str(SCRIPTS / "ranks_differ.py")
 
 
 def job(folder: Path, *args: str) -> list[dict]:
-    """Both ranks of ``ranks_differ.py``; each rank's JSON lines."""
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, SCRIPT, "--folder", str(folder), *args],
-                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
-    lines = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=100)
-            assert p.returncode == 0, err[-3000:]
-            lines.append([json.loads(x) for x in out.splitlines() if x.startswith("{")])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    return lines
+    """Both ranks of ``ranks_differ.py`` (forked from the test zygote); each rank's JSON
+    lines."""
+    _, ranks = zygote_ranks(2, SCRIPT, ["--folder", str(folder), *args],
+                            {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+                            timeout=100)
+    for r in ranks:
+        assert r.returncode == 0, r.stderr[-3000:]
+    return [[json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")] for r in ranks]
 
 
 def test_settings_given_otherwise_on_one_rank_are_refused_on_every_rank_at_build(tmp_path):

@@ -17,6 +17,7 @@ from _launch import (
     assert_job_killed,
     assert_resumed_bitwise,
     first_restores,
+    forked,
     gens,
     torchrun,
 )
@@ -31,8 +32,8 @@ def runs(tmp_path_factory) -> Path:
     # (The reference saves in the background, every 5 updates: its snapshot takes the
     # DTensors' local chunks, refused as storage-less tensors before the thirty-sixth session.
     # The killed job saves in the foreground: its generation 15 is committed when it dies.)
-    ref = torchrun(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--workers", "0", "--dump",
-                   str(tmp / "ref.json"), "--dump-at", "15", "--async-save")
+    ref = forked(2, tmp / "ref", tmp / "ref.jsonl", "--fsdp", "--workers", "0", "--dump",
+                 str(tmp / "ref.json"), "--dump-at", "15", "--async-save")
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert gens(tmp / "ref"), ref.stderr[-3000:]  # (committed in the background)
     killed = torchrun(2, tmp / "killed", tmp / "k.jsonl", "--fsdp", "--workers", "0",
@@ -45,9 +46,8 @@ def resume(runs: Path, tmp_path: Path, n: int, *args: str) -> tuple[dict, str]:
     """The dump of a resumed copy of the killed job, and its stderr."""
     folder = tmp_path / "run"
     shutil.copytree(runs / "killed", folder)
-    r = torchrun(n, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--dump",
-                 str(tmp_path / "d.json"),
-                 "--dump-at", "15", *args)
+    r = forked(n, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--dump",
+               str(tmp_path / "d.json"), "--dump-at", "15", *args)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads((tmp_path / "d.json").read_text()), r.stderr
 
@@ -76,8 +76,8 @@ def test_each_rank_reads_only_the_shard_files_its_chunks_are_in(runs, tmp_path):
     folder = tmp_path / "run"
     shutil.copytree(runs / "killed", folder)
     log = tmp_path / "reads"
-    r = torchrun(2, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--epochs", "1",
-                 env={"READ_LOG": str(log)})
+    r = forked(2, folder, tmp_path / "r.jsonl", "--fsdp", "--workers", "0", "--epochs", "1",
+               env={"READ_LOG": str(log)})
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
         shards = [n for n in Path(f"{log}.{rank}").read_text().split()
@@ -133,7 +133,7 @@ def test_a_corrupt_shard_of_one_rank_makes_every_rank_fall_back(runs, tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 1
     shard.write_bytes(bytes(data))
-    r = torchrun(2, folder, tmp_path / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
+    r = forked(2, folder, tmp_path / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "rank 1: " in r.stderr and "rank00001.shards.safetensors" in r.stderr
     for restore in first_restores(tmp_path / "t.jsonl"):

@@ -177,12 +177,13 @@ def _sweep(tmp_path: Path, s3: dict, mode: str, kind: str = "", base: tuple | No
            ) -> tuple[list, dict, dict, int, tuple]:
     """Kill the process that restores step 10, steps its scheduler and saves step 10 again
     (``mode``) at each of its mutating operations in turn (``kind``: at each of that kind;
-    `_kill_points` says which); after each kill, restore with a new Checkpointer. The state restored must be step 10 bitwise, as
-    the old save or the new one: the one whose manifest was uploaded last before the kill
-    (the first save's until the first upload of that manifest by this process, then the
-    other's at each one). Returns what each kill point restored, both states, the exit
-    status of the run that was not killed (its run left as it ended), and the ``base`` (the
-    run's URL, the first save's state, its copy) another sweep may start from again."""
+    `_kill_points` says which); after each kill, restore with a new Checkpointer. The state
+    restored must be step 10 bitwise, as the old save or the new one: the one whose manifest was
+    uploaded last before the kill (the first save's until the first upload of that manifest by
+    this process, then the other's at each one). Returns what each kill point restored, both
+    states, the exit status of the run that was not killed (its run left as it ended), and the
+    ``base`` (the run's URL, the first save's state, its copy) another sweep may start from
+    again."""
     note = tmp_path / "note"
     if base is None:
         url = f"s3://{BUCKET}/supersede-{uuid.uuid4().hex[:8]}"

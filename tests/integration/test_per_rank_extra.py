@@ -1,5 +1,6 @@
-"""Extras held per rank (`unbroken.PerRank`) in a gloo job launched by torchrun (saved through
-persisting processes too: test_lightning_ddp.py): saved by 2 ranks, each rank restores its own
+"""Extras held per rank (`unbroken.PerRank`) in a gloo job (its ranks forked from the test
+zygote: `_launch.forked`; saved through persisting processes, under torchrun:
+test_lightning_ddp.py): saved by 2 ranks, each rank restores its own
 state of them, while a plain extra and the model are shared; a job of 3 ranks gives its new
 rank rank 0's (and says so). A model with BatchNorm, whose statistics each rank updates
 with its own batch, saves rank 0's (DDP copies them to every rank at each forward) with a
@@ -15,7 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _launch import torchrun
+from _launch import forked
 from conftest import SCRIPTS, run_script
 from test_sharded_tools_s25 import reseal
 
@@ -24,7 +25,7 @@ DECAY = 0.5 * 0.9 ** 3
 
 
 def _job(n: int, tmp: Path, mode: str, *args: str) -> tuple[dict[int, dict], str]:
-    r = torchrun(n, tmp / "run", tmp / f"{mode}{n}.trace", "--mode", mode, *args,
+    r = forked(n, tmp / "run", tmp / f"{mode}{n}.trace", "--mode", mode, *args,
                  script=SCRIPT)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
@@ -78,7 +79,7 @@ def test_each_rank_restores_its_own_and_a_new_rank_rank_zeros(tmp_path):
             change, r.stdout[-2000:], r.stderr[-2000:])
         if "extra.mine" not in change:
             continue  # (a restore checks each rank's parts as verify does: one case is run)
-        r = torchrun(2, tmp_path / "forged", tmp_path / "forged.trace", "--mode", "restore",
+        r = forked(2, tmp_path / "forged", tmp_path / "forged.trace", "--mode", "restore",
                      script=SCRIPT)
         # (the only generation refused: no start from scratch over it)
         assert r.returncode != 0 and "no generation verifies" in r.stderr, r.stderr[-3000:]

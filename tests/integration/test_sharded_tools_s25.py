@@ -1,5 +1,5 @@
 """``unbroken diff`` and ``unbroken verify --deep`` read the sharded tensors of a real FSDP2
-generation (2 gloo ranks under torchrun, 127.0.0.1, 30 s process-group timeout): every
+generation (2 gloo ranks forked from the test zygote, 127.0.0.1, 30 s process-group timeout): every
 weight and optimizer moment of it is a DTensor, saved as chunks indexed by ``shards.json``
 in each rank's ``rankNNNNN.shards.safetensors`` and absent from the state tree.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _launch import torchrun
+from _launch import forked
 
 from unbroken.cli import main
 from unbroken.state.tensorfile import encode_safetensors
@@ -37,7 +37,7 @@ MOMENT = ["optimizer", "state", "0.weight", "exp_avg"]
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-rank FSDP2 job of one epoch (generations 5, 10 and 15)."""
     tmp = tmp_path_factory.mktemp("sharded-tools")
-    r = torchrun(2, tmp / "run", tmp / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
+    r = forked(2, tmp / "run", tmp / "t.jsonl", "--fsdp", "--workers", "0", "--epochs", "1")
     assert r.returncode == 0, r.stderr[-3000:]
     index = json.loads((tmp / "run" / GEN / "shards.json").read_text())
     chunks = index["tensors"][json.dumps(WEIGHT)]["chunks"]
