@@ -626,6 +626,25 @@ def test_malformed_entries_raise_corrupt_checkpoint(skeleton, tensors):
         decode_tree(skeleton, tensors, "gen/state.json")
 
 
+def test_every_reference_to_a_key_decodes_to_one_object_whatever_its_form():
+    """A tensor referenced many times is one object after a restore (a tie stays a tie): plain
+    references to a stored tensor; and, to a raw one (bytes viewed as their dtype), the raw
+    references and the plain ones after them (the fortieth session's lookup without a cache
+    gave those the stored bytes)."""
+    stored = torch.arange(8, dtype=torch.float32)
+    raw = torch.zeros(32, dtype=torch.uint8)
+    skeleton = {"a": {TAG: "tensor", "key": "s"}, "b": [{TAG: "tensor", "key": "s"}],
+                "c": {TAG: "tensor", "key": "r", "dtype": "complex128", "shape": [2]},
+                "d": [{TAG: "tensor", "key": "r"},
+                      {TAG: "tensor", "key": "r", "dtype": "complex128", "shape": [2]}],
+                "e": {"x": {TAG: "tensor", "key": "s"}, "y": {TAG: "tensor", "key": "r"}}}
+    out = decode_tree(skeleton, {"s": stored, "r": raw}, "gen/state.json")
+    assert out["a"] is stored and out["b"][0] is stored and out["e"]["x"] is stored
+    view = out["c"]
+    assert view.dtype == torch.complex128 and view.shape == (2,)
+    assert out["d"][0] is view and out["d"][1] is view and out["e"]["y"] is view
+
+
 def test_tagged_entries_with_unexpected_keys_are_refused():
     for skeleton in ({TAG: "tuple", "v": [1], "extra": 2}, {TAG: "tensor", "key": "k", "v": 1},
                      {TAG: "bytes", "v": "", "x": None}):

@@ -54,9 +54,9 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
                 return {k: dec(v, depth + 1) for k, v in obj.items()}
             out = {}
             for k, v in obj.items():
-                # (the common leaf, a tensor's first reference, without a call: state dicts
-                # hold thousands)
-                if type(v) is dict and len(v) == 2 and v.get(TAG) == "tensor":
+                # (the common leaf, a tensor's reference, without a call: state dicts hold
+                # thousands; once a raw tensor's view was made, `_decode_tagged` says)
+                if type(v) is dict and len(v) == 2 and v.get(TAG) == "tensor" and not views:
                     key = v.get("key")
                     if type(key) is str:
                         t = get(key)
@@ -65,7 +65,7 @@ def decode_tree(skeleton: Any, tensors: Mapping[str, torch.Tensor], where: str =
                             continue
                 out[k] = dec(v, depth + 1)
             return out
-        if tag == "tensor" and len(obj) == 2:  # (the common leaf, without a call per key)
+        if tag == "tensor" and len(obj) == 2 and not views:  # (the common leaf, as above)
             key = obj.get("key")
             if type(key) is str:
                 t = get(key)
@@ -137,8 +137,8 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         if key not in tensors:
             raise _NotStored("tensor", key)
         t = tensors[key]
-        if "dtype" not in obj:  # (every reference to a key: the one tensor stored)
-            return t
+        if "dtype" not in obj:  # (every reference to a key: the one tensor, or view, made of it)
+            return views.get(key, t)
         if key in views:  # (and every raw reference to it: one view)
             return views[key]
         dtype = _dtype_from_name(obj["dtype"], key)
