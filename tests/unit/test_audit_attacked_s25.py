@@ -323,3 +323,37 @@ def test_a_dcp_bytes_entry_that_is_a_plain_pickle_is_scanned(tmp_path, capsys):
                 f.write(EVIL.ljust(v.length, b"\x00"))
     rc, doc = audit(folder, capsys)
     assert rc == 1 and "os.getcwd" in doc["would_import_code"], doc
+
+
+# -- session 40: an archive that inflates to a GiB --------------------------------------------
+
+
+def test_a_pickle_past_the_decoded_budget_is_flagged_without_reading_the_rest(monkeypatch):
+    """A 1 MB archive whose data.pkl inflates to 1 GiB of one-byte instructions took 463 s to
+    list its globals after the interpreter stopped: past `MAX_DECODED` instructions nothing
+    more is read, and an unresolved global stands for what the rest could import (the file
+    is flagged)."""
+    monkeypatch.setattr(ps, "MAX_INSTRUCTIONS", 1000)
+    monkeypatch.setattr(ps, "MAX_DECODED", 3000)
+    early = ps.scan_pickle(io.BytesIO(b"\x80\x02" + b"]" * 1500 + EVIL))
+    assert "os.getcwd" in early.globals and early.error  # (listed past the interpreter)
+    read = io.BytesIO(b"\x80\x02" + b"]" * 10_000 + EVIL)
+    late = ps.scan_pickle(read)
+    assert late.error and "not read past byte 3001" in late.error, late.error  # (after PROTO)
+    assert late.unresolved == 1 and read.tell() < 3100
+
+
+def test_an_archive_member_inflating_to_more_than_is_held_is_scanned_as_it_is_read(
+        tmp_path, capsys, monkeypatch):
+    """A data.pkl larger than `_HELD_PICKLE_BYTES` is scanned from the archive as it inflates
+    (its 1 GiB BINBYTES8 was read whole and copied: 2.1 GB for a 1 MB file): what follows a
+    large argument is still found."""
+    import zipfile
+
+    monkeypatch.setattr(pfiles, "_HELD_PICKLE_BYTES", 1 << 10)
+    big = b"\x80\x04\x8e" + struct.pack("<Q", 1 << 20) + bytes(1 << 20) + b"0" + EVIL
+    with zipfile.ZipFile(tmp_path / "x.pt", "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", big)
+        z.writestr("archive/version", "3\n")
+    rc, doc = audit(tmp_path / "x.pt", capsys)
+    assert rc == 1 and doc["would_import_code"] == ["os.getcwd"], doc

@@ -63,6 +63,7 @@ class _Capped:
 
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
 MAX_PICKLE_BYTES = 1 << 30  # a data.pkl holds structure, not tensor bytes
+_HELD_PICKLE_BYTES = 64 << 20  # an archive's pickle up to this size is read whole, then scanned
 
 
 @dataclass
@@ -252,8 +253,10 @@ def _read_zip(source: BinaryIO) -> PickleFile:
                 else:
                     budget -= info.file_size
                     with z.open(info) as member:
-                        blob = member.read(info.file_size + 1)
-                    scan = scan_pickle(io.BytesIO(blob[:info.file_size]))
+                        if info.file_size <= _HELD_PICKLE_BYTES:
+                            scan = scan_pickle(io.BytesIO(member.read(info.file_size)))
+                        else:  # (read as scanned: a 1 MB archive may inflate to a GiB)
+                            scan = scan_pickle(io.BufferedReader(member, 1 << 20))
                 if twice and n in twice and not scan.error:
                     scan.error = f"{n!r} appears more than once in the archive"
                 out.scans.append((label, scan))

@@ -345,6 +345,9 @@ class _Machine:
 
 # Instructions interpreted per pickle: a torch.save of 100,000 tensors takes about 2.5 million.
 MAX_INSTRUCTIONS = 8_000_000
+# Instructions decoded per pickle, interpreted or not: the rest is not read (a 1 MB archive
+# inflating to 1 GiB of one-byte instructions took 463 s to list its globals).
+MAX_DECODED = 2 * MAX_INSTRUCTIONS
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -355,13 +358,19 @@ def scan_pickle(stream: Readable) -> PickleScan:
     instruction or work budget), the rest of the stream is still decoded for GLOBAL
     instructions and every later STACK_GLOBAL counts as an unresolved global, so nothing a
     real unpickler would import goes unreported; the scan then has an ``error``, which
-    flags it."""
+    flags it. Past `MAX_DECODED` instructions nothing more is read, and an unresolved global
+    stands for whatever the rest would import."""
     scan = PickleScan()
     machine: _Machine | None = _Machine(scan)
     decoded = 0  # instructions decoded
     try:
         for ops, (name, arg, pos) in enumerate(read_ops(stream)):
             decoded = ops + 1
+            if ops >= MAX_DECODED:  # (what it would import past here is unknown: unresolved)
+                scan.error = (f"more than {MAX_DECODED:,} instructions: not read past byte "
+                              f"{pos}, where globals may still be imported")
+                scan._add(UNRESOLVED)
+                return scan
             if machine is not None and ops >= MAX_INSTRUCTIONS:
                 # (each instruction may keep an object: a 20 KB file of 20 million empty
                 # dicts held 4 GB)
