@@ -256,7 +256,7 @@ def _read_zip(source: BinaryIO) -> PickleFile:
                         if info.file_size <= _HELD_PICKLE_BYTES:
                             scan = scan_pickle(io.BytesIO(member.read(info.file_size)))
                         else:  # (read as scanned: a 1 MB archive may inflate to a GiB)
-                            scan = scan_pickle(io.BufferedReader(member, 1 << 20))
+                            scan = scan_pickle(io.BufferedReader(member, 1 << 20))  # type: ignore[type-var]
                 if twice and n in twice and not scan.error:
                     scan.error = f"{n!r} appears more than once in the archive"
                 out.scans.append((label, scan))
