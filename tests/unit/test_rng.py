@@ -241,3 +241,26 @@ def test_cuda_states_without_cuda_warn(gens: dict) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         restore_rng(capture_rng(gens), gens)  # nothing to warn about
+
+
+@pytest.mark.parametrize("edit", ["version", "index", "word"])
+def test_a_python_state_of_the_right_form_that_random_refuses_is_a_form_problem(edit):
+    """`unbroken verify --deep` passed a generation whose Python stream restore refused (an
+    outside attack, session 40): a version, index or state word no generator takes is found
+    by the check both share (`rng_form_problems`), naming the stream."""
+    from unbroken.state.rng import rng_form_problems
+
+    version, words, gauss = random.getstate()
+    words = list(words)
+    if edit == "version":
+        version = 7
+    elif edit == "index":
+        words[-1] = 99999
+    else:
+        words[0] = 2 ** 64 + 1
+    saved = {"python": (version, tuple(words), gauss), "numpy": np.random.get_state()}
+    problems = rng_form_problems(saved, "gen/rng")
+    assert len(problems) == 1 and problems[0].startswith(
+        "gen/rng: rng.python is not a valid state ("), problems
+    saved["python"] = random.getstate()
+    assert rng_form_problems(saved, "gen/rng") == []

@@ -132,6 +132,8 @@ def rng_form_problems(saved: Mapping[str, Any], where: str) -> list[str]:
             and all(type(x) is int for x in py[1]) and (py[2] is None or type(py[2]) is float)):
         out.append(f"{where}: rng.python is {_found(py)}, not (int, 625 ints, float or None) "
                    "as random.getstate() gives it")
+    elif "python" in saved:  # (the form, but a version, index or word no generator takes)
+        out += _refused("rng.python", where, random.Random().setstate, py)
     legacy = saved.get("numpy")
     if "numpy" in saved and not (
             isinstance(legacy, tuple) and len(legacy) == 5 and legacy[0] == "MT19937"
@@ -139,6 +141,8 @@ def rng_form_problems(saved: Mapping[str, Any], where: str) -> list[str]:
             and legacy[1].shape == (624,)):
         out.append(f"{where}: rng.numpy is {_found(legacy)}, not the ('MT19937', uint32[624], "
                    "pos, has_gauss, cached_gaussian) tuple np.random.get_state() gives")
+    elif "numpy" in saved:
+        out += _refused("rng.numpy", where, np.random.RandomState().set_state, legacy)
     if "torch_cpu" in saved and not _is_state(saved["torch_cpu"]):
         out.append(f"{where}: rng.torch_cpu is {_found(saved['torch_cpu'])}; "
                    "torch.get_rng_state() gives a 1-D uint8 tensor")
@@ -159,13 +163,14 @@ def rng_form_problems(saved: Mapping[str, Any], where: str) -> list[str]:
     return out
 
 
-def _probe(key: str, where: str, setter: Any, value: Any) -> None:
+def _refused(key: str, where: str, setter: Any, value: Any) -> list[str]:
     """Apply ``value`` to a throwaway generator: the real setter's checks, no live change. A
-    state it refuses is no generator's: corrupt."""
+    state it refuses is no generator's (its message, one), corrupt."""
     try:
         setter(value)
     except (TypeError, ValueError, RuntimeError, LookupError, OverflowError) as e:
-        raise CorruptCheckpoint(f"{where}: {key} is not a valid state ({e})") from None
+        return [f"{where}: {key} is not a valid state ({e})"]
+    return []
 
 
 def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where: str) -> None:
@@ -183,8 +188,6 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
         raise CorruptCheckpoint("; ".join(problems[:3]) + "; no generator holds such a state: "
                                 "the generation is refused")
 
-    _probe("rng.python", where, random.Random().setstate, saved["python"])
-    _probe("rng.numpy", where, np.random.RandomState().set_state, saved["numpy"])
     _uint8_vector(saved["torch_cpu"], torch.get_rng_state().numel(), "rng.torch_cpu", where)
     cuda = saved.get("cuda")
     if torch.cuda.is_initialized():
@@ -226,7 +229,9 @@ def validate_rng(saved: Mapping[str, Any], generators: Generators | None, where:
                                     f"{entry.get('bit_generator')} bit generator, the registered "
                                     f"one is {bit_cls.__name__}; use the same bit generator")
             probe = bit_cls()
-            _probe(key, where, lambda s: setattr(probe, "state", s), entry["state"])
+            refused = _refused(key, where, lambda s: setattr(probe, "state", s), entry["state"])
+            if refused:
+                raise CorruptCheckpoint(refused[0])
             _spawned(entry.get("seed_sequence"), gen, key, where)
 
 
