@@ -793,3 +793,19 @@ def test_a_conjugate_view_is_stored_with_its_own_values():
     got, _ = full_roundtrip(tree)
     assert torch.equal(got["x"], x) and torch.equal(got["c"], x.conj().resolve_conj())
     assert got["c"] is not got["x"]
+
+
+@pytest.mark.parametrize("skeleton,tensors", [
+    ({TAG: "ndarray", "dtype": "<u4", "shape": [10 ** 11], "key": "k"},
+     {"k": torch.zeros(2496, dtype=torch.uint8)}),
+    ({TAG: "tensor", "key": "k", "dtype": "complex128", "shape": [5]},
+     {"k": torch.zeros(16, dtype=torch.uint8)}),
+    ({TAG: "tensor", "key": "k", "dtype": "torch.float99", "shape": [1]},
+     {"k": torch.zeros(16, dtype=torch.uint8)}),
+    ({TAG: "dtype", "v": "torch.float99"}, {}),
+], ids=["ndarray-shape", "raw-shape", "raw-dtype", "dtype"])
+def test_a_malformed_shape_or_dtype_names_the_file(skeleton, tensors):
+    """(An outside attack, session 40: "ndarray: shape [100000000000] does not hold 624
+    elements" named neither the file nor the generation.)"""
+    with pytest.raises(CorruptCheckpoint, match=r"^gen-000000003/state\.json \[rng\]: "):
+        decode_tree({"x": skeleton}, tensors, "gen-000000003/state.json [rng]")

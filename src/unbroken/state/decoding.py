@@ -21,17 +21,18 @@ from .codec import _DTYPES, _MAPPING_TYPES, MAX_DEPTH, TAG
 def _dtype_from_name(name: object, where: str) -> torch.dtype:
     dtype = _DTYPES.get(name) if isinstance(name, str) else None
     if dtype is None:
-        raise CorruptCheckpoint(f"{where}: unknown torch dtype {name!r:.60}")
+        raise ValueError(f"{where}: unknown torch dtype {name!r:.60}")  # (decode_tree's)
     return dtype
 
 
-def _shape(value: object, count: int, where: str) -> list[int]:
+def _shape(value: object, count: int, what: str) -> list[int]:
     """A stored shape: a list of non-negative ints whose product is ``count`` (and whose
-    strides fit an int64 even when a zero dimension makes the product 0)."""
+    strides fit an int64 even when a zero dimension makes the product 0). A ValueError
+    otherwise, which `decode_tree` reports naming the file."""
     if (not isinstance(value, list) or len(value) > 64
             or not all(type(d) is int and 0 <= d < 1 << 62 for d in value)
             or math.prod(value) != count or math.prod(max(d, 1) for d in value) >= 1 << 62):
-        raise CorruptCheckpoint(f"{where}: shape {value!r:.80} does not hold {count} elements")
+        raise ValueError(f"{what}: shape {value!r:.80} does not hold {count} elements")
     return value
 
 
@@ -147,7 +148,7 @@ def _decode_tagged(tag: str, obj: dict[str, Any], dec: Any, depth: int,
         size = torch.empty(0, dtype=dtype).element_size()
         if t.numel() % size:
             raise ValueError(f"{t.numel()} bytes do not hold whole {dtype} elements")
-        views[key] = t = t.view(dtype).reshape(_shape(obj["shape"], t.numel() // size, key))
+        views[key] = t = t.view(dtype).reshape(_shape(obj["shape"], t.numel() // size, repr(key)))
         return t
     if tag == "int":
         return int(obj["v"], 16)
