@@ -341,3 +341,23 @@ def test_the_checkpointer_exports_its_live_model_with_lineage_and_fixed_inputs(t
         fresh[0].weight.add_(1e-3)
     with pytest.raises(unbroken.StateMismatch):
         unbroken.verify_export(tmp_path / "out", fresh, load=False)
+
+
+def test_what_a_generation_holds_that_an_export_cannot_names_the_generation(tmp_path):
+    """A module's extra state (a dict) is saved with the model; an inference export holds
+    tensors only and says so, naming the generation (an outside attack, session 40: the
+    message named the key alone)."""
+    from unbroken.errors import UnsupportedValue
+
+    class WithExtra(torch.nn.Linear):
+        def get_extra_state(self):
+            return {"vocab": 3}
+
+        def set_extra_state(self, state):
+            pass
+
+    model = WithExtra(2, 2)
+    with unbroken.Checkpointer(tmp_path / "run", model=model) as ckpt:
+        ckpt.save(1)
+    with pytest.raises(UnsupportedValue, match=r"gen-000000001 \[model\]: '_extra_state'"):
+        export_generation(tmp_path / "run", tmp_path / "out")

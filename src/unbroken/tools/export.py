@@ -137,7 +137,11 @@ def export_generation(run: str | os.PathLike[str], out: str | os.PathLike[str],
         if isinstance(m.origin, dict) and m.origin.get("run_id"):  # a warm start's parent
             lineage["origin"] = {k: m.origin.get(k) for k in ("operation", "run_id",
                                                                "generation")}
-        doc = _write(state, out, m.identity, lineage, dtype, adapter, base_revision, None, None)
+        try:
+            doc = _write(state, out, m.identity, lineage, dtype, adapter, base_revision, None,
+                         None)
+        except UnsupportedValue as e:  # (what of this generation cannot be exported: named)
+            raise UnsupportedValue(f"{info.path} [model]: {e}") from None
         return {**doc, "refused": refused}
     raise CorruptCheckpoint(f"{store.root}: no generation verifies; nothing exported:\n" +
                             "\n".join(f"  {r['path']}: {r['reason']}" for r in refused))
