@@ -50,6 +50,23 @@ def split_generation(spec: str) -> tuple[str, int | None]:
     return head or ".", int(m.group(1))
 
 
+def named_generation(spec: str, generation: int | None, command: str
+                     ) -> tuple[str, int | None]:
+    """(run, generation) for a command taking a run and ``--generation``: ``RUN/gen-N`` is
+    RUN with generation N (a different ``--generation`` beside it is a `UsageError`, and so
+    is a generation folder that is not there)."""
+    root, named = split_generation(spec)
+    if named is None:
+        return spec, generation
+    if generation not in (None, named):
+        raise UsageError(f"{spec} is generation {named}, but --generation {generation} was "
+                         "given: name one")
+    if not is_url(spec) and not os.path.lexists(spec):
+        raise UsageError(f"{spec}: no such generation folder ({command} takes a run folder, "
+                         "or a generation folder in one)")
+    return root, named
+
+
 def holds_a_run(store: GenerationStore) -> bool:
     """Whether the run folder (or object-store prefix) of ``store`` holds anything a
     Checkpointer writes (its lock or lease, RUN.json, generations, staging, trash or aside/):

@@ -49,18 +49,17 @@ from ._runview import (
     holds_a_run,
     list_debris,
     mark_best,
+    named_generation,
     newest_summary,
     newest_summary_lines,
     open_run,
     recheck_torn,
     record,
     rows,
-    split_generation,
     verify_one,
 )
 from .errors import CorruptCheckpoint, IdentityMismatch, MissingState, StateMismatch, UnbrokenError
 from .proof.checkplan import PHASES
-from .store.opening import is_url
 from .store.verifying import UNREADABLE
 
 # Errors that mean "the check found a problem" (exit 1) rather than "could not check" (exit 2).
@@ -228,15 +227,8 @@ def _verify(args: argparse.Namespace) -> int:
     manifest, then decode it fully (safetensors headers, skeleton references, per-file stamps)
     without loading it into any model. Reports each generation: ok, or which file failed and
     what was expected and found. Exit 1 when any checked generation fails."""
-    root, named = split_generation(args.run)  # RUN/gen-000000400, as diff takes it
-    if named is not None:
-        if args.generation not in (None, named):
-            raise UsageError(f"{args.run} is generation {named}, but --generation "
-                             f"{args.generation} was given: name one")
-        args.generation = named
-        if not is_url(args.run) and not os.path.lexists(args.run):
-            raise UsageError(f"{args.run}: no such generation folder (verify takes a run "
-                             "folder, or a generation folder in one)")
+    # (RUN/gen-000000400, as diff takes it)
+    root, args.generation = named_generation(args.run, args.generation, "verify")
     store = open_run(root)
     scanned = store.scan()
     if not scanned and not holds_a_run(store):

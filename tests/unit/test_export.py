@@ -361,3 +361,19 @@ def test_what_a_generation_holds_that_an_export_cannot_names_the_generation(tmp_
         ckpt.save(1)
     with pytest.raises(UnsupportedValue, match=r"gen-000000001 \[model\]: '_extra_state'"):
         export_generation(tmp_path / "run", tmp_path / "out")
+
+
+def test_cli_export_takes_a_generation_folder_as_verify_and_diff_do(run, tmp_path, capsys):
+    """`unbroken export RUN/gen-N OUT` exports generation N (an outside attack, session 40:
+    "no generation to export (found none)"); beside another --generation, or naming a folder
+    that is not there, it is a usage error."""
+    folder, _, _ = run
+    gens = sorted(p.name for p in folder.iterdir() if p.name.startswith("gen-"))
+    assert len(gens) == 2
+    assert main(["export", str(folder / gens[0]), str(tmp_path / "a"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["lineage"]["step"] == 2
+    assert main(["export", str(folder / gens[0]), str(tmp_path / "b"), "--generation",
+                 gens[1][4:].lstrip("0")]) == 2
+    assert "name one" in capsys.readouterr().err
+    assert main(["export", str(folder / "gen-000000099"), str(tmp_path / "c")]) == 2
+    assert "no such generation folder (export takes" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import argparse
 import os
 
 from .._commands import arg, emit, tolerance, tool
-from .._runview import UsageError
+from .._runview import UsageError, named_generation
 
 EXPORT_DTYPES = ("bf16", "fp16", "fp32")  # `_export_io.DTYPES`' names (a test checks)
 
@@ -72,7 +72,8 @@ def _export(args: argparse.Namespace) -> int:
     if args.adapter and not args.base_revision:
         raise UsageError("--adapter exports only some tensors: name the immutable base model "
                          "revision they apply to with --base-revision REV")
-    doc = export_generation(args.run, args.out, args.generation, args.dtype,
+    run, generation = named_generation(args.run, args.generation, "export")
+    doc = export_generation(run, args.out, generation, args.dtype,
                             adapter=args.adapter, base_revision=args.base_revision)
     w, lin = doc["weights"], doc["lineage"]
     payload = {"ok": True, "out": doc["path"], "kind": doc["kind"], "lineage": lin,
