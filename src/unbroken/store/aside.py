@@ -11,10 +11,12 @@ import os
 import re
 import stat
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptCheckpoint
+from .manifest import MANIFEST
 
 if TYPE_CHECKING:
     from .generations import GenerationInfo
@@ -83,6 +85,27 @@ class AsideFolder:
             raise CorruptCheckpoint(f"{final}: in the way of putting back {moved}")
         self.fs.rename(moved, final)
         self.fs.fsync_dir(self.root)
+
+    def finish_superseding(self, staged: Mapping[int, list[str]]) -> list[int]:
+        """Finish each save of the same step that was killed between moving the earlier save
+        aside (superseded) and its own rename: that step has no generation in place, its
+        superseded save is in ``aside/``, and the new one is complete in its staging folder
+        (``staged``: each generation's staging folders), its manifest written. That one is
+        renamed into place, as the rename would have done (and verified, as any generation,
+        before it is used). The superseded state is not one the run continues from (it was
+        replaced, as after an end-of-epoch scheduler step); without this, a run whose only
+        generation it was started again from step 0. Returns the generations finished."""
+        superseded = {m.group(1) for e in self.aside() if e.reason == "superseded"
+                      for m in [ASIDE_NAME.fullmatch(e.name)] if m}
+        done = []
+        for number, folders in sorted(staged.items()):
+            final = os.path.join(self.root, f"gen-{number:09d}")
+            complete = [f for f in folders if os.path.isfile(os.path.join(f, MANIFEST))]
+            if f"gen-{number:09d}" in superseded and complete and not os.path.lexists(final):
+                self.fs.rename(max(complete, key=lambda f: os.stat(f).st_mtime_ns), final)
+                self.fs.fsync_dir(self.root)
+                done.append(number)
+        return done
 
     def aside(self) -> list[AsideEntry]:
         """What ``aside/`` holds, oldest first (entries named by an older version sort first,

@@ -105,9 +105,17 @@ class GenerationStore(AsideFolder, Verifying):
         return self._lock_fd is not None
 
     def lock(self) -> None:
-        """Become the only writer (see `lock.acquire_writer_lock`), then remove the debris a
-        dead writer left."""
+        """Become the only writer (see `lock.acquire_writer_lock`), then finish what a dead
+        writer left: a save of the same step killed just before its rename committed
+        (`finish_superseding`), debris removed."""
         self._lock_fd = acquire_writer_lock(self.root)
+        staged: dict[int, list[str]] = {}
+        for name in self._names():
+            number = name[len(STAGING_PREFIX):][:9]
+            if name.startswith(STAGING_PREFIX) and number.isdigit():
+                staged.setdefault(int(number), []).append(os.path.join(self.root, name))
+        if staged:
+            self.finish_superseding(staged)
         self._clean_debris()
 
     def hand_over(self) -> None:
@@ -130,14 +138,17 @@ class GenerationStore(AsideFolder, Verifying):
         if self._lock_fd is None:
             raise RuntimeError("the run folder must be locked before it is changed")
 
+    def _names(self) -> list[str]:
+        """What the run folder holds, sorted ([] where it cannot be listed)."""
+        try:
+            return sorted(os.listdir(self.root))
+        except OSError:
+            return []
+
     def _clean_debris(self) -> None:
         """Staging and trash folders belong to a dead writer: nothing in them was committed.
         Best effort: debris is never read, and the next writer tries again."""
-        try:
-            names = sorted(os.listdir(self.root))
-        except OSError:
-            return
-        for name in names:
+        for name in self._names():
             if name.startswith((STAGING_PREFIX, TRASH_PREFIX)):
                 try:
                     self.fs.rmtree(os.path.join(self.root, name))
@@ -261,9 +272,10 @@ class GenerationStore(AsideFolder, Verifying):
         ignores; older generations are never touched. With ``supersede``, an existing
         generation of that number (a save of the same step whose state has changed since) is
         moved aside as "superseded" once the new one is complete, just before its rename: a
-        crash between the two leaves the previous generation newest and the superseded one in
-        ``aside/``, never a mixture. (A job of many ranks runs the same steps apart:
-        `stage`, `write_artifacts` on every rank, `publish` on the leader.)"""
+        crash between the two leaves the superseded one in ``aside/`` and the new one complete
+        in its staging folder, never a mixture, and the next writer renames it into place.
+        (A job of many ranks runs the same steps apart: `stage`, `write_artifacts` on every
+        rank, `publish` on the leader.)"""
         staging = self.stage(generation, supersede)
         try:
             manifest = make_manifest(self.write_artifacts(staging, artifacts, generation))
@@ -344,6 +356,7 @@ class GenerationStore(AsideFolder, Verifying):
             self.fs.fsync_dir(staging)
             fault_point("before-rename", generation)
             if supersede and os.path.lexists(final):
+                # (killed from here to the rename: the next writer commits it, `lock`)
                 superseded = self.move_aside(self.scan_one(generation), "superseded")
                 fault_point("superseded-moved", generation)
             self.fs.rename(staging, final)
