@@ -142,6 +142,17 @@ def test_runs_and_generation_options(run: str, capsys: Any) -> None:
     assert code == 0 and report["b"]["generation"] == 4
 
 
+def test_the_newest_generation_alone_shows_what_its_save_changed(run: str, capsys: Any) -> None:
+    """`diff RUN/gen-N`, N the newest, compared generation N with itself (an outside attack,
+    session 40): it is what save N changed, as `diff RUN`; an older one named alone is still
+    compared with the newest."""
+    for argv in ([gen(run, 4)], [run, "--a-generation", "4"]):
+        code, report = diff(*argv, capsys=capsys)
+        assert code == 1 and (report["a"]["generation"], report["b"]["generation"]) == (2, 4)
+    code, report = diff(gen(run, 2), capsys=capsys)
+    assert code == 1 and (report["a"]["generation"], report["b"]["generation"]) == (2, 4)
+
+
 def test_same_state_saved_twice_diffs_equal_nan_included(tmp_path: Path, capsys: Any) -> None:
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     train(a, nan=True)
@@ -203,8 +214,8 @@ def test_memory_url_runs(capsys: Any) -> None:
         code, report = diff(gen(url, 2), url, capsys=capsys)
         assert code == 1 and report["b"]["generation"] == 4
         assert "0.weight" in entries(report, "model")
-        code, report = diff(url, "--a-generation", "4", capsys=capsys)
-        assert code == 0
+        code, report = diff(url, "--a-generation", "4", capsys=capsys)  # (4 is B: what it
+        assert code == 1 and report["a"]["generation"] == 2  # changed, session 40)
     finally:
         fs = fsspec.filesystem("memory")
         if fs.exists(url):

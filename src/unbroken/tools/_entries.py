@@ -32,16 +32,21 @@ def _diff(args: argparse.Namespace) -> int:
     (a path or URL ending in gen-NNNNNNNNN). With B omitted both sides are generations of A's
     run: B is --b-generation or the newest that verifies, A is --a-generation (or the one A's
     path names) or else the newest verified generation before B's; so `unbroken diff RUN`
-    shows what the last save changed. Every byte read is verified; a named generation that
-    does not verify, or an input that is neither a run nor a generation, exits 2.
+    shows what the last save changed, and `unbroken diff RUN/gen-N`, N the newest, what
+    save N changed (A is never B's own generation). Every byte read is verified; a named
+    generation that does not verify, or an input that is neither a run nor a generation,
+    exits 2.
     Exit 0 equal, 1 different."""
     from .diff import _text, diff_sides, resolve, split_generation
 
     if args.b is None:
         run_a, named = split_generation(args.a)
         b = resolve("B", run_a, args.b_generation)
-        explicit = named is not None or args.a_generation is not None
-        a = resolve("A", args.a, args.a_generation,
+        wanted = {n for n in (named, args.a_generation) if n is not None}
+        # (B's own generation named, and nothing else: what it changed, not B against B)
+        explicit = bool(wanted) and wanted != {b.info.generation}
+        a = resolve("A", run_a if not explicit else args.a,
+                    args.a_generation if explicit else None,
                     None if explicit else b.info.generation)
     else:
         a = resolve("A", args.a, args.a_generation)
