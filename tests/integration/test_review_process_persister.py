@@ -52,7 +52,7 @@ def kill_and_reap(pid: int) -> None:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped, even between open and read)
             return
         time.sleep(0.02)
     raise AssertionError(f"{pid} survived SIGKILL")

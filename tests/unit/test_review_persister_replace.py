@@ -76,7 +76,7 @@ def unreaped(pids) -> list[int]:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # (reaped, even between open and read)
             continue
         if int(fields[1]) == os.getpid():
             left.append(pid)
