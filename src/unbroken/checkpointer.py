@@ -227,6 +227,7 @@ class Checkpointer(Persisting, Restoring):
         # The metrics step_done was given (loss too) and its step: a save() of that step
         # stores them in the manifest, as a save inside step_done does (Keep(best=...)).
         self._step_metrics: tuple[int, dict[str, float]] = (-1, {})
+        self._metric_names: set[str] = set()  # (every name step_done was given)
         self._restored = False  # restore() ran: saving into a used folder is then a continuation
         self._restore_tried = False  # restore() was called (it may have raised)
         self.rejected: list[tuple[str, str]] = []  # (generation path, reason) at the last restore
@@ -327,6 +328,11 @@ class Checkpointer(Persisting, Restoring):
         saved = False
         if loss_value is not None:
             values.setdefault("loss", loss_value)
+        if values.keys() - self._metric_names:  # (names not seen yet: a typo of best's?)
+            self._metric_names |= values.keys()
+            typo = self.keep.misspelled(values)
+            if typo:
+                warnings.warn(typo, UnbrokenWarning, stacklevel=2)
         self._step_metrics = (step, values)
         stop = self._preemption.agree(self._group, step)
         if stop:  # the boundary came in time: stop_deadline no longer applies to the save

@@ -134,3 +134,30 @@ def test_the_newest_generation_is_always_kept(policy, data):
     newest = max(g for g, _, _ in data)
     assert newest in kept
     assert kept <= {g for g, _, _ in data}
+
+
+def test_a_metric_named_like_the_declared_best_but_not_it_is_warned_about_once(tmp_path):
+    """A typo in the metric's name kept no best generation, silently (an outside attack,
+    session 40): step_done warns, once, when it is given a name close to Keep's but not it;
+    other metrics, and the right name, say nothing."""
+    import warnings
+
+    import torch
+
+    import unbroken
+
+    assert Keep(best=("val_loss", "min")).misspelled({"train_acc": 1.0, "loss": 2.0}) is None
+    assert Keep(best=("val_loss", "min")).misspelled({"val_loss": 1.0}) is None
+    assert Keep().misspelled({"val_los": 1.0}) is None
+    model = torch.nn.Linear(2, 1)
+    keep = Keep(best=("val_loss", "min"))
+    with unbroken.Checkpointer(tmp_path / "run", model=model, keep=keep) as ckpt:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            ckpt.step_done(1, train_acc=0.5)
+            ckpt.step_done(2, val_los=0.4)
+            ckpt.step_done(3, val_los=0.3)
+        typos = [w for w in said if issubclass(w.category, unbroken.UnbrokenWarning)]
+        assert len(typos) == 1 and "'val_los'" in str(typos[0].message), [
+            str(w.message) for w in said]
+        assert typos[0].filename == __file__

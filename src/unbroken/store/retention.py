@@ -7,6 +7,7 @@ it in place of a good one would leave nothing restorable once the good ones are 
 
 from __future__ import annotations
 
+import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,18 @@ class Keep:
                 raise ValueError(f"Keep(best={self.best!r}) must be (metric_name, 'min'|'max')")
         if type(self.aside) is not int or self.aside < 0:
             raise ValueError(f"Keep(aside={self.aside!r}) must be an integer >= 0")
+
+    def misspelled(self, names: Iterable[str]) -> str | None:
+        """A warning when ``names`` (the metrics one ``step_done`` was given) hold one that
+        looks like the declared ``best`` metric's name but is not it (a typo there keeps no
+        best generation, silently); None otherwise."""
+        if self.best is None or self.best[0] in names:
+            return None
+        near = difflib.get_close_matches(self.best[0], list(names), n=1, cutoff=0.8)
+        return None if not near else (
+            f"Keep(best={self.best!r}) keeps the generation with the best {self.best[0]!r}, "
+            f"but step_done was given {near[0]!r}: no generation records "
+            f"{self.best[0]!r}; give the metric the name Keep declares")
 
     def to_json(self) -> dict[str, Any]:
         return {"last": self.last, "every": self.every,
