@@ -328,7 +328,8 @@ class Checkpointer(Persisting, Restoring):
         saved = False
         if loss_value is not None:
             values.setdefault("loss", loss_value)
-        if values.keys() - self._metric_names:  # (names not seen yet: a typo of best's?)
+        if self.keep.best is not None and not values.keys() <= self._metric_names:
+            # (names not seen yet: a typo of best's? Checked once a name, off the hot path)
             self._metric_names |= values.keys()
             typo = self.keep.misspelled(values)
             if typo:
