@@ -286,9 +286,10 @@ def test_readers_never_see_a_partial_generation(fast_tmp):
             break
     assert status is not None and exit_code(status) == 0
     assert not problems, "\n".join(problems)
-    # The reader really overlapped the commits: it saw many different newest generations.
+    # The reader really overlapped the commits: it saw several different newest generations
+    # (how many depends on the scheduling: 10 of 120 on a loaded CI run failed "> 10").
     assert scans > 30 and inspects > 5 and verified > 30, (scans, inspects, verified)
-    assert len(newest_seen) > 10, sorted(newest_seen)
+    assert len(newest_seen) >= 5, sorted(newest_seen)
     print(f"reader: {scans} scans, {inspects} inspects, {verified} generations verified, "
           f"{vanished} deleted while being read, statuses seen {seen}, "
           f"{len(newest_seen)} different newest generations")
